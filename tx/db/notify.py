@@ -1,0 +1,106 @@
+"""Wake-ups without polling: new work for the engine, finished futures for long-polling clients.
+
+In-process, `submit` and `complete` call `Notifier.work_submitted` / `result_ready` right after
+their transaction commits; the engine thread blocks on a `threading.Event` and each long-poll holds
+an `asyncio.Future` resolved thread-safely on its own event loop. With Postgres, `PgListener` also
+turns `LISTEN/NOTIFY` messages from other processes into the same calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import defaultdict
+
+log = logging.getLogger("tx.db")
+
+WORK_CHANNEL = "smolgym_work"
+DONE_CHANNEL = "smolgym_done"
+
+
+class Notifier:
+    """Thread-safe fan-out of 'work submitted' and 'future finished' signals."""
+
+    def __init__(self) -> None:
+        self._work = threading.Event()
+        self._lock = threading.Lock()
+        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]] = defaultdict(list)
+
+    def work_submitted(self) -> None:
+        self._work.set()
+
+    def take_work_flag(self) -> bool:
+        """Clear the 'new work' flag; True if it was set (call before looking for work)."""
+        was_set = self._work.is_set()
+        self._work.clear()
+        return was_set
+
+    def wait_for_work(self, timeout_s: float) -> None:
+        self._work.wait(timeout_s)
+
+    def add_waiter(self, future_id: str) -> asyncio.Future[None]:
+        """An asyncio future (on the running loop) resolved when `future_id` finishes."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            self._waiters[future_id].append((loop, waiter))
+        return waiter
+
+    def remove_waiter(self, future_id: str, waiter: asyncio.Future[None]) -> None:
+        with self._lock:
+            entries = self._waiters.get(future_id, [])
+            entries[:] = [(loop, w) for loop, w in entries if w is not waiter]
+            if not entries:
+                self._waiters.pop(future_id, None)
+
+    def result_ready(self, future_id: str) -> None:
+        with self._lock:
+            entries = list(self._waiters.get(future_id, []))
+        for loop, waiter in entries:
+            try:
+                loop.call_soon_threadsafe(_resolve, waiter)
+            except RuntimeError:  # the loop is closed (server shutting down)
+                pass
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class PgListener:
+    """Relays Postgres NOTIFY on our two channels into a `Notifier` (for multi-process setups)."""
+
+    def __init__(self, conninfo: str, notifier: Notifier) -> None:
+        self.conninfo = conninfo
+        self.notifier = notifier
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tx-pg-listen", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        import psycopg
+
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(self.conninfo, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {WORK_CHANNEL}")
+                    conn.execute(f"LISTEN {DONE_CHANNEL}")
+                    while not self._stop.is_set():
+                        for note in conn.notifies(timeout=1.0):
+                            self._dispatch(note.channel, note.payload)
+            except Exception:
+                log.exception("postgres LISTEN connection failed; reconnecting")
+                self._stop.wait(1.0)
+
+    def _dispatch(self, channel: str, payload: str) -> None:
+        if channel == WORK_CHANNEL:
+            self.notifier.work_submitted()
+        elif channel == DONE_CHANNEL:
+            self.notifier.result_ready(payload)

@@ -1,0 +1,245 @@
+"""The durable work queue: the `futures` table, implementing the engine's `WorkQueue` protocol.
+
+`submit` stores a serialized request (deduplicated by a caller-chosen key such as
+`"{model_id}#{seq_id}"`: the same key with the same payload returns the same future, with a
+different payload it raises `DuplicateRequestError`), together with any rows the request brings into
+existence. The engine `claim`s pending rows in creation order and reports back with `complete` or
+`fail`, which also flip those linked rows to ready/failed. Finished futures keep their result, so a
+client may poll again at any time. Nothing here sleeps in a loop: waits are on `Notifier` signals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import text, update
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, SQLModel, col, select
+
+from tx.db import codec
+from tx.db.connect import WriteLock, is_sqlite
+from tx.db.notify import DONE_CHANNEL, WORK_CHANNEL, Notifier
+from tx.db.tables import CheckpointRow, FutureRow, MetricRow, SamplerSnapshotRow, TrainingRunRow, utcnow
+from tx.protocol import (
+    CheckpointResult,
+    ForwardBackwardResult,
+    OptimStepResult,
+    Payload,
+    RequestError,
+    Result,
+    WorkItem,
+)
+
+log = logging.getLogger("tx.db")
+
+FINISHED = ("done", "failed")
+_LINKED = (TrainingRunRow, CheckpointRow, SamplerSnapshotRow)
+
+
+class DuplicateRequestError(Exception):
+    """The dedupe key was already used for a different request."""
+
+
+@dataclass(frozen=True)
+class Submitted:
+    future_id: str
+    sequence_ids: list[str]
+    duplicate: bool
+
+
+class SqlQueue:
+    """Queue operations over one SQLAlchemy engine (SQLite or Postgres)."""
+
+    def __init__(self, engine: Engine, notifier: Notifier, write_lock: WriteLock, rescan_s: float = 2.0) -> None:
+        self.engine = engine
+        self.notifier = notifier
+        self.write_lock = write_lock
+        self.rescan_s = rescan_s
+        self._last_scan = float("-inf")
+        self._postgres = not is_sqlite(engine)
+
+    # ---- API side -----------------------------------------------------------------------------
+
+    def submit(
+        self,
+        *,
+        kind: str,
+        payload: Payload,
+        owner: str,
+        model_id: str | None = None,
+        seq_id: int | None = None,
+        dedupe_key: str | None = None,
+        sequence_ids: Sequence[str] = (),
+        rows: Sequence[SQLModel] = (),
+    ) -> Submitted:
+        """Queue one request; returns the existing future for a repeated `dedupe_key`."""
+        blob = codec.encode(payload)
+        digest = hashlib.sha256(blob).hexdigest()
+        with self.write_lock.held(), Session(self.engine, expire_on_commit=False) as session:
+            existing = self._find_duplicate(session, dedupe_key, digest)
+            if existing is not None:
+                return existing
+            row = FutureRow(
+                kind=kind,
+                model_id=model_id,
+                seq_id=seq_id,
+                dedupe_key=dedupe_key,
+                payload_hash=digest,
+                payload=blob,
+                owner=owner,
+                sequence_ids_json=json.dumps(list(sequence_ids)) if sequence_ids else None,
+                created_at=time.time(),
+            )
+            session.add(row)
+            session.flush()
+            future_id = str(row.id)
+            for linked in rows:
+                if hasattr(linked, "future_id"):
+                    linked.future_id = future_id
+                session.add(linked)
+            if model_id is not None and kind != "sample":
+                session.execute(
+                    update(TrainingRunRow).where(col(TrainingRunRow.id) == model_id).values(last_request_at=utcnow())
+                )
+            self._pg_notify(session, WORK_CHANNEL, "")
+            session.commit()
+        self.notifier.work_submitted()
+        return Submitted(future_id, list(sequence_ids), duplicate=False)
+
+    @staticmethod
+    def _find_duplicate(session: Session, dedupe_key: str | None, digest: str) -> Submitted | None:
+        if dedupe_key is None:
+            return None
+        row = session.exec(select(FutureRow).where(FutureRow.dedupe_key == dedupe_key)).first()
+        if row is None:
+            return None
+        if row.payload_hash != digest:
+            raise DuplicateRequestError(
+                f"{dedupe_key.replace('#', ' seq_id ')} was already used for a different request"
+            )
+        ids = json.loads(row.sequence_ids_json) if row.sequence_ids_json else []
+        return Submitted(str(row.id), ids, duplicate=True)
+
+    def get(self, future_id: str) -> FutureRow | None:
+        if not future_id.isdigit():
+            return None
+        with Session(self.engine, expire_on_commit=False) as session:
+            return session.get(FutureRow, int(future_id))
+
+    async def wait_finished(self, future_id: str, timeout_s: float) -> FutureRow | None:
+        """The future's row once finished, or as it is after `timeout_s`; None if unknown."""
+        waiter = self.notifier.add_waiter(future_id)
+        try:
+            row = await asyncio.to_thread(self.get, future_id)
+            if row is None or row.status in FINISHED:
+                return row
+            try:
+                await asyncio.wait_for(waiter, timeout_s)
+            except TimeoutError:
+                pass
+            return await asyncio.to_thread(self.get, future_id)
+        finally:
+            self.notifier.remove_waiter(future_id, waiter)
+
+    # ---- engine side (WorkQueue) --------------------------------------------------------------
+
+    def wait_for_work(self, timeout_s: float) -> None:
+        self.notifier.wait_for_work(timeout_s)
+
+    def claim(self, limit: int) -> list[WorkItem]:
+        signalled = self.notifier.take_work_flag()
+        if not signalled and time.monotonic() - self._last_scan < self.rescan_s:
+            return []
+        self._last_scan = time.monotonic()
+        with self.write_lock.held(), Session(self.engine, expire_on_commit=False) as session:
+            query = select(FutureRow).where(FutureRow.status == "pending").order_by(col(FutureRow.id)).limit(limit)
+            if self._postgres:
+                query = query.with_for_update(skip_locked=True)
+            rows = list(session.exec(query).all())
+            if not rows:
+                return []
+            ids = [row.id for row in rows]
+            session.execute(update(FutureRow).where(col(FutureRow.id).in_(ids)).values(status="running"))
+            session.commit()
+        return self._decode_items(rows)
+
+    def _decode_items(self, rows: list[FutureRow]) -> list[WorkItem]:
+        items = []
+        for row in rows:
+            try:
+                payload = codec.decode(row.payload or b"null")
+            except Exception as exc:
+                self.fail(str(row.id), RequestError(f"stored request is unreadable: {exc}", "server"))
+                continue
+            items.append(WorkItem(str(row.id), row.kind, row.model_id, payload, row.created_at, row.seq_id))  # type: ignore[arg-type]
+        return items
+
+    def complete(self, future_id: str, result: Result) -> None:
+        blob = codec.encode(result)
+        with self.write_lock.held(), Session(self.engine) as session:
+            row = session.get(FutureRow, int(future_id))
+            if row is None:
+                return
+            row.status, row.result, row.payload, row.completed_at = "done", blob, None, time.time()
+            self._mark_linked(session, future_id, "unloaded" if row.kind == "unload_model" else "ready", result)
+            self._record_metrics(session, row, result)
+            self._pg_notify(session, DONE_CHANNEL, future_id)
+            session.commit()
+        self.notifier.result_ready(future_id)
+
+    def fail(self, future_id: str, error: RequestError) -> None:
+        with self.write_lock.held(), Session(self.engine) as session:
+            row = session.get(FutureRow, int(future_id))
+            if row is None:
+                return
+            row.status, row.payload, row.completed_at = "failed", None, time.time()
+            row.error, row.error_category = error.message, error.category
+            if row.kind != "unload_model":
+                self._mark_linked(session, future_id, "failed", None)
+            self._pg_notify(session, DONE_CHANNEL, future_id)
+            session.commit()
+        self.notifier.result_ready(future_id)
+
+    def recover(self) -> int:
+        """Fail work left unfinished by a previous server process; its in-memory state is gone."""
+        with self.write_lock.held(), Session(self.engine) as session:
+            stale = session.exec(select(FutureRow).where(col(FutureRow.status).in_(["pending", "running"]))).all()
+            for row in stale:
+                row.status, row.payload, row.completed_at = "failed", None, time.time()
+                row.error, row.error_category = "the server restarted before this request finished", "server"
+                self._mark_linked(session, str(row.id), "failed", None)
+            session.execute(update(TrainingRunRow).where(TrainingRunRow.status == "ready").values(status="unloaded"))
+            session.commit()
+        return len(stale)
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _mark_linked(session: Session, future_id: str, status: str, result: Result | None) -> None:
+        for table in _LINKED:
+            values: dict[str, Any] = {"status": status}
+            if table is CheckpointRow and isinstance(result, CheckpointResult) and result.size_bytes is not None:
+                values["size_bytes"] = result.size_bytes
+            session.execute(update(table).where(col(table.future_id) == future_id).values(**values))
+        if status == "failed":  # a failed save leaves no checkpoint behind, so the name stays free
+            session.execute(
+                CheckpointRow.__table__.delete().where(CheckpointRow.__table__.c.future_id == future_id)  # type: ignore[attr-defined]
+            )
+
+    @staticmethod
+    def _record_metrics(session: Session, row: FutureRow, result: Result) -> None:
+        if not isinstance(result, ForwardBackwardResult | OptimStepResult) or row.model_id is None:
+            return
+        for name, value in result.metrics.items():
+            session.add(MetricRow(model_id=row.model_id, future_id=str(row.id), kind=row.kind, name=name, value=value))
+
+    def _pg_notify(self, session: Session, channel: str, payload: str) -> None:
+        if self._postgres:
+            session.execute(text("SELECT pg_notify(:channel, :payload)"), {"channel": channel, "payload": payload})

@@ -1,0 +1,196 @@
+"""Metadata the API reads and writes directly: sessions, runs, sampling sessions, checkpoints.
+
+Every read takes the caller's `owner` and filters by it, so another key's runs, samplers and
+checkpoints look exactly like ones that do not exist. Rows with status `pending`/`failed` (their
+creating request has not succeeded) are invisible to listings. Queued work goes through
+`tx.db.queue` instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, SQLModel, col, select
+
+from tx.db.connect import WriteLock
+from tx.db.tables import (
+    CheckpointRow,
+    MetricRow,
+    SamplerSnapshotRow,
+    SamplingSessionRow,
+    SessionRow,
+    TrainingRunRow,
+    utcnow,
+)
+
+
+def owner_of(api_key: str) -> str:
+    """Stable, non-reversible owner id for an API key."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:24]
+
+
+class Records:
+    """CRUD on the metadata tables, always scoped to one owner."""
+
+    def __init__(self, engine: Engine, write_lock: WriteLock, session_timeout_s: float = 600.0) -> None:
+        self.engine = engine
+        self.write_lock = write_lock
+        self.session_timeout = timedelta(seconds=session_timeout_s)
+
+    def _session(self) -> Session:
+        return Session(self.engine, expire_on_commit=False)
+
+    def _add(self, row: SQLModel) -> None:
+        with self.write_lock.held(), self._session() as session:
+            session.add(row)
+            session.commit()
+
+    # ---- sessions -----------------------------------------------------------------------------
+
+    def create_session(
+        self, owner: str, tags: list[str], user_metadata: dict[str, Any], sdk_version: str | None
+    ) -> str:
+        session_id = str(uuid.uuid4())
+        row = SessionRow(
+            id=session_id,
+            owner=owner,
+            sdk_version=sdk_version,
+            tags_json=json.dumps(tags),
+            user_metadata_json=json.dumps(user_metadata),
+        )
+        self._add(row)
+        return session_id
+
+    def get_session(self, session_id: str, owner: str) -> SessionRow | None:
+        with self._session() as session:
+            row = session.get(SessionRow, session_id)
+        if row is None or row.owner != owner:
+            return None
+        if row.status == "active" and utcnow() - _aware(row.last_heartbeat_at) > self.session_timeout:
+            row.status = "expired"
+        return row
+
+    def heartbeat(self, session_id: str, owner: str) -> str:
+        """'ok', 'missing' (unknown to this owner) or 'gone' (finished or expired)."""
+        row = self.get_session(session_id, owner)
+        if row is None:
+            return "missing"
+        if row.status != "active":
+            return "gone"
+        self._update(SessionRow, session_id, last_heartbeat_at=utcnow())
+        return "ok"
+
+    def finish_session(self, session_id: str, owner: str, reason: str) -> bool:
+        row = self.get_session(session_id, owner)
+        if row is None:
+            return False
+        if row.finish_reason is None:  # the first reason wins
+            self._update(SessionRow, session_id, status="finished", finish_reason=reason)
+        return True
+
+    def list_sessions(self, owner: str, limit: int, offset: int) -> list[str]:
+        query = select(SessionRow.id).where(SessionRow.owner == owner).order_by(col(SessionRow.created_at).desc())
+        with self._session() as session:
+            return list(session.exec(query.offset(offset).limit(limit)).all())
+
+    def session_children(self, session_id: str) -> tuple[list[str], list[str]]:
+        with self._session() as session:
+            runs = session.exec(select(TrainingRunRow.id).where(TrainingRunRow.session_id == session_id)).all()
+            samplers = session.exec(select(SamplingSessionRow.id).where(SamplingSessionRow.session_id == session_id))
+            return list(runs), list(samplers.all())
+
+    # ---- training runs ------------------------------------------------------------------------
+
+    def get_run(self, model_id: str, owner: str) -> TrainingRunRow | None:
+        with self._session() as session:
+            row = session.get(TrainingRunRow, model_id)
+        return row if row is not None and row.owner == owner else None
+
+    def list_runs(self, owner: str, limit: int, offset: int) -> tuple[list[TrainingRunRow], int]:
+        visible = (TrainingRunRow.owner == owner, col(TrainingRunRow.status).in_(["ready", "unloaded"]))
+        query = select(TrainingRunRow).where(*visible).order_by(col(TrainingRunRow.created_at).desc())
+        with self._session() as session:
+            total = session.exec(select(func.count()).select_from(TrainingRunRow).where(*visible)).one()
+            return list(session.exec(query.offset(offset).limit(limit)).all()), int(total)
+
+    def latest_metrics(self, model_id: str, limit: int = 100) -> list[MetricRow]:
+        query = select(MetricRow).where(MetricRow.model_id == model_id).order_by(col(MetricRow.id).desc())
+        with self._session() as session:
+            return list(session.exec(query.limit(limit)).all())
+
+    # ---- sampling -----------------------------------------------------------------------------
+
+    def add_sampling_session(self, row: SamplingSessionRow) -> SamplingSessionRow:
+        """Insert, or return the existing row for a repeated (session, seq) id."""
+        with self.write_lock.held(), self._session() as session:
+            existing = session.get(SamplingSessionRow, row.id)
+            if existing is not None:
+                return existing
+            session.add(row)
+            session.commit()
+        return row
+
+    def get_sampling_session(self, sampler_id: str, owner: str) -> SamplingSessionRow | None:
+        with self._session() as session:
+            row = session.get(SamplingSessionRow, sampler_id)
+        return row if row is not None and row.owner == owner else None
+
+    def get_snapshot(self, snapshot_id: str) -> SamplerSnapshotRow | None:
+        with self._session() as session:
+            return session.get(SamplerSnapshotRow, snapshot_id)
+
+    # ---- checkpoints --------------------------------------------------------------------------
+
+    def get_checkpoint(
+        self, run_id: str, checkpoint_id: str, owner: str, *, ready: bool = True
+    ) -> CheckpointRow | None:
+        query = select(CheckpointRow).where(
+            CheckpointRow.run_id == run_id, CheckpointRow.checkpoint_id == checkpoint_id, CheckpointRow.owner == owner
+        )
+        if ready:
+            query = query.where(CheckpointRow.status == "ready")
+        with self._session() as session:
+            row = session.exec(query).first()
+        if row is not None and row.expires_at is not None and _aware(row.expires_at) < utcnow():
+            return None
+        return row
+
+    def list_checkpoints(
+        self, owner: str, run_id: str | None, limit: int, offset: int
+    ) -> tuple[list[CheckpointRow], int]:
+        conds = [CheckpointRow.owner == owner, CheckpointRow.status == "ready"]
+        if run_id is not None:
+            conds.append(CheckpointRow.run_id == run_id)
+        query = select(CheckpointRow).where(*conds).order_by(col(CheckpointRow.created_at).desc())
+        with self._session() as session:
+            total = session.exec(select(func.count()).select_from(CheckpointRow).where(*conds)).one()
+            return list(session.exec(query.offset(offset).limit(limit)).all()), int(total)
+
+    def delete_checkpoint(self, row: CheckpointRow) -> None:
+        with self.write_lock.held(), self._session() as session:
+            current = session.get(CheckpointRow, row.id)
+            if current is not None:
+                session.delete(current)
+                session.commit()
+
+    def update_checkpoint(self, row: CheckpointRow, **values: Any) -> None:
+        self._update(CheckpointRow, row.id, **values)
+
+    def _update(self, table: type[SQLModel], key: Any, **values: Any) -> None:
+        with self.write_lock.held(), self._session() as session:
+            row = session.get(table, key)
+            if row is not None:
+                for name, value in values.items():
+                    setattr(row, name, value)
+                session.commit()
+
+
+def _aware(moment: datetime) -> datetime:
+    """SQLite returns naive datetimes; ours are all UTC."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=utcnow().tzinfo)

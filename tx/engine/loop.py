@@ -1,0 +1,180 @@
+"""The engine loop: claim queued work, feed it to the runner, step the runner, record results.
+
+The loop owns no model state and no database handle of its own: it receives a `WorkQueue` (the
+durable queue, implemented in `tx.db`) and a `Runner` (the JAX executor, or a fake in tests)
+through its constructor. One background thread repeats `claim -> runner.submit -> runner.step ->
+queue.complete`; it blocks on `queue.wait_for_work` only while the runner has nothing in flight, so
+new work is picked up the moment it is submitted and a busy runner is never put to sleep.
+A runner exception fails only the futures it concerns (category "server") and the loop carries on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tx.protocol import RequestError, Result, WorkItem
+
+log = logging.getLogger("tx.engine")
+
+
+@dataclass
+class Completion:
+    """A finished work item: its result, or the error it failed with."""
+
+    future_id: str
+    result: Result | RequestError
+
+
+class StepError(Exception):
+    """Raised by `Runner.step`/`submit` when the failure can be pinned to specific futures."""
+
+    def __init__(self, message: str, future_ids: Sequence[str]) -> None:
+        super().__init__(message)
+        self.future_ids = list(future_ids)
+
+
+class WorkQueue(Protocol):
+    """The durable request queue as the engine sees it."""
+
+    def claim(self, limit: int) -> list[WorkItem]:
+        """Pending items in creation order (at most `limit`), marked running."""
+        ...
+
+    def wait_for_work(self, timeout_s: float) -> None:
+        """Return as soon as new work is submitted, or after `timeout_s`."""
+        ...
+
+    def complete(self, future_id: str, result: Result) -> None: ...
+
+    def fail(self, future_id: str, error: RequestError) -> None: ...
+
+
+class Runner(Protocol):
+    """Executes work items in bounded steps (one training batch or one decode chunk per `step`)."""
+
+    def submit(self, items: Sequence[WorkItem]) -> None:
+        """Take ownership of claimed items; the runner decides order, batching and barriers."""
+        ...
+
+    def step(self) -> list[Completion]:
+        """Do one bounded unit of work and return the items it finished (possibly none)."""
+        ...
+
+    def idle(self) -> bool:
+        """True when nothing submitted is still waiting or running."""
+        ...
+
+
+@dataclass
+class _Inflight:
+    item: WorkItem
+    claimed_at: float
+
+
+class Engine:
+    """Drives a `Runner` from a `WorkQueue` in a background thread."""
+
+    def __init__(self, queue: WorkQueue, runner: Runner, *, claim_limit: int = 256, idle_wait_s: float = 5.0) -> None:
+        self.queue = queue
+        self.runner = runner
+        self.claim_limit = claim_limit
+        self.idle_wait_s = idle_wait_s
+        self._inflight: dict[str, _Inflight] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="tx-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        log.info("engine loop started")
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+            except Exception:  # the loop must survive anything, including queue errors
+                log.exception("engine iteration failed")
+                time.sleep(0.5)
+
+    def run_once(self) -> None:
+        """One iteration: admit new work, then step the runner or sleep until work arrives."""
+        self._admit(self.queue.claim(self.claim_limit))
+        if self.runner.idle():
+            if self._inflight:  # the runner says it is done but never reported these
+                self._fail_many(list(self._inflight), "the engine lost track of this request")
+            self.queue.wait_for_work(self.idle_wait_s)
+            return
+        self._step()
+
+    def _admit(self, items: list[WorkItem]) -> None:
+        if not items:
+            return
+        now = time.monotonic()
+        for item in items:
+            self._inflight[item.future_id] = _Inflight(item, now)
+        try:
+            self.runner.submit(items)
+        except StepError as exc:
+            self._fail_many(exc.future_ids, f"runner rejected the request: {exc}")
+        except Exception:
+            log.exception("runner.submit failed for a batch of %d; retrying one by one", len(items))
+            self._submit_one_by_one(items)
+
+    def _submit_one_by_one(self, items: list[WorkItem]) -> None:
+        for item in items:
+            try:
+                self.runner.submit([item])
+            except Exception as exc:
+                log.exception("runner.submit failed for %s", item.future_id)
+                self._fail_many([item.future_id], f"runner rejected the request: {exc}")
+
+    def _step(self) -> None:
+        try:
+            completions = self.runner.step()
+        except StepError as exc:
+            log.exception("runner step failed")
+            self._fail_many(exc.future_ids, f"internal error while executing the request: {exc}")
+            return
+        except Exception as exc:
+            log.exception("runner step failed; failing %d in-flight requests", len(self._inflight))
+            self._fail_many(list(self._inflight), f"internal error while executing the request: {exc}")
+            return
+        for completion in completions:
+            self._finish(completion)
+
+    def _finish(self, completion: Completion) -> None:
+        entry = self._inflight.pop(completion.future_id, None)
+        result = completion.result
+        try:
+            if isinstance(result, RequestError):
+                self.queue.fail(completion.future_id, result)
+            else:
+                self.queue.complete(completion.future_id, result)
+        except Exception as exc:
+            log.exception("recording the result of %s failed", completion.future_id)
+            self.queue.fail(completion.future_id, RequestError(f"could not store the result: {exc}", "server"))
+        self._log_done(completion, entry)
+
+    def _fail_many(self, future_ids: Sequence[str], message: str) -> None:
+        for future_id in future_ids:
+            self._finish(Completion(future_id, RequestError(message, "server")))
+
+    @staticmethod
+    def _log_done(completion: Completion, entry: _Inflight | None) -> None:
+        if entry is None:
+            log.info("done %s (not in flight)", completion.future_id)
+            return
+        item = entry.item
+        status = "failed" if isinstance(completion.result, RequestError) else "ok"
+        seconds = time.monotonic() - entry.claimed_at
+        log.info("%s %s model=%s %.3fs future=%s", status, item.kind, item.model_id, seconds, item.future_id)

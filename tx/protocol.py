@@ -1,0 +1,379 @@
+"""Payload types that cross the queue between the API, the database and the engine.
+
+This is a leaf module: plain dataclasses over Python values and numpy arrays, no JAX and no imports
+from the rest of `tx`. The API turns wire requests (JSON or protobuf) into these request types, the
+database stores them as serialized blobs, and the engine's runner consumes them as `WorkItem`s and
+answers with one of the result types or a `RequestError`. Token sequences are flat `list[int]`;
+per-datum loss inputs and outputs are numpy arrays whose shape is the tensor's shape.
+Checkpoint locations are decided by the API (inside the data directory) and passed in as plain
+directory paths, so the runner never needs the database.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------
+# Constants shared by validation (api) and execution (engine)
+# ---------------------------------------------------------------------------------------------
+
+LOSS_NAMES: tuple[str, ...] = (
+    "cross_entropy",
+    "importance_sampling",
+    "ppo",
+    "cispo",
+    "dro",
+    "gspo",
+    "stable_reinforce",
+)
+"""Loss functions a `forward_backward` request may name."""
+
+_RL_INPUTS = frozenset({"target_tokens", "logprobs", "advantages"})
+_CLIP_KEYS = frozenset({"clip_low_threshold", "clip_high_threshold"})
+
+LOSS_REQUIRED_INPUTS: dict[str, frozenset[str]] = {
+    "cross_entropy": frozenset({"target_tokens"}),
+    "importance_sampling": _RL_INPUTS,
+    "ppo": _RL_INPUTS,
+    "cispo": _RL_INPUTS,
+    "dro": _RL_INPUTS,
+    "gspo": _RL_INPUTS | {"sequence_ratio_mask"},
+    "stable_reinforce": _RL_INPUTS,
+}
+"""`loss_fn_inputs` every datum must carry, per loss."""
+
+LOSS_OPTIONAL_INPUTS: frozenset[str] = frozenset({"weights"})
+"""Inputs any loss accepts (absent `weights` means all ones)."""
+
+LOSS_CONFIG_KEYS: dict[str, frozenset[str]] = {
+    "cross_entropy": frozenset(),
+    "importance_sampling": frozenset(),
+    "ppo": _CLIP_KEYS,
+    "cispo": _CLIP_KEYS,
+    "dro": frozenset({"beta"}),
+    "gspo": _CLIP_KEYS,
+    "stable_reinforce": frozenset({"kl_coeff"}),
+}
+"""`loss_fn_config` keys each loss understands; anything else is a user error."""
+
+WorkKind = Literal[
+    "create_model",
+    "forward",
+    "forward_backward",
+    "optim_step",
+    "save_state",
+    "save_weights_for_sampler",
+    "load_state",
+    "load_weights",
+    "sample",
+    "unload_model",
+]
+ErrorCategory = Literal["user", "server", "unknown"]
+StopReason = Literal["stop", "length"]
+SamplerKind = Literal["snapshot", "inflight"]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the API needs to know about the loaded base model to validate requests."""
+
+    base_model: str
+    vocab_size: int
+    max_seq_len: int
+    tokenizer_id: str
+    max_lora_rank: int = 64
+    max_lora_adapters: int = 8
+    loss_names: tuple[str, ...] = LOSS_NAMES
+    arch: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Adapter shape; scale = alpha / rank. Which projections get adapters is set by the flags."""
+
+    rank: int
+    alpha: float = 32.0
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class CreateModelRequest:
+    """Create training run `WorkItem.model_id` on `base_model`; `lora=None` means full fine-tuning."""
+
+    base_model: str
+    lora: LoraConfig | None
+    user_metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Datum:
+    """One training example: input tokens and loss inputs whose leading dimension is len(tokens)."""
+
+    tokens: list[int]
+    loss_fn_inputs: dict[str, np.ndarray]
+
+
+@dataclass
+class ForwardBackwardRequest:
+    """Kind `forward_backward` (accumulate gradients) or `forward` (`forward_only=True`, no gradients)."""
+
+    data: list[Datum]
+    loss_fn: str
+    loss_fn_config: dict[str, float | str] = field(default_factory=dict)
+    forward_only: bool = False
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """AdamW hyper-parameters for one step (torch.optim.AdamW semantics; grad_clip_norm 0 = off)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass(frozen=True)
+class OptimStepRequest:
+    """Apply the gradients accumulated since the previous step, then zero them."""
+
+    adam: AdamParams
+
+
+@dataclass(frozen=True)
+class SaveStateRequest:
+    """Write adapter weights and optimizer state into `dest_dir` (created by the runner, atomically)."""
+
+    name: str
+    dest_dir: str
+    tinker_path: str
+
+
+@dataclass(frozen=True)
+class SaveSamplerRequest:
+    """Snapshot the current weights for sampling under `snapshot_id`.
+
+    `dest_dir` is set for named saves (PEFT files on disk, `tinker_path` is their address) and None
+    for ephemeral ones, which only live in memory (`snapshot_id` is then the sampling session id).
+    """
+
+    snapshot_id: str
+    kind: SamplerKind = "snapshot"
+    name: str | None = None
+    dest_dir: str | None = None
+    tinker_path: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadStateRequest:
+    """Load a training checkpoint into an existing run (`with_optimizer` restores Adam state too)."""
+
+    source_dir: str
+    tinker_path: str
+    with_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class LoadWeightsRequest:
+    """Create run `WorkItem.model_id` from a training checkpoint (SDK 0.38 create-from-state path)."""
+
+    base_model: str
+    lora: LoraConfig | None
+    source_dir: str
+    tinker_path: str
+    with_optimizer: bool = False
+    user_metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WeightsRef:
+    """Which weights a sampler uses: an in-memory snapshot id, reloadable from `checkpoint_dir`."""
+
+    snapshot_id: str
+    model_id: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_type: Literal["sampler", "training"] = "sampler"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Generation controls. `stop_at_eos` is False when the caller passed an explicit stop list."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop_strings: list[str] = field(default_factory=list)
+    stop_at_eos: bool = True
+
+
+@dataclass
+class SampleRequest:
+    """Generate `num_samples` continuations of `prompt`; `weights=None` samples the base model."""
+
+    prompt: list[int]
+    num_samples: int
+    params: SamplingParams
+    base_model: str
+    weights: WeightsRef | None = None
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    sequence_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class UnloadModelRequest:
+    """Free the run's adapter slot and optimizer state."""
+
+
+Payload = (
+    CreateModelRequest
+    | ForwardBackwardRequest
+    | OptimStepRequest
+    | SaveStateRequest
+    | SaveSamplerRequest
+    | LoadStateRequest
+    | LoadWeightsRequest
+    | SampleRequest
+    | UnloadModelRequest
+)
+
+
+@dataclass
+class WorkItem:
+    """One queued request. `model_id` is the training run, or the sampling session for `sample`.
+
+    `seq_id` is the client's per-run (or per-sampler) sequence number; a run's training items must
+    execute in `seq_id` order (SDK contract), samples may run in any order.
+    """
+
+    future_id: str
+    kind: WorkKind
+    model_id: str | None
+    payload: Payload
+    created_at: float
+    seq_id: int | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CreateModelResult:
+    model_id: str
+
+
+@dataclass
+class ForwardBackwardResult:
+    """Per-datum outputs (always `logprobs`, shaped like `target_tokens`) and `name:reduction` metrics."""
+
+    outputs: list[dict[str, np.ndarray]]
+    metrics: dict[str, float]
+    output_type: str = "ArrayRecord"
+
+
+@dataclass
+class OptimStepResult:
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class CheckpointResult:
+    """Result of save_state / save_weights_for_sampler; ephemeral sampler saves have no path."""
+
+    path: str | None = None
+    sampling_session_id: str | None = None
+    size_bytes: int | None = None
+
+
+@dataclass
+class LoadResult:
+    model_id: str
+    path: str | None = None
+
+
+@dataclass
+class UnloadResult:
+    model_id: str
+
+
+@dataclass
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason
+
+
+@dataclass
+class SampleResult:
+    """`prompt_logprobs[0]` is None; `topk_prompt_logprobs[j]` lists (token, logprob), row 0 None."""
+
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+@dataclass
+class RequestError(Exception):
+    """A failed request. `user` errors are the caller's fault; `server` errors are ours."""
+
+    message: str
+    category: ErrorCategory = "server"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+Result = (
+    CreateModelResult
+    | ForwardBackwardResult
+    | OptimStepResult
+    | CheckpointResult
+    | LoadResult
+    | UnloadResult
+    | SampleResult
+)
+
+PROTOCOL_TYPES: tuple[type, ...] = (
+    LoraConfig,
+    CreateModelRequest,
+    Datum,
+    ForwardBackwardRequest,
+    AdamParams,
+    OptimStepRequest,
+    SaveStateRequest,
+    SaveSamplerRequest,
+    LoadStateRequest,
+    LoadWeightsRequest,
+    WeightsRef,
+    SamplingParams,
+    SampleRequest,
+    UnloadModelRequest,
+    CreateModelResult,
+    ForwardBackwardResult,
+    OptimStepResult,
+    CheckpointResult,
+    LoadResult,
+    UnloadResult,
+    SampledSequence,
+    SampleResult,
+    RequestError,
+)
+"""Every type the database codec may reconstruct (nothing else is ever instantiated from a blob)."""
