@@ -1,11 +1,73 @@
-"""Test-wide setup: simulated CPU devices must be configured before JAX initialises."""
+"""Test-wide setup and tiny-model fixtures.
+
+Simulated CPU devices must be configured before JAX initialises, so this runs first. Models are
+built offline from a `transformers` config with random weights; each distinct spec is built once
+per session so its shapes compile once.
+"""
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+TINY: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
+def build_hf_model(path: Path, family: str = "qwen3", kv_heads: int = 2, tied: bool = True, seed: int = 0, **extra):
+    """A tiny random-weight transformers model saved to `path`; returns the torch model (eval, fp32)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if family == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    cfg = config_cls(**{**TINY, **extra}, num_key_value_heads=kv_heads, tie_word_embeddings=tied)
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # HF initialises norms to 1: perturb them so a misplaced norm shows up
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory: pytest.TempPathFactory):
+    """get(family, kv_heads, tied, rope) -> (model dir, torch model), built once per session."""
+    cache: dict[tuple, tuple[Path, Any]] = {}
+
+    def get(family: str = "qwen3", kv_heads: int = 2, tied: bool = True, rope: str = "default"):
+        key = (family, kv_heads, tied, rope)
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"{family}-kv{kv_heads}-{'tied' if tied else 'untied'}-{rope}")
+            extra = {"rope_parameters": LLAMA3_ROPE} if rope == "llama3" else {}
+            cache[key] = (path, build_hf_model(path, family, kv_heads, tied, **extra))
+        return cache[key]
+
+    return get

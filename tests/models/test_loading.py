@@ -1,0 +1,86 @@
+"""Config validation and weight-loading errors name what is wrong."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from tx.models.config import ModelConfig, load_hf_config
+from tx.models.weights import load_model
+
+
+def copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_unsupported_architecture_lists_supported(hf_models, tmp_path):
+    path = copy_model(hf_models()[0], tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["MistralForCausalLM"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="MistralForCausalLM.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        load_hf_config(path)
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        ModelConfig(
+            "qwen3",
+            10,
+            8,
+            8,
+            1,
+            num_heads=4,
+            num_kv_heads=3,
+            head_dim=2,
+            rms_norm_eps=1e-6,
+            rope_theta=1e4,
+            max_position_embeddings=8,
+            tie_word_embeddings=True,
+        )
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ("drop", "missing tensor 'model.layers.1.mlp.up_proj.weight'"),
+        ("extra", "unexpected tensor 'model.layers.0.mlp.extra.weight'"),
+        ("shape", r"tensor 'model.norm.weight' has shape \(3,\), expected \(64,\)"),
+    ],
+)
+def test_bad_checkpoint_names_the_tensor(hf_models, tmp_path, edit, message):
+    path = copy_model(hf_models()[0], tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    if edit == "drop":
+        del tensors["model.layers.1.mlp.up_proj.weight"]
+    elif edit == "extra":
+        tensors["model.layers.0.mlp.extra.weight"] = np.zeros((2, 2), np.float32)
+    else:
+        tensors["model.norm.weight"] = np.zeros((3,), np.float32)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=message):
+        load_model(str(path), progress=False)
+
+
+def test_sharded_bfloat16_checkpoint(hf_models, tmp_path):
+    """A sharded bf16 checkpoint loads shard by shard into bf16 weights with the same values."""
+    import copy
+
+    import torch
+
+    _, ref = hf_models()
+    ref16 = copy.deepcopy(ref).to(torch.bfloat16)
+    ref16.save_pretrained(tmp_path / "bf16", max_shard_size="40KB")
+    assert (tmp_path / "bf16" / "model.safetensors.index.json").exists()
+    model, cfg = load_model(str(tmp_path / "bf16"), progress=False)
+    assert cfg.dtype == "bfloat16" and model.model.layers.mlp.up_proj.kernel[...].dtype == np.dtype("bfloat16")
+    want = ref16.model.layers[1].mlp.up_proj.weight.detach().float().numpy().T
+    np.testing.assert_array_equal(np.asarray(model.model.layers.mlp.up_proj.kernel[...][1], np.float32), want)
+
+
+def test_missing_directory_and_offline_hub():
+    with pytest.raises(FileNotFoundError, match="local"):
+        load_model("no-such-org/no-such-model", progress=False)

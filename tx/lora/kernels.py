@@ -1,0 +1,55 @@
+"""The multi-adapter LoRA product `x @ A[slot] @ B[slot] * scale[slot]`, in two interchangeable forms.
+
+`gather` indexes each row's adapter and runs two batched einsums: its cost grows with the batch,
+not with the number of slots, and it is the better form on CPU and for few rows. `grouped` sorts
+rows by slot and runs `jax.lax.ragged_dot`, so each adapter's weights are read once however many
+rows use it, and slot-0 rows can be left out of the adapter work; it wins when many rows share few
+adapters. `benchmarks/bench_lora.py` measures both; `DEFAULT_KERNEL` records the winner.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from tx.lora.params import LoRARows
+
+Kernel = Literal["gather", "grouped"]
+DEFAULT_KERNEL: Kernel = "gather"
+
+
+def lora_delta(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array, kernel: Kernel = DEFAULT_KERNEL) -> jax.Array:
+    """x [B, T, I], a [S, I, R], b [S, R, O] -> the adapter contribution [B, T, O] in x's dtype."""
+    if kernel == "grouped":
+        return _grouped(x, rows, a, b)
+    return _gather(x, rows, a, b)
+
+
+def _gather(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array) -> jax.Array:
+    a_rows = a[rows.slot].astype(x.dtype)  # [B, I, R]
+    b_rows = b[rows.slot].astype(x.dtype)  # [B, R, O]
+    xa = jnp.einsum("bti,bir->btr", x, a_rows) * rows.scale[rows.slot][:, None, :].astype(x.dtype)
+    return jnp.einsum("btr,bro->bto", xa, b_rows)
+
+
+def _grouped(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array) -> jax.Array:
+    B, T, I = x.shape
+    S = a.shape[0]
+    order = jnp.argsort(rows.slot, stable=True)
+    sorted_slot = rows.slot[order]
+    tokens = x[order].reshape(B * T, I)
+    # Slot 0 is the base model: its group is given size 0 and its rows are zeroed afterwards.
+    counts = jnp.bincount(sorted_slot, length=S) * T
+    sizes = counts.at[0].set(0).astype(jnp.int32)
+    skip = counts[0]
+    tokens = jnp.roll(tokens, -skip, axis=0)
+    xa = jax.lax.ragged_dot(tokens, a.astype(x.dtype), sizes)
+    token_slot = jnp.roll(jnp.repeat(sorted_slot, T), -skip)
+    xa = xa * rows.scale[token_slot].astype(x.dtype)
+    out = jax.lax.ragged_dot(xa, b.astype(x.dtype), sizes)
+    live = jnp.arange(B * T) < (B * T - skip)
+    out = jnp.where(live[:, None], out, 0)
+    out = jnp.roll(out, skip, axis=0).reshape(B, T, -1)
+    return jnp.zeros_like(out).at[order].set(out)

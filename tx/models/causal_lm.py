@@ -1,0 +1,171 @@
+"""Decoder-only causal LM (Qwen3, Llama 3) as one Flax NNX definition with scanned layers.
+
+All decoder layers live in one `DecoderLayer` whose weights carry a leading layer axis; the forward
+pass scans over it, so compile time does not grow with depth. The module tree mirrors the HF
+checkpoint (`model.embed_tokens`, `model.layers.*`, `model.norm`, `lm_head`). Callers pass positions,
+segment ids (packed rows: attention stays inside a segment, positions restart) and per-row adapter
+slots explicitly; with a `KVCache` the layer writes this call's keys/values at their positions and
+attends over the whole fixed-shape cache (prefill and decode are the same code path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tx.lora.kernels import lora_delta
+from tx.lora.layers import LoRASpec, lora_pair
+from tx.lora.params import LoRARows
+from tx.models.config import ModelConfig
+from tx.models.layers import MLP, Attention, AttentionMask, RMSNorm, rope_frequencies
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Preallocated keys and values, [L, B, S, K, E] each."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @staticmethod
+    def zeros(cfg: ModelConfig, batch: int, length: int) -> KVCache:
+        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+        return KVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...]) -> None:
+        dt = jnp.dtype(cfg.dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, stack)
+        self.self_attn = Attention(cfg, lora, stack)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, stack)
+        self.mlp = MLP(cfg, lora, stack)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        segments: jax.Array,
+        inv_freq: jax.Array,
+        rows: LoRARows | None,
+        cache: tuple[jax.Array, jax.Array] | None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        q, k, v = self.self_attn.project_qkv(self.input_layernorm(x), positions, inv_freq, rows)
+        if cache is None:
+            mask = AttentionMask(segments, segments, positions, positions)
+        else:
+            k, v = _write_cache(cache, k, v, positions)
+            cache = (k, v)
+            B, S = k.shape[:2]
+            key_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+            mask = AttentionMask(jnp.ones_like(segments), jnp.ones_like(key_pos), positions, key_pos)
+        x = x + self.self_attn.attend(q, k, v, mask, rows)
+        x = x + self.mlp(self.post_attention_layernorm(x), rows)
+        return x, cache
+
+
+def _write_cache(
+    cache: tuple[jax.Array, jax.Array], k: jax.Array, v: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    row = jnp.arange(k.shape[0])[:, None]
+    k_cache = cache[0].at[row, positions].set(k.astype(cache[0].dtype), mode="drop")
+    v_cache = cache[1].at[row, positions].set(v.astype(cache[1].dtype), mode="drop")
+    return k_cache, v_cache
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, dtype: jnp.dtype) -> None:
+        self.weight = nnx.Param(jnp.zeros((vocab, dim), dtype), logical_axes=("vocab", "embed"))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], tokens, axis=0)
+
+
+class Model(nnx.Module):
+    """HF's `model.*` subtree: embeddings, the stacked decoder layers, the final norm."""
+
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None) -> None:
+        dt = jnp.dtype(cfg.dtype)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dt)
+        self.layers = DecoderLayer(cfg, lora, (cfg.num_layers,))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+
+
+class LMHead(nnx.Module):
+    """The unembedding: its own kernel, or the embedding matrix when tied; an adapter either way."""
+
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None) -> None:
+        if not cfg.tie_word_embeddings:
+            shape = (cfg.hidden_size, cfg.vocab_size)
+            self.kernel = nnx.Param(jnp.zeros(shape, cfg.dtype), logical_axes=("embed", "vocab"))
+        if lora is not None:
+            self.lora_a, self.lora_b = lora_pair(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), lora, ())
+            self.kernel_form = lora.kernel
+
+    def __call__(self, h: jax.Array, embedding: jax.Array, rows: LoRARows | None) -> jax.Array:
+        kernel = self.kernel[...] if hasattr(self, "kernel") else embedding.T
+        logits = jnp.einsum("btd,dv->btv", h, kernel, preferred_element_type=jnp.float32)
+        if rows is not None and hasattr(self, "lora_a"):
+            logits = logits + lora_delta(h, rows, self.lora_a[...], self.lora_b[...], self.kernel_form)
+        return logits
+
+
+class CausalLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None = None, remat: bool = False) -> None:
+        self.config = cfg
+        self.model = Model(cfg, lora)
+        self.lm_head = LMHead(cfg, lora)
+        self.remat = remat
+
+    def hidden(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segments: jax.Array | None = None,
+        rows: LoRARows | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """tokens, positions [B, T] -> final normed hidden states [B, T, D] (and the updated cache)."""
+        cfg = self.config
+        inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        segments = jnp.ones_like(tokens) if segments is None else segments
+        graphdef, stacked = nnx.split(self.model.layers)
+
+        def body(h: jax.Array, xs: tuple) -> tuple[jax.Array, tuple | None]:
+            layer_state, layer_cache = xs
+            layer = nnx.merge(graphdef, layer_state)
+            return layer(h, positions, segments, inv_freq, rows, layer_cache)
+
+        if self.remat:
+            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+        h = self.model.embed_tokens(tokens)
+        xs = (stacked, None if cache is None else (cache.k, cache.v))
+        h, new_cache = jax.lax.scan(body, h, xs)
+        out_cache = None if new_cache is None else KVCache(*new_cache)
+        return self.model.norm(h), out_cache
+
+    def logits(self, h: jax.Array, rows: LoRARows | None = None) -> jax.Array:
+        """[B, T, D] hidden -> [B, T, V] float32 logits."""
+        return self.lm_head(h, self.model.embed_tokens.weight[...], rows)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segments: jax.Array | None = None,
+        rows: LoRARows | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        h, cache = self.hidden(tokens, positions, segments, rows, cache)
+        return self.logits(h, rows), cache
+
+
+def abstract_model(cfg: ModelConfig, lora: LoRASpec | None = None, remat: bool = False) -> CausalLM:
+    """The model's structure with shapes only: weights are filled by the loader, never initialised."""
+    return nnx.eval_shape(lambda: CausalLM(cfg, lora, remat))

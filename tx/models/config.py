@@ -1,0 +1,137 @@
+"""Model configuration we own, built from a Hugging Face `config.json` at the edge and validated.
+
+`ModelConfig` is frozen and family-neutral: the registry maps the HF `architectures` entry to a family
+(which only decides details such as Qwen3's per-head q/k norms). Anything we cannot run faithfully is
+rejected here, with the field that caused it, rather than silently approximated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+# HF architecture name -> family name.
+ARCHITECTURES: dict[str, str] = {
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+}
+
+ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequency scaling (`rope_type` "llama3" as in Llama 3.1/3.2, or "linear")."""
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_scaling.rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
+        if self.factor <= 0:
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: RopeScaling | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.family not in ARCHITECTURES.values():
+            raise ValueError(f"unknown model family {self.family!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family == "qwen3"
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
+        family = family_of(hf)
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf.get(flag):
+                raise ValueError(f"config.json sets {flag}=true, which SmolGym does not support")
+        if hf.get("use_sliding_window"):
+            raise ValueError("config.json sets use_sliding_window=true, which SmolGym does not support")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        heads = int(hf["num_attention_heads"])
+        return ModelConfig(
+            family=family,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(_rope_params(hf).get("rope_theta", hf.get("rope_theta", 10000.0))),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope_scaling=_rope_scaling(hf),
+            dtype=dtype or _dtype_of(hf),
+        )
+
+
+def family_of(hf: dict[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    raise ValueError(f"unsupported architecture {archs or hf.get('model_type')}; supported: {sorted(ARCHITECTURES)}")
+
+
+def _rope_params(hf: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 writes `rope_parameters`; older configs write `rope_theta` + `rope_scaling`.
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return dict(params)
+
+
+def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
+    params = _rope_params(hf)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "default":
+        return None
+    fields = {f.name for f in dataclasses.fields(RopeScaling)}
+    return RopeScaling(rope_type=rope_type, **{k: v for k, v in params.items() if k in fields and k != "rope_type"})
+
+
+def _dtype_of(hf: dict[str, Any]) -> str:
+    name = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    return "bfloat16" if "bfloat16" in name else "float32"
+
+
+def load_hf_config(model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: a model directory needs a Hugging Face config.json")
+    return ModelConfig.from_hf(json.loads(path.read_text()), dtype=dtype)

@@ -1,0 +1,124 @@
+"""The blocks every model family shares: RMSNorm, rotary embeddings, GQA attention, SwiGLU MLP.
+
+Attribute names match the HF checkpoint (`self_attn.q_proj`, `mlp.gate_proj`, `q_norm`, ...), so weight
+loading and PEFT export need no renaming table beyond transposes. Dimension letters: B batch, T query
+length, S key length, D embed, H query heads, K kv heads, G = H / K, E head dim, F mlp, V vocab.
+Layers accept a `stack` shape so the decoder can hold all layers in one scanned module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tx.lora.layers import LoRALinear, LoRASpec
+from tx.lora.params import LoRARows
+from tx.models.config import ModelConfig, RopeScaling
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMask:
+    """What each query may see. Without a cache: same segment and not in the future (packed rows).
+    With a cache: every cache position up to the query's own position (fixed-shape decode)."""
+
+    q_segments: jax.Array  # [B, T] int32 (0 = padding)
+    k_segments: jax.Array  # [B, S] int32
+    q_positions: jax.Array  # [B, T] int32: position within its sequence
+    k_positions: jax.Array  # [B, S] int32
+
+    def allowed(self) -> jax.Array:
+        same = self.q_segments[:, :, None] == self.k_segments[:, None, :]
+        causal = self.k_positions[:, None, :] <= self.q_positions[:, :, None]
+        return same & causal  # [B, T, S]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype, stack: tuple[int, ...] = ()) -> None:
+        self.weight = nnx.Param(jnp.ones((*stack, dim), dtype), logical_axes=(*("layers",) * len(stack), "norm"))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
+    """Inverse frequencies [E/2], with Llama 3's piecewise long-context scaling when configured."""
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is None:
+        return inv
+    if scaling.rope_type == "linear":
+        return inv / scaling.factor
+    old = scaling.original_max_position_embeddings
+    low_wavelen = old / scaling.low_freq_factor
+    high_wavelen = old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x [B, T, N, E], positions [B, T]: rotate-half RoPE as in the HF reference."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, E/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...]) -> None:
+        dt = jnp.dtype(cfg.dtype)
+        D, H, K, E = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = LoRALinear(D, H * E, axes=("embed", "q_heads"), dtype=dt, lora=lora, stack=stack)
+        self.k_proj = LoRALinear(D, K * E, axes=("embed", "kv_heads"), dtype=dt, lora=lora, stack=stack)
+        self.v_proj = LoRALinear(D, K * E, axes=("embed", "kv_heads"), dtype=dt, lora=lora, stack=stack)
+        self.o_proj = LoRALinear(H * E, D, axes=("q_heads", "embed"), dtype=dt, lora=lora, stack=stack)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(E, cfg.rms_norm_eps, dt, stack)
+            self.k_norm = RMSNorm(E, cfg.rms_norm_eps, dt, stack)
+        self.heads, self.kv_heads, self.head_dim = H, K, E
+
+    def project_qkv(
+        self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, rows: LoRARows | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        B, T, _ = x.shape
+        q = self.q_proj(x, rows).reshape(B, T, self.heads, self.head_dim)
+        k = self.k_proj(x, rows).reshape(B, T, self.kv_heads, self.head_dim)
+        v = self.v_proj(x, rows).reshape(B, T, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, rows: LoRARows | None) -> jax.Array:
+        """q [B, T, H, E] against k, v [B, S, K, E] -> o_proj output [B, T, D]."""
+        B, T, H, E = q.shape
+        K = self.kv_heads
+        qg = q.reshape(B, T, K, H // K, E)
+        scores = jnp.einsum("btkge,bske->bkgts", qg, k, preferred_element_type=jnp.float32) / math.sqrt(E)
+        scores = jnp.where(mask.allowed()[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bske->btkge", probs, v).reshape(B, T, H * E)
+        return self.o_proj(out, rows)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...]) -> None:
+        dt = jnp.dtype(cfg.dtype)
+        D, F = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = LoRALinear(D, F, axes=("embed", "mlp"), dtype=dt, lora=lora, stack=stack)
+        self.up_proj = LoRALinear(D, F, axes=("embed", "mlp"), dtype=dt, lora=lora, stack=stack)
+        self.down_proj = LoRALinear(F, D, axes=("mlp", "embed"), dtype=dt, lora=lora, stack=stack)
+
+    def __call__(self, x: jax.Array, rows: LoRARows | None) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x, rows)) * self.up_proj(x, rows), rows)

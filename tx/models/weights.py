@@ -1,0 +1,162 @@
+"""Load Hugging Face safetensors into a (sharded) model, streaming tensor by tensor.
+
+The model is created abstractly (shapes only); each base weight is then written once: whole tensors
+go straight to their sharded device array, and per-layer tensors are written into a preallocated
+stacked array with a donated in-place update, so host memory holds one tensor at a time and no random
+initialisation ever runs. Missing, unexpected or mis-shaped tensors raise an error naming the tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from tqdm import tqdm
+
+from tx.lora.layers import LoRASpec
+from tx.lora.params import LoRAParam
+from tx.models.causal_lm import CausalLM, abstract_model
+from tx.models.config import ModelConfig, load_hf_config
+from tx.models.safetensors_io import iter_tensors, shard_files
+from tx.models.sharding import make_mesh, state_shardings
+
+log = logging.getLogger(__name__)
+
+Path_ = tuple[str, ...]
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
+HF_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.json", "tokenizer*", "*.txt", "*.model")
+
+
+def resolve_model_dir(name_or_dir: str) -> Path:
+    """A local directory as is; otherwise a hub name, downloaded or taken from the local HF cache."""
+    path = Path(name_or_dir).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name_or_dir, allow_patterns=list(HF_FILES), local_files_only=True))
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise FileNotFoundError(f"{name_or_dir!r} is not a local directory and is not in the HF cache (offline mode)")
+    try:
+        return Path(snapshot_download(name_or_dir, allow_patterns=list(HF_FILES)))
+    except Exception as err:
+        raise FileNotFoundError(
+            f"cannot fetch {name_or_dir!r} from the Hugging Face hub ({type(err).__name__}); "
+            "pass a local model directory instead"
+        ) from err
+
+
+def hf_key_to_path(key: str) -> tuple[Path_, int | None, bool]:
+    """HF tensor name -> (our state path, layer index or None, whether to transpose)."""
+    m = _LAYER_KEY.match(key)
+    if m:
+        parts = tuple(m.group(2).split("."))
+        linear = parts[-1].endswith("_proj")
+        return ("model", "layers", *parts, "kernel" if linear else "weight"), int(m.group(1)), linear
+    if key == "lm_head.weight":
+        return ("lm_head", "kernel"), None, True
+    return tuple(key.split(".")), None, False
+
+
+def path_to_hf_key(path: Path_, layer: int | None) -> str:
+    parts = list(path)
+    parts[-1] = "weight"
+    if layer is not None:
+        parts.insert(2, str(layer))
+    return ".".join(parts)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(stacked: jax.Array, index: jax.Array, value: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(stacked, value.astype(stacked.dtype), index, 0)
+
+
+def _allocate(shape: tuple[int, ...], dtype: jnp.dtype, sharding: jax.sharding.Sharding) -> jax.Array:
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def load_model(
+    name_or_dir: str,
+    *,
+    dtype: str | None = None,
+    lora: LoRASpec | None = None,
+    mesh: Mesh | None = None,
+    remat: bool = False,
+    progress: bool = True,
+) -> tuple[CausalLM, ModelConfig]:
+    """Build the model for a HF checkpoint and fill its weights; LoRA slots start at zero."""
+    model_dir = resolve_model_dir(name_or_dir)
+    cfg = load_hf_config(model_dir, dtype)
+    mesh = mesh or make_mesh(devices=jax.devices()[:1])
+    abstract = abstract_model(cfg, lora, remat)
+    graphdef, state = nnx.split(abstract)
+    shardings = state_shardings(state, mesh)
+    flat: dict[Path_, nnx.Variable] = {tuple(map(str, p)): v for p, v in nnx.to_flat_state(state)}
+    flat_shard = {tuple(map(str, p)): s for p, s in nnx.to_flat_state(shardings)}
+    values = _stream_weights(model_dir, cfg, flat, flat_shard, progress)
+    for path, var in flat.items():
+        if isinstance(var, LoRAParam):
+            values[path] = _allocate(var.shape, var.dtype, flat_shard[path])
+        var.set_value(values[path])
+    return nnx.merge(graphdef, state), cfg
+
+
+def _stream_weights(
+    model_dir: Path, cfg: ModelConfig, flat: dict, shardings: dict, progress: bool
+) -> dict[Path_, jax.Array]:
+    expected = {p: v for p, v in flat.items() if not isinstance(v, LoRAParam)}
+    layers_seen: dict[Path_, set[int]] = {}
+    values: dict[Path_, jax.Array] = {}
+    files = shard_files(model_dir)
+    bar = tqdm(desc=f"loading {model_dir.name}", unit="tensor", disable=not progress, leave=False)
+    for file in files:
+        for key, array in iter_tensors(file):
+            bar.update()
+            path, layer, transpose = hf_key_to_path(key)
+            if path == ("lm_head", "kernel") and cfg.tie_word_embeddings:
+                continue  # some checkpoints store the tied copy too
+            if path not in expected:
+                raise ValueError(f"unexpected tensor {key!r} in {file.name}: no such weight in a {cfg.family} model")
+            var = expected[path]
+            want = var.shape[1:] if layer is not None else var.shape
+            host = np.asarray(array.T if transpose else array).astype(var.dtype)
+            if host.shape != tuple(want):
+                raise ValueError(f"tensor {key!r} has shape {array.shape}, expected {_hf_shape(want, transpose)}")
+            if layer is None:
+                values[path] = jax.device_put(host, shardings[path])
+                continue
+            if not 0 <= layer < cfg.num_layers:
+                raise ValueError(f"unexpected tensor {key!r}: layer {layer} >= num_hidden_layers {cfg.num_layers}")
+            if path not in values:
+                values[path] = _allocate(var.shape, var.dtype, shardings[path])
+            values[path] = _set_layer(values[path], jnp.int32(layer), host)
+            layers_seen.setdefault(path, set()).add(layer)
+    bar.close()
+    _check_complete(expected, values, layers_seen, cfg)
+    return values
+
+
+def _hf_shape(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
+    return tuple(reversed(shape)) if transpose else tuple(shape)
+
+
+def _check_complete(expected: dict, values: dict, layers_seen: dict, cfg: ModelConfig) -> None:
+    for path in expected:
+        stacked = path[:2] == ("model", "layers")
+        if path not in values:
+            raise ValueError(f"missing tensor {path_to_hf_key(path, 0 if stacked else None)!r} in the checkpoint")
+        if stacked:
+            missing = sorted(set(range(cfg.num_layers)) - layers_seen[path])
+            if missing:
+                raise ValueError(f"missing tensor {path_to_hf_key(path, missing[0])!r} in the checkpoint")
