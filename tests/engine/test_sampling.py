@@ -1,0 +1,188 @@
+"""Token selection (greedy, top-k/top-p frequencies, batch independence, raw logprobs) and stop handling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tx.engine.sampling import (
+    Finish,
+    StopChecker,
+    resolve_seed,
+    row_keys,
+    sample_seeds,
+    select_tokens,
+)
+
+select = jax.jit(select_tokens, static_argnames=("k_cap",))
+V = 300  # above the default k_cap, so the capped path and the sort fallback both run
+
+
+def _row_params(B: int, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0) -> dict[str, jax.Array]:
+    return {
+        "temperature": jnp.full((B,), temperature, jnp.float32),
+        "top_k": jnp.full((B,), top_k, jnp.int32),
+        "top_p": jnp.full((B,), top_p, jnp.float32),
+    }
+
+
+def _keys(seeds: list[int] | np.ndarray, steps: list[int] | np.ndarray) -> jax.Array:
+    return row_keys(jnp.asarray(seeds, jnp.uint32), jnp.asarray(steps, jnp.int32))
+
+
+def _logits(B: int, V: int, seed: int = 0, scale: float = 1.0) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(B, V)) * scale, jnp.float32)
+
+
+def test_row_keys_depend_only_on_seed_and_index() -> None:
+    keys = _keys([7, 7, 8, 7], [3, 3, 3, 4])
+    data = jax.random.key_data(keys)
+    expected = jax.random.key_data(jax.random.fold_in(jax.random.key(7), 3))
+    np.testing.assert_array_equal(data[0], expected)
+    np.testing.assert_array_equal(data[0], data[1])
+    assert not np.array_equal(data[0], data[2]) and not np.array_equal(data[0], data[3])
+
+
+def test_greedy_and_top_k_one_are_argmax_with_raw_logprobs() -> None:
+    logits = _logits(8, V, scale=3.0)
+    keys = _keys(np.arange(8), np.zeros(8))
+    argmax = np.argmax(np.asarray(logits), axis=-1)
+    log_softmax = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    for params in (_row_params(8, temperature=0.0), _row_params(8, temperature=1.5, top_k=1)):
+        tokens, logprobs = select(logits, keys, **params)
+        np.testing.assert_array_equal(tokens, argmax)
+        np.testing.assert_allclose(logprobs, log_softmax[np.arange(8), argmax], rtol=1e-6)
+
+    # Sampled rows report log_softmax of the unscaled, untruncated logits at the chosen token.
+    tokens, logprobs = select(logits, keys, **_row_params(8, temperature=0.5, top_k=5, top_p=0.9))
+    assert tokens.dtype == jnp.int32 and logprobs.dtype == jnp.float32
+    np.testing.assert_allclose(logprobs, log_softmax[np.arange(8), np.asarray(tokens)], rtol=1e-6)
+
+
+def test_token_is_independent_of_batch_composition_and_path() -> None:
+    """Four target rows give the same tokens alone, reordered, and beside a row forcing the sort path."""
+    logits = _logits(8, V, seed=1)
+    seeds = np.array([11, 12, 13, 14, 21, 22, 23, 24])
+    steps = np.array([0, 5, 9, 2, 1, 1, 1, 1])
+    temperature = jnp.array([1.0, 0.7, 1.3, 1.0, 1.0, 0.0, 1.0, 1.0])
+    top_k = jnp.array([-1, 20, -1, 40, -1, -1, 5, -1], jnp.int32)  # targets are rows 0..3
+    top_p = jnp.array([1.0, 1.0, 0.9, 0.8, 1.0, 1.0, 1.0, 0.3])
+
+    def run(rows: np.ndarray, top_k: jax.Array = top_k) -> np.ndarray:
+        tokens, _ = select(logits[rows], _keys(seeds[rows], steps[rows]), temperature[rows], top_k[rows], top_p[rows])
+        return np.asarray(tokens)
+
+    base = run(np.arange(8))
+    order = np.array([7, 3, 6, 0, 5, 2, 4, 1])
+    np.testing.assert_array_equal(run(order)[np.argsort(order)], base)
+    forced_sort = top_k.at[4].set(250)  # above k_cap: the whole batch takes the full-sort path
+    np.testing.assert_array_equal(run(np.arange(8), forced_sort)[:4], base[:4])
+    for row in range(4):
+        assert run(np.array([row]))[0] == base[row]
+
+
+def test_different_seeds_and_indices_give_different_tokens() -> None:
+    B = 256
+    logits = jnp.zeros((B, V), jnp.float32)
+    params = _row_params(B)
+    by_seed, _ = select(logits, _keys(np.arange(B), np.zeros(B)), **params)
+    other_seed, _ = select(logits, _keys(np.arange(B) + 1000, np.zeros(B)), **params)
+    other_step, _ = select(logits, _keys(np.arange(B), np.ones(B)), **params)
+    again, _ = select(logits, _keys(np.arange(B), np.zeros(B)), **params)
+    np.testing.assert_array_equal(by_seed, again)
+    # Uniform over V=300: two independent draws agree with probability 1/300.
+    assert np.mean(np.asarray(by_seed) == np.asarray(other_seed)) < 0.03
+    assert np.mean(np.asarray(by_seed) == np.asarray(other_step)) < 0.03
+    assert len(np.unique(np.asarray(by_seed))) > 150
+
+
+def _reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """softmax(logits/T) truncated to the top-k, then to the top-p nucleus, renormalised."""
+    probs = np.exp(logits / temperature - np.max(logits / temperature))
+    order = np.argsort(-probs, kind="stable")
+    keep = np.zeros_like(probs, dtype=bool)
+    keep[order[: top_k if top_k > 0 else len(probs)]] = True
+    probs = np.where(keep, probs, 0.0) / np.sum(np.where(keep, probs, 0.0))
+    ranked = probs[order]
+    nucleus = (np.cumsum(ranked) - ranked) < top_p
+    keep[order[~nucleus]] = False
+    return np.where(keep, probs, 0.0) / np.sum(np.where(keep, probs, 0.0))
+
+
+@pytest.mark.parametrize("force_sort", [False, True])
+def test_empirical_frequencies_match_truncated_distribution(force_sort: bool) -> None:
+    """4 configurations × 1500 draws in one call; k_cap=4 of V=16 so the call with a top_k=6 row sorts."""
+    V_small, N, k_cap = 16, 1500, 4
+    logit_row = np.linspace(2.0, -1.0, V_small)[np.random.default_rng(2).permutation(V_small)]
+    configs = [(1.0, 3, 1.0), (0.8, -1, 0.6), (1.2, 4, 0.7), (1.0, 6 if force_sort else -1, 1.0)]
+    # The nucleus of config 1 fits in the top-4 candidates, so without the top_k=6 row no sort runs.
+    assert np.sort(_reference(logit_row, 0.8, -1, 1.0))[::-1][:k_cap].sum() > 0.6 + 1e-3
+    temperature = jnp.repeat(jnp.array([c[0] for c in configs], jnp.float32), N)
+    top_k = jnp.repeat(jnp.array([c[1] for c in configs], jnp.int32), N)
+    top_p = jnp.repeat(jnp.array([c[2] for c in configs], jnp.float32), N)
+    logits = jnp.broadcast_to(jnp.asarray(logit_row, jnp.float32), (4 * N, V_small))
+    keys = _keys(np.arange(4 * N), np.zeros(4 * N))
+    tokens, _ = select(logits, keys, temperature, top_k, top_p, k_cap=k_cap)
+    tokens = np.asarray(tokens).reshape(4, N)
+    for group, (t, k, p) in enumerate(configs):
+        expected = _reference(logit_row, t, k, p)
+        counts = np.bincount(tokens[group], minlength=V_small)
+        assert counts[expected == 0].sum() == 0, f"config {group} sampled a filtered-out token"
+        allowed = expected > 0
+        chi2 = np.sum((counts[allowed] - N * expected[allowed]) ** 2 / (N * expected[allowed]))
+        dof = allowed.sum() - 1
+        assert chi2 < dof + 6 * np.sqrt(2 * dof) + 5, f"config {group}: chi2={chi2:.1f}, dof={dof}"
+
+
+PIECES = {0: "a", 1: "b", 2: "</", 3: "ans", 4: "wer", 5: ">", 6: "wer>tail", 7: "\n", 9: "<eos>"}
+EOS = 9
+
+
+def _decode(tokens: list[int] | tuple[int, ...]) -> str:
+    return "".join(PIECES[t] for t in tokens)
+
+
+def test_stop_token_is_included_and_later_tokens_dropped() -> None:
+    checker = StopChecker([EOS], [], _decode, max_tokens=10)
+    assert checker.check([0, 1], num_new=2) is None
+    assert checker.check([0, 1, 0, EOS, 1, 1], num_new=4) == Finish(4, "stop")
+
+
+def test_length_and_stop_at_the_last_allowed_token() -> None:
+    checker = StopChecker([EOS], [], _decode, max_tokens=4)
+    assert checker.check([0, 1, 0, 1, 0, 1], num_new=6) == Finish(4, "length")
+    assert checker.check([0, 1, 0, EOS], num_new=4) == Finish(4, "stop")
+    assert checker.check([0, 1, 0, 1, EOS], num_new=5) == Finish(4, "length")
+
+
+def test_stop_string_across_chunks_keeps_the_completing_tokens() -> None:
+    checker = StopChecker([], ["</answer>"], _decode, max_tokens=20)
+    row = [0, 2, 3]
+    assert checker.check(row, num_new=3) is None
+    row += [4, 5, 0, 1]
+    assert checker.check(row, num_new=4) == Finish(5, "stop")
+    # Completed inside a token: that whole token stays, text after the string included.
+    assert checker.check([1, 2, 3, 6, 0], num_new=5) == Finish(4, "stop")
+    # The earliest of a stop string and a stop token wins.
+    both = StopChecker([1], ["</answer>"], _decode, max_tokens=20)
+    assert both.check([0, 2, 3, 4, 5, 1], num_new=6) == Finish(5, "stop")
+    assert both.check([0, 1, 2, 3, 4, 5], num_new=6) == Finish(2, "stop")
+
+
+def test_stop_param_forms() -> None:
+    row = [0, EOS, 7, 7, 0]
+    assert StopChecker.from_stop_param(None, [EOS], _decode, 5).check(row, 5) == Finish(2, "stop")
+    assert StopChecker.from_stop_param([], [EOS], _decode, 5).check(row, 5) == Finish(5, "length")
+    assert StopChecker.from_stop_param("\n", [EOS], _decode, 5).check([0, 7, EOS], 3) == Finish(2, "stop")
+    assert StopChecker.from_stop_param(["x", "\n"], [EOS], _decode, 5).check(row, 5) == Finish(2, "stop")
+    assert StopChecker.from_stop_param([7], [EOS], _decode, 5).check([0, 7, EOS], 3) == Finish(2, "stop")
+    with pytest.raises(ValueError):
+        StopChecker.from_stop_param(["x", 7], [EOS], _decode, 5)  # type: ignore[list-item]
+
+
+def test_seeds_are_reproducible_and_distinct() -> None:
+    assert resolve_seed(-1, "r") == 2**64 - 1 and resolve_seed(5, "r") == 5
+    assert resolve_seed(None, "r") != resolve_seed(None, "r")
+    seeds = sample_seeds(5, 64)
+    assert seeds == sample_seeds(5, 64) and len(set(seeds)) == 64
+    assert all(0 <= s < 2**32 for s in seeds) and seeds[0] != sample_seeds(6, 1)[0]

@@ -1,0 +1,244 @@
+"""Per-row token selection for the jitted decode step, and host-side seeds and stop handling.
+
+Every row of a decode batch carries its own temperature, top-k, top-p and PRNG key, so one compiled
+program serves any mix of requests. The key of a row at generated-token index i is
+`fold_in(key(seed), i)`, and all randomness is Gumbel noise drawn per vocabulary id from that key: a row
+samples `argmax(logits / T + gumbel)` over the tokens its top-k/top-p filter allows. A token therefore
+depends only on (seed, index, the row's logits and parameters) — never on batch size, the row's position,
+its neighbours, or which of the code paths below computed the filter. Returned logprobs are the raw
+model logprobs `log_softmax(logits)[token]` (temperature 1, no truncation; protocol §8.2).
+
+Filtering cost (V up to ~152k, B up to 128): when no sampled row filters, no sort or top-k runs at all.
+Otherwise `lax.top_k` with a static cap (`k_cap`, default 64) gives the ranked candidates; that is exact
+for a row whose top_k is at most the cap, or whose top_p nucleus lies within the cap's probability mass.
+Only when some row is not covered does the batch fall back to one full-vocabulary sort. Both paths feed
+the same ranked filter, so the choice changes cost, not tokens. The per-row Gumbel draw over V is then
+the main cost (on CPU, B=32 × V=152k: ~0.26 s unfiltered or top_k=50, ~1.6 s with a full sort).
+Top-p applies after top-k, on the distribution renormalised over the top-k set (the Hugging Face / vLLM order).
+"""
+
+import logging
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_K_CAP = 64
+_MASS_MARGIN = 1e-4
+_MASK_64 = (1 << 64) - 1
+
+StopReason = Literal["stop", "length"]
+
+
+def row_keys(seeds: jax.Array, steps: jax.Array) -> jax.Array:
+    """PRNG keys [B] for rows with uint32 `seeds` [B] at generated-token indices `steps` [B]."""
+    return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seeds, steps)
+
+
+def select_tokens(
+    logits: jax.Array,
+    keys: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    *,
+    k_cap: int = DEFAULT_K_CAP,
+) -> tuple[jax.Array, jax.Array]:
+    """Choose one token per row from `logits` [B, V]; returns (tokens [B] int32, raw logprobs [B] float32).
+
+    `keys` [B] come from `row_keys`. temperature [B]: 0 (or below) is greedy argmax.
+    top_k [B] int32: <= 0 or >= V is off. top_p [B]: >= 1 is off.
+    `k_cap` is static: the widest top-k served without a full sort.
+    """
+    V = logits.shape[-1]
+    logits = logits.astype(jnp.float32)
+    greedy = temperature <= 0
+    scaled_BV = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    gumbel_BV = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys)
+    k_on = (top_k > 0) & (top_k < V)
+    p_on = top_p < 1
+    filtered = (k_on | p_on) & ~greedy
+    filters = _Filters(jnp.where(k_on, top_k, V), k_on, top_p, p_on)
+
+    def unfiltered() -> jax.Array:
+        return jnp.argmax(scaled_BV + gumbel_BV, axis=-1).astype(jnp.int32)
+
+    def with_filters() -> jax.Array:
+        picked = _filtered_draw(scaled_BV, gumbel_BV, filters, filtered, min(k_cap, V))
+        return jnp.where(filtered, picked, unfiltered())
+
+    sampled = lax.cond(jnp.any(filtered), with_filters, unfiltered)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), sampled)
+    logprobs_BV = jax.nn.log_softmax(logits, axis=-1)
+    return tokens, jnp.take_along_axis(logprobs_BV, tokens[:, None], axis=-1)[:, 0]
+
+
+@dataclass(frozen=True)
+class _Filters:
+    top_k: jax.Array  # [B] int32, V where off
+    k_on: jax.Array  # [B] bool
+    top_p: jax.Array  # [B] float
+    p_on: jax.Array  # [B] bool
+
+
+def _filtered_draw(
+    scaled_BV: jax.Array, gumbel_BV: jax.Array, filters: _Filters, filtered: jax.Array, k_cap: int
+) -> jax.Array:
+    """Tokens [B] for filtering rows: top-`k_cap` candidates when they cover every filtering row, else a sort."""
+    V = scaled_BV.shape[-1]
+    log_z_B = jax.nn.logsumexp(scaled_BV, axis=-1)
+
+    def full_sort() -> jax.Array:
+        ids_BV = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), scaled_BV.shape)
+        neg_sorted_BV, sorted_ids_BV = lax.sort_key_val(-scaled_BV, ids_BV, dimension=-1)
+        return _draw_ranked(-neg_sorted_BV, sorted_ids_BV, gumbel_BV, filters, log_z_B)
+
+    if k_cap >= V:
+        return full_sort()
+    cand_BK, cand_ids_BK = lax.top_k(scaled_BV, k_cap)
+    cap_mass_B = jnp.exp(jax.nn.logsumexp(cand_BK, axis=-1) - log_z_B)
+    # The margin keeps a nucleus that ends within rounding of the cap on the sort path, where it is exact.
+    nucleus_fits = filters.p_on & (cap_mass_B >= filters.top_p + _MASS_MARGIN)
+    covered = jnp.where(filters.k_on, filters.top_k <= k_cap, nucleus_fits)
+
+    def capped() -> jax.Array:
+        return _draw_ranked(cand_BK, cand_ids_BK, gumbel_BV, filters, log_z_B)
+
+    return lax.cond(jnp.all(covered | ~filtered), capped, full_sort)
+
+
+def _draw_ranked(
+    ranked_BK: jax.Array, ids_BK: jax.Array, gumbel_BV: jax.Array, filters: _Filters, log_z_B: jax.Array
+) -> jax.Array:
+    """Gumbel-max over the ranked candidates (descending) that survive top-k then top-p."""
+    rank_K = jnp.arange(ranked_BK.shape[-1])
+    keep_k_BK = rank_K[None, :] < filters.top_k[:, None]
+    masked_BK = jnp.where(keep_k_BK, ranked_BK, -jnp.inf)
+    # Top-p sees the distribution renormalised over the top-k set (full vocabulary when top-k is off).
+    log_norm_B = jnp.where(filters.k_on, jax.nn.logsumexp(masked_BK, axis=-1), log_z_B)
+    probs_BK = jnp.exp(masked_BK - log_norm_B[:, None])
+    mass_before_BK = jnp.cumsum(probs_BK, axis=-1) - probs_BK
+    keep_p_BK = (mass_before_BK < filters.top_p[:, None]) | ~filters.p_on[:, None] | (rank_K[None, :] == 0)
+    noise_BK = jnp.take_along_axis(gumbel_BV, ids_BK, axis=-1)
+    choice_B = jnp.argmax(jnp.where(keep_k_BK & keep_p_BK, ranked_BK + noise_BK, -jnp.inf), axis=-1)
+    return jnp.take_along_axis(ids_BK, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def _mix64(x: int) -> int:
+    """splitmix64 finaliser: a fixed, platform-independent 64-bit hash."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK_64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return x ^ (x >> 31)
+
+
+def resolve_seed(seed: int | None, request_id: str | int) -> int:
+    """The request's 64-bit seed: the user's `seed` (any int, folded into 64 bits), or a fresh random one.
+
+    A drawn seed is logged with `request_id` so that a sample can be replayed.
+    """
+    if seed is not None:
+        return seed & _MASK_64
+    drawn = secrets.randbits(64)
+    logger.info("request %s samples with seed %d", request_id, drawn)
+    return drawn
+
+
+def sample_seeds(seed: int, num_samples: int) -> list[int]:
+    """uint32 row seeds for the `num_samples` independent samples of one request seeded with `seed`."""
+    return [_mix64(_mix64(seed & _MASK_64) ^ index) & 0xFFFFFFFF for index in range(num_samples)]
+
+
+@dataclass(frozen=True)
+class Finish:
+    """A row is done: keep its first `num_tokens` generated tokens; `reason` is the wire stop_reason."""
+
+    num_tokens: int
+    reason: StopReason
+
+
+class StopChecker:
+    """Host-side end-of-generation test for the rows of one request, run after each decode chunk.
+
+    Protocol §8.2: generation stops when a stop token (EOS included) is sampled, or once the decoded
+    output contains a stop string. The tokens that triggered the stop — the stop token itself, or every
+    token up to and including the one that completes the stop string — ARE included in the returned
+    tokens; anything generated after them is dropped. A stop ends with reason "stop", also when it falls
+    on the max_tokens-th token; reaching max_tokens without one ends with "length".
+    """
+
+    def __init__(
+        self,
+        stop_token_ids: Sequence[int],
+        stop_strings: Sequence[str],
+        decode: Callable[[Sequence[int]], str],
+        max_tokens: int,
+    ) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.decode = decode
+        self.max_tokens = max_tokens
+        # A stop string of b UTF-8 bytes spans at most b tokens; a few more absorb a cut multi-byte
+        # character or a dropped leading space where the decoded window begins.
+        self._context = max((len(s.encode()) for s in self.stop_strings), default=0) + 4
+
+    @classmethod
+    def from_stop_param(
+        cls,
+        stop: str | Sequence[str] | Sequence[int] | None,
+        eos_token_ids: Sequence[int],
+        decode: Callable[[Sequence[int]], str],
+        max_tokens: int,
+    ) -> "StopChecker":
+        """Read the SamplingParams `stop` field: None → EOS only; [] → never stop before max_tokens;
+        token ids or strings → those, and EOS as well (§8.2 only says [] disables EOS)."""
+        if stop is None:
+            return cls(eos_token_ids, (), decode, max_tokens)
+        items: list[str | int] = [stop] if isinstance(stop, str) else list(stop)
+        if not items:
+            return cls((), (), decode, max_tokens)
+        strings = [item for item in items if isinstance(item, str)]
+        token_ids = [item for item in items if isinstance(item, int) and not isinstance(item, bool)]
+        if len(strings) == len(items):
+            return cls(eos_token_ids, strings, decode, max_tokens)
+        if len(token_ids) == len(items):
+            return cls([*eos_token_ids, *token_ids], (), decode, max_tokens)
+        raise ValueError("stop must be a string, a list of strings or a list of token ids")
+
+    def check(self, tokens: Sequence[int], num_new: int) -> Finish | None:
+        """Whether a row whose generated `tokens` end with `num_new` tokens from the last chunk is done."""
+        start = max(len(tokens) - num_new, 0)
+        end = min(len(tokens), self.max_tokens)
+        hits = [n for n in (self._token_stop(tokens, start, end), self._string_stop(tokens, start, end)) if n]
+        if hits:
+            return Finish(min(hits), "stop")
+        if len(tokens) >= self.max_tokens:
+            return Finish(self.max_tokens, "length")
+        return None
+
+    def _token_stop(self, tokens: Sequence[int], start: int, end: int) -> int | None:
+        for index in range(start, end):
+            if tokens[index] in self.stop_token_ids:
+                return index + 1
+        return None
+
+    def _string_stop(self, tokens: Sequence[int], start: int, end: int) -> int | None:
+        """Smallest n in (start, end] whose decoded prefix first contains a stop string."""
+        if not self.stop_strings or start >= end:
+            return None
+        first = max(start - self._context, 0)
+        if not self._contains_stop(tokens[first:end]):
+            return None
+        return next((n for n in range(start + 1, end + 1) if self._contains_stop(tokens[first:n])), end)
+
+    def _contains_stop(self, tokens: Sequence[int]) -> bool:
+        text = self.decode(tokens)
+        return any(s in text for s in self.stop_strings)
