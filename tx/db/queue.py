@@ -133,6 +133,10 @@ class SqlQueue:
         with Session(self.engine, expire_on_commit=False) as session:
             return session.get(FutureRow, int(future_id))
 
+    def get_by_key(self, dedupe_key: str) -> FutureRow | None:
+        with Session(self.engine, expire_on_commit=False) as session:
+            return session.exec(select(FutureRow).where(FutureRow.dedupe_key == dedupe_key)).first()
+
     async def wait_finished(self, future_id: str, timeout_s: float) -> FutureRow | None:
         """The future's row once finished, or as it is after `timeout_s`; None if unknown."""
         waiter = self.notifier.add_waiter(future_id)
@@ -215,7 +219,9 @@ class SqlQueue:
                 row.status, row.payload, row.completed_at = "failed", None, time.time()
                 row.error, row.error_category = "the server restarted before this request finished", "server"
                 self._mark_linked(session, str(row.id), "failed", None)
-            session.execute(update(TrainingRunRow).where(TrainingRunRow.status == "ready").values(status="unloaded"))
+            session.execute(
+                update(TrainingRunRow).where(col(TrainingRunRow.status) == "ready").values(status="unloaded")
+            )
             session.commit()
         return len(stale)
 

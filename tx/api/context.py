@@ -1,0 +1,130 @@
+"""Shared state of one API server and the helpers every route uses.
+
+`AppContext` bundles the settings, the database and what we know about the served model; routes
+reach it through the `Ctx` dependency and identify the caller through `Owner` (the `X-API-Key`
+header: any `tml-` key when no keys are configured, otherwise one of the configured keys).
+`submit` queues a request and shapes the "untyped future" reply; `user_error`/`not_found` raise
+HTTP errors whose JSON body names the problem (never an empty 400: the SDK would retry it).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+from fastapi import Depends, Header, HTTPException, Request
+from fastapi.concurrency import run_in_threadpool
+from sqlmodel import SQLModel
+
+from tx.db import Database, DuplicateRequestError, owner_of
+from tx.db.tables import TrainingRunRow
+from tx.protocol import ModelInfo, Payload
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Server options (from the CLI)."""
+
+    data_dir: Path = Path("./smolgym-data")
+    api_keys: frozenset[str] = frozenset()
+    retrieve_hold_s: float = 25.0
+    default_max_tokens: int = 512
+    max_num_samples: int = 128
+    max_topk_logprobs: int = 20
+    archive_url_ttl_s: float = 3600.0
+
+
+@dataclass
+class AppContext:
+    settings: Settings
+    db: Database
+    model_info: ModelInfo
+    downloads: dict[str, tuple[Path, float]] = field(default_factory=dict)
+
+    def issue_download(self, directory: Path) -> str:
+        """A one-off unauthenticated token for downloading `directory` as a tar archive."""
+        token = secrets.token_urlsafe(24)
+        self.downloads[token] = (directory, time.time() + self.settings.archive_url_ttl_s)
+        return token
+
+
+def get_ctx(request: Request) -> AppContext:
+    ctx: AppContext = request.app.state.ctx
+    return ctx
+
+
+Ctx = Annotated[AppContext, Depends(get_ctx)]
+
+
+def get_owner(ctx: Ctx, x_api_key: Annotated[str | None, Header()] = None) -> str:
+    if not x_api_key:
+        raise HTTPException(401, detail="missing X-API-Key header")
+    allowed = ctx.settings.api_keys
+    if (allowed and x_api_key not in allowed) or (not allowed and not x_api_key.startswith("tml-")):
+        raise HTTPException(401, detail="invalid API key (set TINKER_API_KEY to a key this server accepts)")
+    return owner_of(x_api_key)
+
+
+Owner = Annotated[str, Depends(get_owner)]
+
+
+def user_error(message: str) -> NoReturn:
+    raise HTTPException(400, detail=message)
+
+
+def not_found(message: str) -> NoReturn:
+    raise HTTPException(404, detail=message)
+
+
+def future_reply(future_id: str, model_id: str | None = None, sequence_ids: list[str] | None = None) -> dict[str, Any]:
+    reply: dict[str, Any] = {"request_id": future_id}
+    if model_id is not None:
+        reply["model_id"] = model_id
+    if sequence_ids:
+        reply["sample_sequence_ids"] = sequence_ids
+    return reply
+
+
+async def submit(
+    ctx: AppContext,
+    *,
+    kind: str,
+    payload: Payload,
+    owner: str,
+    model_id: str | None,
+    seq_id: int | None = None,
+    dedupe_key: str | None = None,
+    sequence_ids: list[str] | None = None,
+    rows: list[SQLModel] | None = None,
+) -> dict[str, Any]:
+    """Queue one request (off the event loop) and return the future reply."""
+    try:
+        submitted = await run_in_threadpool(
+            ctx.db.queue.submit,
+            kind=kind,
+            payload=payload,
+            owner=owner,
+            model_id=model_id,
+            seq_id=seq_id,
+            dedupe_key=dedupe_key,
+            sequence_ids=sequence_ids or [],
+            rows=rows or [],
+        )
+    except DuplicateRequestError as exc:
+        user_error(str(exc))
+    return future_reply(submitted.future_id, model_id if kind != "sample" else None, submitted.sequence_ids)
+
+
+def usable_run(ctx: AppContext, model_id: str, owner: str) -> TrainingRunRow:
+    """The caller's training run, or a 4xx explaining why it cannot take requests."""
+    run = ctx.db.records.get_run(model_id, owner)
+    if run is None:
+        not_found(f"unknown model_id {model_id!r}")
+    if run.status == "failed":
+        user_error(f"model {model_id!r} failed to be created; see the create_model error")
+    if run.status == "unloaded":
+        user_error(f"model {model_id!r} is unloaded (server restart or unload_model); load a checkpoint to continue")
+    return run

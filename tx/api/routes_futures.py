@@ -1,0 +1,46 @@
+"""`POST /retrieve_future`: the long poll every SDK call ends in.
+
+The route holds the request until the future finishes (woken by the engine's completion, not by
+polling) or `retrieve_hold_s` (25 s, below the client's 45 s timeout) passes, then answers 408 with
+a JSON body, which the SDK re-polls at once. Failures are HTTP 200 `{"error", "category"}` (the SDK
+raises `RequestFailedError`). Results stay stored, so a repeated poll gets the same answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response
+
+from tx.api.context import Ctx, Owner, not_found
+from tx.api.schemas import RetrieveFutureRequest
+from tx.api.wire_encode import result_json, result_proto, wants_proto
+from tx.db import codec
+from tx.db.tables import FutureRow
+
+router = APIRouter(prefix="/api/v1")
+
+PROTO_MEDIA_TYPE = "application/x-protobuf"
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(body: RetrieveFutureRequest, request: Request, ctx: Ctx, owner: Owner) -> Response:
+    row = await ctx.db.queue.wait_finished(body.request_id, ctx.settings.retrieve_hold_s)
+    if row is None or row.owner != owner:
+        not_found(f"unknown request_id {body.request_id!r}")
+    if row.status == "failed":
+        return JSONResponse({"error": row.error or "request failed", "category": row.error_category or "unknown"})
+    if row.status != "done":
+        pending = {"detail": "request still pending", "type": "try_again", "request_id": body.request_id}
+        return JSONResponse({**pending, "queue_state": "active"}, status_code=408)
+    return await run_in_threadpool(_render, row, request.headers.get("accept"))
+
+
+def _render(row: FutureRow, accept: str | None) -> Response:
+    result = codec.decode(row.result or b"null")
+    if wants_proto(accept, result):
+        return Response(result_proto(result), media_type=PROTO_MEDIA_TYPE)
+    payload: dict[str, Any] = result_json(result)
+    return JSONResponse(payload)

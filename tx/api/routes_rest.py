@@ -1,0 +1,170 @@
+"""REST endpoints over runs and checkpoints: listing, info, delete, publish, TTL, archive download.
+
+All lookups are scoped to the caller's key: another key's run or checkpoint answers 404. Checkpoint
+ids in paths contain a slash (`weights/step-10`), hence the `{kind}/{name}` route segments. The
+archive endpoint (SDK <= 0.33 download) redirects to a one-off, unauthenticated tar download URL.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import RedirectResponse, Response
+
+from tx.api.context import AppContext, Ctx, Owner, not_found, user_error
+from tx.api.paths import KIND_TO_TYPE
+from tx.api.schemas import TtlRequest
+from tx.db.tables import CheckpointRow, TrainingRunRow, utcnow
+
+router = APIRouter(prefix="/api/v1")
+
+
+def _iso(moment: datetime | None) -> str | None:
+    if moment is None:
+        return None
+    aware = moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+    return aware.isoformat().replace("+00:00", "Z")
+
+
+def checkpoint_json(row: CheckpointRow) -> dict[str, Any]:
+    return {
+        "checkpoint_id": row.checkpoint_id,
+        "checkpoint_type": row.checkpoint_type,
+        "time": _iso(row.created_at),
+        "tinker_path": row.tinker_path,
+        "size_bytes": row.size_bytes,
+        "public": row.public,
+        "expires_at": _iso(row.expires_at),
+        "user_metadata": json.loads(row.user_metadata_json) or None,
+    }
+
+
+def run_json(ctx: AppContext, run: TrainingRunRow, owner: str) -> dict[str, Any]:
+    checkpoints, _ = ctx.db.records.list_checkpoints(owner, run.id, 1000, 0)
+    latest = {
+        kind: next((c for c in checkpoints if c.checkpoint_type == kind), None) for kind in ("training", "sampler")
+    }
+    return {
+        "training_run_id": run.id,
+        "base_model": run.base_model,
+        "model_owner": owner,
+        "is_lora": run.lora_rank is not None,
+        "corrupted": False,
+        "lora_rank": run.lora_rank,
+        "last_request_time": _iso(run.last_request_at),
+        "last_checkpoint": checkpoint_json(latest["training"]) if latest["training"] else None,
+        "last_sampler_checkpoint": checkpoint_json(latest["sampler"]) if latest["sampler"] else None,
+        "user_metadata": json.loads(run.user_metadata_json) or None,
+    }
+
+
+@router.get("/training_runs")
+def list_training_runs(ctx: Ctx, owner: Owner, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+    runs, total = ctx.db.records.list_runs(owner, limit, offset)
+    cursor = {"offset": offset, "limit": limit, "total_count": total}
+    return {"training_runs": [run_json(ctx, run, owner) for run in runs], "cursor": cursor}
+
+
+@router.get("/training_runs/{run_id}")
+def get_training_run(run_id: str, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    run = ctx.db.records.get_run(run_id, owner)
+    if run is None or run.status in ("pending", "failed"):
+        not_found(f"unknown training run {run_id!r}")
+    return run_json(ctx, run, owner)
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+@router.get("/models/{run_id}/checkpoints")
+def list_run_checkpoints(run_id: str, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    if ctx.db.records.get_run(run_id, owner) is None:
+        not_found(f"unknown training run {run_id!r}")
+    rows, total = ctx.db.records.list_checkpoints(owner, run_id, 10_000, 0)
+    return {
+        "checkpoints": [checkpoint_json(r) for r in rows],
+        "cursor": {"offset": 0, "limit": len(rows), "total_count": total},
+    }
+
+
+@router.get("/checkpoints")
+def list_user_checkpoints(ctx: Ctx, owner: Owner, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+    rows, total = ctx.db.records.list_checkpoints(owner, None, limit, offset)
+    return {
+        "checkpoints": [checkpoint_json(r) for r in rows],
+        "cursor": {"offset": offset, "limit": limit, "total_count": total},
+    }
+
+
+def _owned_checkpoint(ctx: AppContext, run_id: str, kind: str, name: str, owner: str) -> CheckpointRow:
+    if kind not in KIND_TO_TYPE:
+        user_error(f"checkpoint id must start with 'weights/' or 'sampler_weights/', got {kind + '/' + name!r}")
+    row = ctx.db.records.get_checkpoint(run_id, f"{kind}/{name}", owner)
+    if row is None:
+        not_found(f"unknown checkpoint {kind}/{name} of training run {run_id!r}")
+    return row
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}", status_code=204)
+def delete_checkpoint(run_id: str, kind: str, name: str, ctx: Ctx, owner: Owner) -> Response:
+    row = _owned_checkpoint(ctx, run_id, kind, name, owner)
+    ctx.db.records.delete_checkpoint(row)
+    shutil.rmtree(row.directory, ignore_errors=True)
+    return Response(status_code=204)
+
+
+@router.post("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", status_code=204)
+def publish_checkpoint(run_id: str, kind: str, name: str, ctx: Ctx, owner: Owner) -> Response:
+    ctx.db.records.update_checkpoint(_owned_checkpoint(ctx, run_id, kind, name, owner), public=True)
+    return Response(status_code=204)
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", status_code=204)
+def unpublish_checkpoint(run_id: str, kind: str, name: str, ctx: Ctx, owner: Owner) -> Response:
+    ctx.db.records.update_checkpoint(_owned_checkpoint(ctx, run_id, kind, name, owner), public=False)
+    return Response(status_code=204)
+
+
+@router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl", status_code=204)
+def set_checkpoint_ttl(run_id: str, kind: str, name: str, body: TtlRequest, ctx: Ctx, owner: Owner) -> Response:
+    row = _owned_checkpoint(ctx, run_id, kind, name, owner)
+    expires = utcnow() + timedelta(seconds=body.ttl_seconds) if body.ttl_seconds else None
+    ctx.db.records.update_checkpoint(row, expires_at=expires)
+    return Response(status_code=204)
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/archive")
+def checkpoint_archive(run_id: str, kind: str, name: str, request: Request, ctx: Ctx, owner: Owner) -> Response:
+    row = _owned_checkpoint(ctx, run_id, kind, name, owner)
+    token = ctx.issue_download(Path(row.directory))
+    url = str(request.url_for("download_archive", token=token))
+    expires = datetime.now(UTC) + timedelta(seconds=ctx.settings.archive_url_ttl_s)
+    return RedirectResponse(url, status_code=302, headers={"Expires": expires.strftime("%a, %d %b %Y %H:%M:%S GMT")})
+
+
+@router.get("/archive_downloads/{token}", name="download_archive")
+async def download_archive(token: str, ctx: Ctx) -> Response:
+    entry = ctx.downloads.get(token)
+    if entry is None or entry[1] < time.time():
+        not_found("unknown or expired download link")
+    directory = entry[0]
+    if not directory.is_dir():
+        not_found("the checkpoint files are gone")
+    data = await run_in_threadpool(_tar_bytes, directory)
+    headers = {"Content-Disposition": f'attachment; filename="{directory.name}.tar"'}
+    return Response(data, media_type="application/x-tar", headers=headers)
+
+
+def _tar_bytes(directory: Path) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for path in sorted(directory.rglob("*")):
+            tar.add(path, arcname=str(path.relative_to(directory)), recursive=False)
+    return buffer.getvalue()

@@ -1,0 +1,98 @@
+"""Sampling endpoints: create_sampling_session, samplers/{id}, asample.
+
+A sampling session pins the weights it samples: the base model, a named checkpoint (sampler or
+training) or an ephemeral snapshot made by `save_weights_for_sampler`. `asample` answers with the
+future id and `sample_sequence_ids` (one per requested sample, required by SDK 0.26+); samples are
+deduplicated by `(sampling_session_id, seq_id)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from tx.api import schemas, validate
+from tx.api.context import AppContext, Ctx, Owner, not_found, submit, user_error
+from tx.api.routes_weights import resolve_checkpoint
+from tx.api.wire_decode import model_input_tokens, sampling_params
+from tx.db.tables import SamplingSessionRow
+from tx.protocol import SampleRequest, WeightsRef
+
+router = APIRouter(prefix="/api/v1")
+
+_UNSUPPORTED = {
+    "topk_sample_logprobs": lambda b: b.topk_sample_logprobs > 0,
+    "target_prompt_logprobs": lambda b: b.target_prompt_logprobs is not None,
+    "prompt_alt_tokens_k": lambda b: b.prompt_alt_tokens_k > 0,
+    "prompt_logprobs_last_n": lambda b: b.prompt_logprobs_last_n is not None,
+    "record_stability_info": lambda b: b.record_stability_info,
+}
+
+
+@router.post("/create_sampling_session")
+def create_sampling_session(body: schemas.CreateSamplingSessionRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    if ctx.db.records.get_session(body.session_id, owner) is None:
+        not_found(f"unknown session_id {body.session_id!r}")
+    sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
+    row = SamplingSessionRow(
+        id=sampler_id, session_id=body.session_id, owner=owner, base_model=ctx.model_info.base_model
+    )
+    if body.model_path:
+        path, ckpt = resolve_checkpoint(ctx, body.model_path, owner)
+        row.model_path, row.model_id, row.snapshot_id = str(path), path.run_id, str(path)
+        row.checkpoint_dir, row.checkpoint_type = ckpt.directory, ckpt.checkpoint_type
+    else:
+        validate.check_base_model(body.base_model, ctx.model_info)
+    ctx.db.records.add_sampling_session(row)
+    return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+
+
+@router.get("/samplers/{sampler_id}")
+def get_sampler(sampler_id: str, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    row = ctx.db.records.get_sampling_session(sampler_id, owner)
+    if row is None:
+        not_found(f"unknown sampler_id {sampler_id!r}")
+    return {"sampler_id": row.id, "base_model": row.base_model, "model_path": row.model_path}
+
+
+def _weights_of(ctx: AppContext, sampler: SamplingSessionRow) -> WeightsRef | None:
+    if sampler.snapshot_id is None:
+        return None
+    if sampler.checkpoint_dir is None:  # ephemeral: exists only once its save succeeded
+        snapshot = ctx.db.records.get_snapshot(sampler.snapshot_id)
+        if snapshot is None or snapshot.status == "failed":
+            user_error(f"sampler {sampler.id!r} has no weights: its save_weights_for_sampler failed")
+    if sampler.checkpoint_type == "training":
+        return WeightsRef(sampler.snapshot_id, sampler.model_id, sampler.checkpoint_dir, "training")
+    return WeightsRef(sampler.snapshot_id, sampler.model_id, sampler.checkpoint_dir, "sampler")
+
+
+@router.post("/asample")
+async def asample(body: schemas.SampleRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    for name, is_set in _UNSUPPORTED.items():
+        if is_set(body):
+            user_error(f"{name} is not supported by this server")
+    if body.sampling_session_id is None:
+        user_error("sampling_session_id is required (SDK 0.3+ creates one with create_sampling_session)")
+    sampler = ctx.db.records.get_sampling_session(body.sampling_session_id, owner)
+    if sampler is None:
+        not_found(f"unknown sampling_session_id {body.sampling_session_id!r}")
+    seq = body.seq_id
+    sequence_ids = [f"{sampler.id}:{seq if seq is not None else 'x'}:{i}" for i in range(body.num_samples)]
+    request = SampleRequest(
+        prompt=model_input_tokens(body.prompt, "prompt"),
+        num_samples=body.num_samples,
+        params=sampling_params(body.sampling_params, ctx.settings.default_max_tokens),
+        base_model=sampler.base_model,
+        weights=_weights_of(ctx, sampler),
+        prompt_logprobs=body.prompt_logprobs,
+        topk_prompt_logprobs=body.topk_prompt_logprobs,
+        sequence_ids=sequence_ids,
+    )
+    settings = ctx.settings
+    validate.check_sample(request, ctx.model_info, settings.max_num_samples, settings.max_topk_logprobs)
+    return await submit(
+        ctx, kind="sample", payload=request, owner=owner, model_id=sampler.id, seq_id=seq,
+        dedupe_key=f"{sampler.id}#{seq}" if seq is not None else None, sequence_ids=sequence_ids,
+    )  # fmt: skip

@@ -1,0 +1,95 @@
+"""Bootstrap and session endpoints: client config, health, capabilities, telemetry, sessions.
+
+`POST /client/config` is mandatory for SDK 0.18+; the flags we return route every SDK version from
+0.19 on through the 0.38 code paths (protobuf forward_backward, forward via `forward_only`,
+create-via-load). Heartbeats of finished or expired sessions get HTTP 410, which stops the
+client's heartbeat loop.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, HTTPException
+
+from tx.api.context import Ctx, Owner, not_found
+from tx.api.schemas import ClientConfigRequest, CreateSessionRequest, FinishSessionRequest, SessionRef
+
+router = APIRouter(prefix="/api/v1")
+
+CLIENT_CONFIG: dict[str, Any] = {
+    "pjwt_auth_enabled": False,
+    "proto_write_fwdbwd": True,
+    "fwd_via_fwdbwd": True,
+    "proto_compress_fwdbwd": False,
+    "create_model_via_load_weights": True,
+    "parallel_fwdbwd_chunks": True,
+    "sample_use_retrieve_futures": False,
+    "custom_loss_server_side": False,
+    "sample_join_sampling_session": False,
+}
+
+
+@router.post("/client/config")
+def client_config(_body: ClientConfigRequest, _owner: Owner) -> dict[str, Any]:
+    return CLIENT_CONFIG
+
+
+@router.get("/healthz")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/get_server_capabilities")
+def capabilities(ctx: Ctx) -> dict[str, Any]:
+    info = ctx.model_info
+    model = {
+        "model_name": info.base_model,
+        "max_context_length": info.max_seq_len,
+        "trainable": True,
+        "sampleable": True,
+    }
+    return {"supported_models": [model]}
+
+
+@router.post("/telemetry")
+def telemetry() -> dict[str, str]:
+    return {"status": "accepted"}
+
+
+@router.post("/create_session")
+def create_session(body: CreateSessionRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    session_id = ctx.db.records.create_session(owner, body.tags, body.user_metadata or {}, body.sdk_version)
+    return {"session_id": session_id, "type": "create_session"}
+
+
+@router.post("/session_heartbeat")
+def session_heartbeat(body: SessionRef, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    state = ctx.db.records.heartbeat(body.session_id, owner)
+    if state == "missing":
+        not_found(f"unknown session_id {body.session_id!r}")
+    if state == "gone":
+        raise HTTPException(410, detail=f"session {body.session_id!r} is finished or expired")
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+def finish_session(session_id: str, body: FinishSessionRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    if not ctx.db.records.finish_session(session_id, owner, body.reason.type):
+        not_found(f"unknown session_id {session_id!r}")
+    return {"session_id": session_id, "status": "finished"}
+
+
+@router.get("/sessions")
+def list_sessions(ctx: Ctx, owner: Owner, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+    return {"sessions": ctx.db.records.list_sessions(owner, limit, offset)}
+
+
+@router.get("/sessions/{session_id}")
+def get_session(session_id: str, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    row = ctx.db.records.get_session(session_id, owner)
+    if row is None:
+        not_found(f"unknown session_id {session_id!r}")
+    runs, samplers = ctx.db.records.session_children(session_id)
+    return {"training_run_ids": runs, "sampler_ids": samplers, "user_metadata": json.loads(row.user_metadata_json)}

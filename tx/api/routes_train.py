@@ -1,0 +1,184 @@
+"""Training endpoints that queue work: create_model, forward_backward, forward, optim_step, unload.
+
+`forward_backward` takes a protobuf body (optionally zstd) from SDK 0.19+ and JSON from older ones;
+`/forward` is the legacy JSON forward. Every body is decoded and validated here, so the queue only
+ever holds requests the engine can run. Model ids are `{session_id}:train:{model_seq_id}`, and a
+run's requests are deduplicated by `(model_id, seq_id)`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+
+from tx.api import schemas, validate
+from tx.api.context import AppContext, Ctx, Owner, not_found, submit, usable_run, user_error
+from tx.api.wire_decode import WireError, decompress, parse_forward_backward_json, parse_forward_backward_proto
+from tx.db.tables import TrainingRunRow
+from tx.protocol import (
+    AdamParams,
+    CreateModelRequest,
+    ForwardBackwardRequest,
+    LoraConfig,
+    OptimStepRequest,
+    UnloadModelRequest,
+)
+
+router = APIRouter(prefix="/api/v1")
+
+LORA_ALPHA = 32.0
+
+
+def _seq_key(model_id: str, seq_id: int | None) -> str | None:
+    return f"{model_id}#{seq_id}" if seq_id else None
+
+
+@router.post("/create_model")
+async def create_model(body: schemas.CreateModelRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    session = ctx.db.records.get_session(body.session_id, owner)
+    if session is None:
+        not_found(f"unknown session_id {body.session_id!r}")
+    if session.status != "active":
+        user_error(f"session {body.session_id!r} is {session.status}; start a new ServiceClient")
+    validate.check_base_model(body.base_model, ctx.model_info)
+    lora_in = body.lora_config
+    validate.check_lora_rank(lora_in.rank, ctx.model_info)
+    if not (lora_in.train_attn or lora_in.train_mlp or lora_in.train_unembed):
+        user_error("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
+    if body.optimizer_config is not None and body.optimizer_config.type != "adamw":
+        user_error(f"optimizer_config.type {body.optimizer_config.type!r} is not supported (only 'adamw')")
+    lora = LoraConfig(
+        lora_in.rank, LORA_ALPHA, lora_in.train_attn, lora_in.train_mlp, lora_in.train_unembed, lora_in.seed
+    )
+    model_id = f"{body.session_id}:train:{body.model_seq_id}"
+    run = new_run_row(model_id, body.session_id, owner, body.base_model, lora, body.user_metadata or {})
+    payload = CreateModelRequest(body.base_model, lora, body.user_metadata or {})
+    return await submit(
+        ctx,
+        kind="create_model",
+        payload=payload,
+        owner=owner,
+        model_id=model_id,
+        dedupe_key=f"{model_id}#create",
+        rows=[run],
+    )
+
+
+def new_run_row(
+    model_id: str, session_id: str, owner: str, base_model: str, lora: LoraConfig | None, meta: dict[str, str]
+) -> TrainingRunRow:
+    return TrainingRunRow(
+        id=model_id,
+        session_id=session_id,
+        owner=owner,
+        base_model=base_model,
+        lora_rank=lora.rank if lora else None,
+        lora_alpha=lora.alpha if lora else None,
+        train_attn=lora.train_attn if lora else True,
+        train_mlp=lora.train_mlp if lora else True,
+        train_unembed=lora.train_unembed if lora else True,
+        user_metadata_json=json.dumps(meta),
+    )
+
+
+@router.post("/get_info")
+def get_info(body: schemas.ModelRef, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    run = ctx.db.records.get_run(body.model_id, owner)
+    if run is None:
+        not_found(f"unknown model_id {body.model_id!r}")
+    info = ctx.model_info
+    model_data = {"model_name": run.base_model, "tokenizer_id": info.tokenizer_id, "arch": info.arch or None}
+    reply: dict[str, Any] = {"model_id": run.id, "model_data": model_data, "is_lora": run.lora_rank is not None}
+    if run.lora_rank is not None:
+        reply["lora_rank"] = run.lora_rank
+    reply.update(model_name=run.base_model, optimizer_config={"type": "adamw"}, type="get_info")
+    return reply
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    raw = await request.body()
+    content_type = request.headers.get("content-type", "")
+    if "application/x-protobuf" in content_type:
+        encoding = request.headers.get("content-encoding")
+        model_id, seq_id, payload = await run_in_threadpool(_decode_proto, raw, encoding)
+        return await _submit_pass(ctx, owner, model_id, seq_id, payload)
+    body = _json_object(raw)
+    return await _submit_json_pass(ctx, owner, body, "forward_backward_input")
+
+
+@router.post("/forward")
+async def forward(request: Request, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    return await _submit_json_pass(ctx, owner, _json_object(await request.body()), "forward_input")
+
+
+def _decode_proto(raw: bytes, encoding: str | None) -> tuple[str, int, ForwardBackwardRequest]:
+    message, payload = parse_forward_backward_proto(decompress(raw, encoding))
+    return message.model_id, int(message.seq_id), payload
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise WireError(f"body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise WireError("body must be a JSON object")
+    return body
+
+
+async def _submit_json_pass(ctx: AppContext, owner: str, body: dict[str, Any], key: str) -> dict[str, Any]:
+    model_id = body.get("model_id")
+    if not isinstance(model_id, str):
+        raise WireError("missing string field 'model_id'")
+    seq_id = body.get("seq_id")
+    payload = await run_in_threadpool(parse_forward_backward_json, body, key)
+    return await _submit_pass(ctx, owner, model_id, seq_id if isinstance(seq_id, int) else None, payload)
+
+
+async def _submit_pass(
+    ctx: AppContext, owner: str, model_id: str, seq_id: int | None, payload: ForwardBackwardRequest
+) -> dict[str, Any]:
+    if not model_id:
+        raise WireError("missing model_id")
+    usable_run(ctx, model_id, owner)
+    await run_in_threadpool(validate.check_forward_backward, payload, ctx.model_info)
+    kind = "forward" if payload.forward_only else "forward_backward"
+    return await submit(
+        ctx,
+        kind=kind,
+        payload=payload,
+        owner=owner,
+        model_id=model_id,
+        seq_id=seq_id,
+        dedupe_key=_seq_key(model_id, seq_id),
+    )
+
+
+@router.post("/optim_step")
+async def optim_step(body: schemas.OptimStepRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    if body.optimizer_params is not None:
+        kind = body.optimizer_params.get("type", "unknown")
+        user_error(f"optimizer {kind!r} is not supported; use adam_params (AdamW)")
+    params = body.adam_params or body.optim_params or schemas.AdamParamsIn()
+    adam = AdamParams(**params.model_dump())
+    validate.check_adam(adam)
+    usable_run(ctx, body.model_id, owner)
+    return await submit(
+        ctx,
+        kind="optim_step",
+        payload=OptimStepRequest(adam),
+        owner=owner,
+        model_id=body.model_id,
+        seq_id=body.seq_id,
+        dedupe_key=_seq_key(body.model_id, body.seq_id),
+    )
+
+
+@router.post("/unload_model")
+async def unload_model(body: schemas.ModelRef, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    usable_run(ctx, body.model_id, owner)
+    return await submit(ctx, kind="unload_model", payload=UnloadModelRequest(), owner=owner, model_id=body.model_id)

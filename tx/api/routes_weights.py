@@ -1,0 +1,184 @@
+"""Checkpoint endpoints that queue work: save_weights, save_weights_for_sampler, load_weights.
+
+Saves name their checkpoint `tinker://{run}/weights/{name}` (adapter + optimizer) or
+`.../sampler_weights/{name}` (weights only); an ephemeral sampler save (no name) creates the
+sampling session `{session}:sample:{n}` directly. `load_weights` has two addressings: the legacy
+one loads into an existing run (`model_id` + `seq_id`), the SDK 0.38 create-from-state one creates
+run `{session_id}:train:{model_seq_id}` with the checkpoint's LoRA shape and loads into it.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+from fastapi import APIRouter
+from sqlmodel import SQLModel
+
+from tx.api import schemas, validate
+from tx.api.context import AppContext, Ctx, Owner, not_found, submit, usable_run, user_error
+from tx.api.paths import TinkerPath, checkpoint_dir, parse_tinker_path
+from tx.api.routes_train import new_run_row
+from tx.db.tables import CheckpointRow, SamplerSnapshotRow, SamplingSessionRow, TrainingRunRow, utcnow
+from tx.protocol import LoadStateRequest, LoadWeightsRequest, LoraConfig, SaveSamplerRequest, SaveStateRequest
+
+router = APIRouter(prefix="/api/v1")
+
+MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 86400
+
+
+def _checkpoint_row(
+    ctx: AppContext, path: TinkerPath, owner: str, ttl: int | None, meta: dict[str, str] | None
+) -> CheckpointRow:
+    if ttl is not None and not MIN_TTL_S <= ttl <= MAX_TTL_S:
+        user_error(f"ttl_seconds {ttl} is outside [{MIN_TTL_S}, {MAX_TTL_S}]")
+    return CheckpointRow(
+        run_id=path.run_id,
+        checkpoint_id=path.checkpoint_id,
+        checkpoint_type=path.checkpoint_type,
+        tinker_path=str(path),
+        owner=owner,
+        directory=str(checkpoint_dir(ctx.settings.data_dir, path)),
+        expires_at=utcnow() + timedelta(seconds=ttl) if ttl else None,
+        user_metadata_json=json.dumps(meta or {}),
+    )
+
+
+def _claim_name(ctx: AppContext, path: TinkerPath, owner: str, overwrite: bool) -> None:
+    """Free the checkpoint name, or refuse if it is taken and the caller did not ask to overwrite."""
+    validate.check_checkpoint_name(path.name)
+    existing = ctx.db.records.get_checkpoint(path.run_id, path.checkpoint_id, owner, ready=False)
+    if existing is None:
+        return
+    if not overwrite:
+        user_error(f"checkpoint {path.checkpoint_id!r} already exists for {path.run_id!r} (pass overwrite=True)")
+    ctx.db.records.delete_checkpoint(existing)
+
+
+@router.post("/save_weights")
+async def save_weights(body: schemas.SaveWeightsRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    usable_run(ctx, body.model_id, owner)
+    path = TinkerPath(body.model_id, "weights", body.path or f"seq-{body.seq_id or 0}")
+    dedupe = f"{body.model_id}#{body.seq_id}" if body.seq_id else None
+    if dedupe is None or ctx.db.queue.get_by_key(dedupe) is None:
+        _claim_name(ctx, path, owner, body.overwrite)
+    row = _checkpoint_row(ctx, path, owner, body.ttl_seconds, body.user_metadata)
+    payload = SaveStateRequest(path.name, row.directory, str(path))
+    return await submit(
+        ctx, kind="save_state", payload=payload, owner=owner, model_id=body.model_id, seq_id=body.seq_id,
+        dedupe_key=dedupe, rows=[row],
+    )  # fmt: skip
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(
+    body: schemas.SaveWeightsForSamplerRequest, ctx: Ctx, owner: Owner
+) -> dict[str, Any]:
+    run = usable_run(ctx, body.model_id, owner)
+    dedupe = f"{body.model_id}#{body.seq_id}" if body.seq_id else None
+    fresh = dedupe is None or ctx.db.queue.get_by_key(dedupe) is None
+    rows: list[SQLModel]
+    if body.path:
+        path = TinkerPath(body.model_id, "sampler_weights", body.path)
+        if fresh:
+            _claim_name(ctx, path, owner, overwrite=True)
+        ckpt = _checkpoint_row(ctx, path, owner, body.ttl_seconds, body.user_metadata)
+        payload = SaveSamplerRequest(str(path), body.kind, path.name, ckpt.directory, str(path))
+        rows = [
+            ckpt,
+            SamplerSnapshotRow(id=str(path), model_id=run.id, owner=owner, kind=body.kind, tinker_path=str(path)),
+        ]
+    elif body.sampling_session_seq_id is not None:
+        sampler_id = f"{run.session_id}:sample:{body.sampling_session_seq_id}"
+        payload = SaveSamplerRequest(sampler_id, body.kind)
+        rows = [] if not fresh else _ephemeral_rows(run, sampler_id, owner, body.kind)
+    else:
+        user_error("save_weights_for_sampler needs a path (named checkpoint) or a sampling_session_seq_id")
+    return await submit(
+        ctx, kind="save_weights_for_sampler", payload=payload, owner=owner, model_id=body.model_id,
+        seq_id=body.seq_id, dedupe_key=dedupe, rows=rows,
+    )  # fmt: skip
+
+
+def _ephemeral_rows(run: TrainingRunRow, sampler_id: str, owner: str, kind: str) -> list[SQLModel]:
+    snapshot = SamplerSnapshotRow(id=sampler_id, model_id=run.id, owner=owner, kind=kind)
+    sampler = SamplingSessionRow(
+        id=sampler_id, session_id=run.session_id, owner=owner, base_model=run.base_model, model_id=run.id,
+        snapshot_id=sampler_id,
+    )  # fmt: skip
+    return [snapshot, sampler]
+
+
+def resolve_checkpoint(ctx: AppContext, tinker_path: str, owner: str) -> tuple[TinkerPath, CheckpointRow]:
+    path = parse_tinker_path(tinker_path)
+    if path is None:
+        user_error(f"{tinker_path!r} is not a checkpoint path (tinker://<run>/weights|sampler_weights/<name>)")
+    row = ctx.db.records.get_checkpoint(path.run_id, path.checkpoint_id, owner)
+    if row is None:
+        not_found(f"unknown checkpoint {tinker_path!r}")
+    return path, row
+
+
+@router.post("/load_weights")
+async def load_weights(body: schemas.LoadWeightsRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    path, ckpt = resolve_checkpoint(ctx, body.path, owner)
+    if path.kind != "weights":
+        user_error(f"{body.path!r} is a sampler checkpoint; load_weights needs a training checkpoint (…/weights/…)")
+    if body.model_id is not None:
+        usable_run(ctx, body.model_id, owner)
+        payload = LoadStateRequest(ckpt.directory, str(path), body.optimizer)
+        return await submit(
+            ctx, kind="load_state", payload=payload, owner=owner, model_id=body.model_id, seq_id=body.seq_id,
+            dedupe_key=f"{body.model_id}#{body.seq_id}" if body.seq_id else None,
+        )  # fmt: skip
+    if body.session_id is None or body.model_seq_id is None:
+        user_error("load_weights needs model_id, or session_id and model_seq_id (create from state)")
+    return await _create_from_state(ctx, body, owner, path, ckpt)
+
+
+async def _create_from_state(
+    ctx: AppContext, body: schemas.LoadWeightsRequest, owner: str, path: TinkerPath, ckpt: CheckpointRow
+) -> dict[str, Any]:
+    assert body.session_id is not None
+    session = ctx.db.records.get_session(body.session_id, owner)
+    if session is None:
+        not_found(f"unknown session_id {body.session_id!r}")
+    source = ctx.db.records.get_run(path.run_id, owner)
+    if source is None:
+        not_found(f"the training run of {body.path!r} no longer exists")
+    validate.check_base_model(body.base_model, ctx.model_info)
+    validate.check_base_model(source.base_model, ctx.model_info)
+    lora = _run_lora(source)
+    model_id = f"{body.session_id}:train:{body.model_seq_id}"
+    meta = body.user_metadata or {}
+    run = new_run_row(model_id, body.session_id, owner, source.base_model, lora, meta)
+    payload = LoadWeightsRequest(source.base_model, lora, ckpt.directory, str(path), body.optimizer, meta)
+    return await submit(
+        ctx, kind="load_weights", payload=payload, owner=owner, model_id=model_id, dedupe_key=f"{model_id}#create",
+        rows=[run],
+    )  # fmt: skip
+
+
+def _run_lora(run: TrainingRunRow) -> LoraConfig | None:
+    if run.lora_rank is None:
+        return None
+    alpha = run.lora_alpha if run.lora_alpha is not None else 32.0
+    return LoraConfig(run.lora_rank, alpha, run.train_attn, run.train_mlp, run.train_unembed)
+
+
+@router.post("/weights_info")
+def weights_info(body: schemas.WeightsInfoRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    path, _ = resolve_checkpoint(ctx, body.tinker_path, owner)
+    run = ctx.db.records.get_run(path.run_id, owner)
+    if run is None:
+        not_found(f"the training run of {body.tinker_path!r} no longer exists")
+    return {
+        "base_model": run.base_model,
+        "is_lora": run.lora_rank is not None,
+        "lora_rank": run.lora_rank,
+        "train_attn": run.train_attn,
+        "train_mlp": run.train_mlp,
+        "train_unembed": run.train_unembed,
+        "optimizer_config": {"type": "adamw"},
+    }

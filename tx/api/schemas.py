@@ -1,0 +1,143 @@
+"""Pydantic models of the JSON request bodies (SDK 0.38 field names; unknown fields are ignored).
+
+Optional fields mirror what older SDKs may omit. FastAPI rejects a body that does not fit with a
+422 whose detail lists the offending field, before any route code runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+
+class ClientConfigRequest(BaseModel):
+    sdk_version: str | None = None
+
+
+class CreateSessionRequest(BaseModel):
+    tags: list[str] = Field(default_factory=list)
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str | None = None
+
+
+class SessionRef(BaseModel):
+    session_id: str
+
+
+class FinishReason(BaseModel):
+    type: str = "success"
+
+
+class FinishSessionRequest(BaseModel):
+    reason: FinishReason = Field(default_factory=FinishReason)
+    detail: str | None = None
+
+
+class LoraConfigIn(BaseModel):
+    rank: int = 32
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class OptimizerConfig(BaseModel):
+    type: str = "adamw"
+
+
+class CreateModelRequest(BaseModel):
+    session_id: str
+    model_seq_id: int = 0
+    base_model: str
+    lora_config: LoraConfigIn = Field(default_factory=LoraConfigIn)
+    user_metadata: dict[str, str] | None = None
+    optimizer_config: OptimizerConfig | None = None
+
+
+class ModelRef(BaseModel):
+    model_id: str
+
+
+class AdamParamsIn(BaseModel):
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+class OptimStepRequest(BaseModel):
+    model_id: str
+    seq_id: int | None = None
+    adam_params: AdamParamsIn | None = None
+    optim_params: AdamParamsIn | None = None
+    optimizer_params: dict[str, Any] | None = None
+
+
+class SaveWeightsRequest(BaseModel):
+    model_id: str
+    path: str | None = None
+    seq_id: int | None = None
+    overwrite: bool = False
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+class SaveWeightsForSamplerRequest(BaseModel):
+    model_id: str
+    path: str | None = None
+    seq_id: int | None = None
+    sampling_session_seq_id: int | None = None
+    kind: Literal["snapshot", "inflight"] = "snapshot"
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+class LoadWeightsRequest(BaseModel):
+    path: str
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    base_model: str | None = None
+    user_metadata: dict[str, str] | None = None
+    optimizer: bool = False
+
+
+class WeightsInfoRequest(BaseModel):
+    tinker_path: str
+
+
+class CreateSamplingSessionRequest(BaseModel):
+    session_id: str
+    sampling_session_seq_id: int = 0
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class SampleRequest(BaseModel):
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    num_samples: int = 1
+    prompt: dict[str, Any]
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: dict[str, Any] | None = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+    record_stability_info: bool = False
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class RetrieveFutureRequest(BaseModel):
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class TtlRequest(BaseModel):
+    ttl_seconds: int | None = None

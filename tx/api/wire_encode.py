@@ -1,0 +1,142 @@
+"""Turn engine results into what `retrieve_future` sends: protobuf bytes or JSON objects.
+
+Forward/forward_backward and sample results are protobuf when the client's `Accept` asks for it
+(SDK 0.25+ insists), JSON otherwise (older SDKs); every other result type is always JSON. The
+protobuf `ForwardBackwardOutput` carries one `ArrayRecord` whose fields are `BatchedTensor`s: the
+datums' flattened values concatenated, with little-endian int64 byte offsets per datum.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from tx.api import wire_proto
+from tx.protocol import (
+    CheckpointResult,
+    CreateModelResult,
+    ForwardBackwardResult,
+    LoadResult,
+    OptimStepResult,
+    Result,
+    SampleResult,
+    UnloadResult,
+)
+
+EMPTY_TOPK = (0, -99999.0)
+
+
+def wants_proto(accept: str | None, result: Result) -> bool:
+    return bool(accept and "application/x-protobuf" in accept) and isinstance(
+        result, ForwardBackwardResult | SampleResult
+    )
+
+
+def result_proto(result: ForwardBackwardResult | SampleResult) -> bytes:
+    if isinstance(result, ForwardBackwardResult):
+        return forward_backward_proto(result)
+    return sample_proto(result)
+
+
+def _wire_array(array: np.ndarray) -> tuple[np.ndarray, int]:
+    if np.issubdtype(array.dtype, np.integer) or array.dtype == np.bool_:
+        return np.ascontiguousarray(array, dtype="<i8"), wire_proto.DTYPE_INT64
+    return np.ascontiguousarray(array, dtype="<f4"), wire_proto.DTYPE_FLOAT32
+
+
+def forward_backward_proto(result: ForwardBackwardResult) -> bytes:
+    message = wire_proto.ForwardBackwardOutput(loss_fn_output_type=result.output_type)
+    for name, value in result.metrics.items():
+        message.metrics[name] = float(value)
+    if result.outputs:
+        record = message.loss_fn_outputs.add(type_tag=result.output_type, num_datums=len(result.outputs))
+        for name in result.outputs[0]:
+            arrays = [_wire_array(np.asarray(out[name])) for out in result.outputs]
+            tensor = record.fields[name]
+            tensor.dtype = arrays[0][1]
+            tensor.trailing_shape.extend(arrays[0][0].shape[1:])
+            sizes = np.array([0] + [a.nbytes for a, _ in arrays], dtype="<i8")
+            tensor.offsets = np.cumsum(sizes).astype("<i8").tobytes()
+            tensor.data = b"".join(a.tobytes() for a, _ in arrays)
+    return bytes(message.SerializeToString())
+
+
+def sample_proto(result: SampleResult) -> bytes:
+    message = wire_proto.SampleResponse()
+    for seq in result.sequences:
+        out = message.sequences.add()
+        out.stop_reason = wire_proto.STOP_REASON_LENGTH if seq.stop_reason == "length" else wire_proto.STOP_REASON_STOP
+        out.tokens = np.asarray(seq.tokens, dtype="<i4").tobytes()
+        out.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
+    if result.prompt_logprobs is not None:
+        values = [math.nan if v is None else v for v in result.prompt_logprobs]
+        message.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
+    if result.topk_prompt_logprobs is not None:
+        _fill_topk(message.topk_prompt_logprobs, result.topk_prompt_logprobs)
+    return bytes(message.SerializeToString())
+
+
+def _fill_topk(message: Any, rows: list[Any]) -> None:
+    k = max((len(row) for row in rows if row), default=0)
+    ids = np.full((len(rows), k), EMPTY_TOPK[0], dtype="<i4")
+    logprobs = np.full((len(rows), k), EMPTY_TOPK[1], dtype="<f4")
+    for i, row in enumerate(rows):
+        for j, (token, logprob) in enumerate(row or []):
+            ids[i, j], logprobs[i, j] = token, logprob
+    message.token_ids, message.logprobs = ids.tobytes(), logprobs.tobytes()
+    message.k, message.length = k, len(rows)
+
+
+def _tensor_json(array: np.ndarray) -> dict[str, Any]:
+    wire, dtype = _wire_array(np.asarray(array))
+    return {
+        "data": wire.reshape(-1).tolist(),
+        "dtype": "int64" if dtype == wire_proto.DTYPE_INT64 else "float32",
+        "shape": list(wire.shape),
+    }
+
+
+def result_json(result: Result) -> dict[str, Any]:
+    """The JSON success payload for any result type (§6.3 of the wire contract)."""
+    if isinstance(result, ForwardBackwardResult):
+        outputs = [{name: _tensor_json(value) for name, value in out.items()} for out in result.outputs]
+        return {"loss_fn_output_type": result.output_type, "loss_fn_outputs": outputs, "metrics": result.metrics}
+    if isinstance(result, SampleResult):
+        return _sample_json(result)
+    if isinstance(result, CreateModelResult):
+        return {"model_id": result.model_id, "type": "create_model"}
+    if isinstance(result, OptimStepResult):
+        return {"metrics": result.metrics}
+    if isinstance(result, CheckpointResult):
+        return _checkpoint_json(result)
+    if isinstance(result, LoadResult):
+        return {"model_id": result.model_id, "path": result.path, "type": "load_weights"}
+    if isinstance(result, UnloadResult):
+        return {"model_id": result.model_id, "type": "unload_model"}
+    raise TypeError(f"no JSON encoding for {type(result).__name__}")
+
+
+def _checkpoint_json(result: CheckpointResult) -> dict[str, Any]:
+    out: dict[str, Any] = {"path": result.path}
+    if result.sampling_session_id is not None:
+        out["sampling_session_id"] = result.sampling_session_id
+    if result.size_bytes is not None:
+        out["size_bytes"] = result.size_bytes
+    return out
+
+
+def _sample_json(result: SampleResult) -> dict[str, Any]:
+    sequences = [
+        {"stop_reason": s.stop_reason, "tokens": list(s.tokens), "logprobs": list(s.logprobs)} for s in result.sequences
+    ]
+    topk = None
+    if result.topk_prompt_logprobs is not None:
+        topk = [None if row is None else [[int(t), float(lp)] for t, lp in row] for row in result.topk_prompt_logprobs]
+    return {
+        "sequences": sequences,
+        "prompt_logprobs": result.prompt_logprobs,
+        "topk_prompt_logprobs": topk,
+        "type": "sample",
+    }
