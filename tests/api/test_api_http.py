@@ -1,0 +1,154 @@
+"""Wire-level behaviour with plain httpx: dedupe, long-poll 408, auth, key isolation, encodings."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import zstandard
+from conftest import KEY, MODEL, OTHER_KEY, Server
+from tinker.proto import tinker_public_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def http(server: Server) -> httpx.Client:
+    return httpx.Client(base_url=server.url + "/api/v1", headers={"X-API-Key": KEY}, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def model_id(http: httpx.Client) -> str:
+    session_id = http.post("/create_session", json={"tags": []}).json()["session_id"]
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": MODEL.base_model, "lora_config": {"rank": 4}}
+    future = http.post("/create_model", json=body).json()
+    assert wait(http, future["request_id"])["model_id"] == future["model_id"] == f"{session_id}:train:0"
+    return str(future["model_id"])
+
+
+def wait(http: httpx.Client, request_id: str, accept: str = "application/json") -> Any:
+    for _ in range(20):
+        reply = http.post("/retrieve_future", json={"request_id": request_id}, headers={"Accept": accept})
+        if reply.status_code != 408:
+            assert reply.status_code == 200, reply.text
+            return reply.content if "protobuf" in reply.headers["content-type"] else reply.json()
+    raise AssertionError("future never finished")
+
+
+def proto_body(model_id: str, seq_id: int, tokens: list[int], targets: list[int] | None = None, **extra: Any) -> bytes:
+    request = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn=extra.pop("loss_fn", "cross_entropy"))
+    datum = request.data.add()
+    datum.model_input.add().encoded_text.tokens = np.asarray(tokens, np.int32).tobytes()
+    target = datum.loss_fn_inputs["target_tokens"]
+    target.dense = np.asarray(targets if targets is not None else tokens, np.int64).tobytes()
+    target.dtype = pb.DTYPE_INT64
+    target.shape.append(len(targets if targets is not None else tokens))
+    for key, value in extra.items():
+        request.loss_fn_config_v2[key].number = value
+    return request.SerializeToString()
+
+
+PROTO = {"Content-Type": "application/x-protobuf"}
+
+
+def test_client_config_and_health(http: httpx.Client) -> None:
+    config = http.post("/client/config", json={"sdk_version": "0.38.0"}).json()
+    assert config["proto_write_fwdbwd"] is True and config["create_model_via_load_weights"] is True
+    assert http.get("/healthz").json() == {"status": "ok"}
+    assert http.post("/telemetry", json={"events": []}).json() == {"status": "accepted"}
+
+
+def test_seq_id_dedupe_returns_same_future(http: httpx.Client, model_id: str) -> None:
+    body = proto_body(model_id, 101, [1, 2, 3])
+    first = http.post("/forward_backward", content=body, headers=PROTO).json()
+    second = http.post("/forward_backward", content=body, headers=PROTO).json()
+    assert first["request_id"] == second["request_id"]
+    other = http.post("/forward_backward", content=proto_body(model_id, 101, [4, 5, 6]), headers=PROTO)
+    assert other.status_code == 400 and "seq_id 101 was already used" in other.json()["detail"]
+
+
+def test_zstd_body_and_protobuf_result(http: httpx.Client, model_id: str) -> None:
+    body = zstandard.ZstdCompressor().compress(proto_body(model_id, 102, [1, 2, 3, 4]))
+    future = http.post("/forward_backward", content=body, headers={**PROTO, "Content-Encoding": "zstd"}).json()
+    raw = wait(http, future["request_id"], accept="application/x-protobuf")
+    output = pb.ForwardBackwardOutput.FromString(raw)
+    assert output.loss_fn_outputs[0].num_datums == 1
+    assert np.frombuffer(output.loss_fn_outputs[0].fields["logprobs"].offsets, np.int64).tolist() == [0, 16]
+
+
+def test_json_forward_backward_and_json_result(http: httpx.Client, model_id: str) -> None:
+    datum = {
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+        "loss_fn_inputs": {"target_tokens": {"data": [2, 3], "dtype": "int64", "shape": [2]}},
+    }
+    body = {
+        "model_id": model_id,
+        "seq_id": 103,
+        "forward_backward_input": {"data": [datum], "loss_fn": "cross_entropy"},
+    }
+    result = wait(http, http.post("/forward_backward", json=body).json()["request_id"])
+    assert result["loss_fn_outputs"][0]["logprobs"]["shape"] == [2]
+    assert result["metrics"]["loss:sum"] == pytest.approx(0.5)
+
+
+def test_long_poll_408_then_result(http: httpx.Client, model_id: str, server: Server) -> None:
+    server.runner.paused.set()
+    try:
+        future = http.post("/forward_backward", content=proto_body(model_id, 104, [1, 2]), headers=PROTO).json()
+        start = time.monotonic()
+        reply = http.post("/retrieve_future", json={"request_id": future["request_id"]})
+        assert reply.status_code == 408 and reply.json()["queue_state"] == "active"
+        assert 0.9 < time.monotonic() - start < 3.0
+    finally:
+        server.runner.paused.clear()
+    assert "loss_fn_outputs" in wait(http, future["request_id"])
+    again = http.post("/retrieve_future", json={"request_id": future["request_id"]})
+    assert again.status_code == 200 and "loss_fn_outputs" in again.json()
+
+
+def test_long_poll_wakes_immediately(http: httpx.Client, model_id: str) -> None:
+    future = http.post("/forward_backward", content=proto_body(model_id, 105, [1, 2]), headers=PROTO).json()
+    start = time.monotonic()
+    wait(http, future["request_id"])
+    assert time.monotonic() - start < 0.5
+
+
+def test_failure_is_http_200_error_category(http: httpx.Client, model_id: str) -> None:
+    future = http.post("/forward_backward", content=proto_body(model_id, 106, [998, 2]), headers=PROTO).json()
+    assert wait(http, future["request_id"]) == {
+        "error": "fake runner: token 998 is not allowed here",
+        "category": "user",
+    }
+
+
+def test_auth(server: Server) -> None:
+    url = server.url + "/api/v1/create_session"
+    assert httpx.post(url, json={}).status_code == 401
+    assert httpx.post(url, json={}, headers={"X-API-Key": "not-a-tinker-key"}).status_code == 401
+
+
+def test_key_isolation(http: httpx.Client, model_id: str, server: Server) -> None:
+    other = httpx.Client(base_url=server.url + "/api/v1", headers={"X-API-Key": OTHER_KEY})
+    assert other.post("/get_info", json={"model_id": model_id}).status_code == 404
+    reply = other.post("/forward_backward", content=proto_body(model_id, 1, [1, 2]), headers=PROTO)
+    assert reply.status_code == 404 and "unknown model_id" in reply.json()["detail"]
+    assert other.get(f"/training_runs/{model_id}").status_code == 404
+    assert other.get("/training_runs").json()["training_runs"] == []
+    future = http.post("/forward_backward", content=proto_body(model_id, 107, [1, 2]), headers=PROTO).json()
+    assert other.post("/retrieve_future", json={"request_id": future["request_id"]}).status_code == 404
+
+
+def test_unknown_future_is_404(http: httpx.Client) -> None:
+    assert http.post("/retrieve_future", json={"request_id": "999999"}).status_code == 404
+
+
+def test_checkpoint_archive_download(http: httpx.Client, model_id: str, server: Server) -> None:
+    future = http.post("/save_weights", json={"model_id": model_id, "path": "arch", "seq_id": 108}).json()
+    assert wait(http, future["request_id"])["path"] == f"tinker://{model_id}/weights/arch"
+    reply = http.get(f"/training_runs/{model_id}/checkpoints/weights/arch/archive")
+    assert reply.status_code == 302
+    tar = httpx.get(reply.headers["location"])
+    assert tar.status_code == 200 and b"adapter_config.json" in tar.content
+    dup = http.post("/save_weights", json={"model_id": model_id, "path": "arch", "seq_id": 109})
+    assert dup.status_code == 400 and "already exists" in dup.json()["detail"]

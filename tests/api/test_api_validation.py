@@ -1,0 +1,146 @@
+"""Bad input is rejected before queueing, with a message naming the field and the limit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+from conftest import KEY, MODEL, Server
+from test_api_http import PROTO, proto_body
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def http(server: Server) -> httpx.Client:
+    return httpx.Client(base_url=server.url + "/api/v1", headers={"X-API-Key": KEY}, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def ids(http: httpx.Client) -> dict[str, str]:
+    session_id = http.post("/create_session", json={}).json()["session_id"]
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": MODEL.base_model, "lora_config": {"rank": 4}}
+    http.post("/create_model", json=body)
+    sampler = http.post("/create_sampling_session", json={"session_id": session_id, "base_model": MODEL.base_model})
+    return {"session": session_id, "model": f"{session_id}:train:0", "sampler": sampler.json()["sampling_session_id"]}
+
+
+def _fb(http: httpx.Client, body: bytes) -> httpx.Response:
+    return http.post("/forward_backward", content=body, headers=PROTO)
+
+
+def _assert_400(reply: httpx.Response, *fragments: str) -> None:
+    assert reply.status_code == 400, reply.text
+    for fragment in fragments:
+        assert fragment in reply.json()["detail"]
+
+
+def test_token_outside_vocabulary(http: httpx.Client, ids: dict[str, str]) -> None:
+    _assert_400(_fb(http, proto_body(ids["model"], 1, [1, 1000, 2])), "token id 1000 at position 1", "[0, 1000)")
+
+
+def test_target_outside_vocabulary(http: httpx.Client, ids: dict[str, str]) -> None:
+    _assert_400(_fb(http, proto_body(ids["model"], 1, [1, 2], [1, -1])), "target_tokens", "outside the vocabulary")
+
+
+def test_sequence_too_long(http: httpx.Client, ids: dict[str, str]) -> None:
+    _assert_400(_fb(http, proto_body(ids["model"], 1, [1] * 129)), "129 tokens", "maximum length 128")
+
+
+def test_ragged_loss_inputs(http: httpx.Client, ids: dict[str, str]) -> None:
+    _assert_400(_fb(http, proto_body(ids["model"], 1, [1, 2, 3], [1, 2])), "target_tokens has length 2", "3 tokens")
+
+
+def test_unknown_loss(http: httpx.Client, ids: dict[str, str]) -> None:
+    _assert_400(_fb(http, proto_body(ids["model"], 1, [1, 2], loss_fn="hinge")), "unknown loss_fn 'hinge'", "ppo")
+
+
+def test_unknown_loss_config_key(http: httpx.Client, ids: dict[str, str]) -> None:
+    body = proto_body(ids["model"], 1, [1, 2], loss_fn="cross_entropy", clip_low_threshold=0.5)
+    _assert_400(_fb(http, body), "'clip_low_threshold' is not understood by loss 'cross_entropy'")
+
+
+def test_missing_rl_inputs(http: httpx.Client, ids: dict[str, str]) -> None:
+    _assert_400(_fb(http, proto_body(ids["model"], 1, [1, 2], loss_fn="ppo")), "missing ['advantages', 'logprobs']")
+
+
+def test_image_chunk_rejected(http: httpx.Client, ids: dict[str, str]) -> None:
+    request = pb.ForwardBackwardRequest(model_id=ids["model"], seq_id=1, loss_fn="cross_entropy")
+    request.data.add().model_input.add().image.data = b"\x89PNG"
+    _assert_400(_fb(http, request.SerializeToString()), "data[0].model_input", "image chunks are not supported")
+
+
+def test_malformed_protobuf(http: httpx.Client) -> None:
+    _assert_400(_fb(http, b"\xff\xff\xff"), "not a valid ForwardBackwardRequest")
+
+
+def test_malformed_json(http: httpx.Client) -> None:
+    _assert_400(http.post("/forward_backward", content=b"{nope", headers={"Content-Type": "application/json"}), "JSON")
+    reply = http.post("/optim_step", json={"adam_params": {}})
+    assert reply.status_code == 422 and "model_id" in reply.text
+
+
+def test_unknown_model(http: httpx.Client) -> None:
+    reply = _fb(http, proto_body("nope:train:0", 1, [1, 2]))
+    assert reply.status_code == 404 and "unknown model_id 'nope:train:0'" in reply.json()["detail"]
+
+
+def test_rank_over_limit(http: httpx.Client, ids: dict[str, str]) -> None:
+    body = {
+        "session_id": ids["session"],
+        "model_seq_id": 5,
+        "base_model": MODEL.base_model,
+        "lora_config": {"rank": 64},
+    }
+    _assert_400(http.post("/create_model", json=body), "rank 64", "[1, 32]")
+
+
+def test_unknown_base_model(http: httpx.Client, ids: dict[str, str]) -> None:
+    body = {"session_id": ids["session"], "model_seq_id": 6, "base_model": "other/model"}
+    _assert_400(http.post("/create_model", json=body), "unknown base_model 'other/model'", MODEL.base_model)
+
+
+def test_unknown_checkpoint(http: httpx.Client, ids: dict[str, str]) -> None:
+    body = {"session_id": ids["session"], "model_seq_id": 7, "path": f"tinker://{ids['model']}/weights/none"}
+    reply = http.post("/load_weights", json=body)
+    assert reply.status_code == 404 and "unknown checkpoint" in reply.json()["detail"]
+    _assert_400(http.post("/load_weights", json={**body, "path": "s3://x"}), "not a checkpoint path")
+
+
+def test_bad_checkpoint_name(http: httpx.Client, ids: dict[str, str]) -> None:
+    _assert_400(http.post("/save_weights", json={"model_id": ids["model"], "path": "a b", "seq_id": 50}), "'a b'")
+
+
+def _sample(http: httpx.Client, ids: dict[str, str], **overrides: Any) -> httpx.Response:
+    body = {
+        "sampling_session_id": ids["sampler"],
+        "seq_id": 0,
+        "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+        "sampling_params": {"max_tokens": 4},
+    }
+    return http.post("/asample", json={**body, **overrides})
+
+
+def test_sample_limits(http: httpx.Client, ids: dict[str, str]) -> None:
+    _assert_400(_sample(http, ids, sampling_params={"max_tokens": 126}), "= 129 exceeds the maximum length 128")
+    _assert_400(_sample(http, ids, num_samples=0), "num_samples 0")
+    _assert_400(
+        _sample(http, ids, prompt={"chunks": [{"type": "encoded_text", "tokens": [5000]}]}), "prompt: token id 5000"
+    )
+    _assert_400(_sample(http, ids, prompt_alt_tokens_k=2), "prompt_alt_tokens_k is not supported")
+    _assert_400(_sample(http, ids, sampling_params={"max_tokens": 2, "stop": [2000]}), "sampling_params.stop")
+
+
+def test_sdk_surfaces_validation_message(server: Server) -> None:
+    with tinker.ServiceClient(base_url=server.url, api_key=KEY) as service:
+        training = service.create_lora_training_client(base_model=MODEL.base_model, rank=4).result()
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={"target_tokens": np.array([1, 2]), "weights": np.ones(2, dtype=np.float32)},
+        )
+        with pytest.raises(tinker.BadRequestError, match="has length 2 but model_input has 3 tokens"):
+            training.forward_backward([datum], "cross_entropy").result()
