@@ -1,0 +1,201 @@
+"""The host-side slot table, and the slot operations of `tx.lora.adapters` on a small stacked LoRA module."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tx.lora.adapters import clear_slot, copy_slot, init_slot, read_slot, write_slot
+from tx.lora.layers import LoRALinear, LoRASpec
+from tx.lora.params import LoRAParam
+from tx.lora.peft import AdapterConfig
+from tx.lora.slots import ALL_TARGETS, DEFAULT_ALPHA, SlotsExhausted, SlotTable, targets_from_flags
+from tx.models.sharding import make_mesh, state_shardings
+
+# ------------------------------------------------------------------------------------------ slot table
+
+
+def test_allocate_lowest_free_slot_and_reuse_after_free():
+    table = SlotTable(max_adapters=3, max_rank=8)
+    assert table.slots == 4
+    assert [table.allocate(o, "run", 4).slot for o in ("a", "b", "c")] == [1, 2, 3]
+    assert table.free("b").slot == 2 and "b" not in table
+    assert table.allocate("d", "sampler", 2).slot == 2
+    assert table.lookup("d").kind == "sampler" and table.owner_of(3).owner == "c"
+    assert [info.slot for info in table] == [1, 2, 3]
+    with pytest.raises(KeyError, match="'b' holds no LoRA slot"):
+        table.lookup("b")
+    with pytest.raises(ValueError, match="already holds LoRA slot 1"):
+        table.allocate("a", "run", 4)
+
+
+def test_exhaustion_names_the_flag():
+    table = SlotTable(max_adapters=3, max_rank=8)
+    table.allocate("run-1", "run", 4)
+    table.allocate("run-2", "run", 4)
+    table.allocate("snap-1", "sampler", 4)
+    with pytest.raises(SlotsExhausted) as err:
+        table.allocate("run-3", "run", 4)
+    assert str(err.value) == (
+        "all 3 LoRA slots are in use (2 runs, 1 sampler snapshots); "
+        "restart with --max-lora-adapters 6 to raise the limit"
+    )
+
+
+def test_rank_and_target_limits():
+    table = SlotTable(max_adapters=2, max_rank=8)
+    with pytest.raises(ValueError, match="LoRA rank 16 is above .* restart with --max-lora-rank 16"):
+        table.allocate("a", "run", 16)
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        table.allocate("a", "run", 0)
+    with pytest.raises(ValueError, match="non-empty subset"):
+        table.allocate("a", "run", 4, targets=frozenset({"embed_tokens"}))
+    assert len(table) == 0
+
+
+def test_targets_from_flags():
+    assert targets_from_flags(True, False, False) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert targets_from_flags(False, True, True) == {"gate_proj", "up_proj", "down_proj", "lm_head"}
+    assert targets_from_flags(True, True, True) == ALL_TARGETS
+    with pytest.raises(ValueError, match="at least one"):
+        targets_from_flags(False, False, False)
+
+
+def test_scale_table_masks_rank_and_keeps_slot_zero_empty():
+    table = SlotTable(max_adapters=3, max_rank=8)
+    table.allocate("a", "run", 4)
+    table.allocate("b", "run", 8, alpha=16, use_rslora=True)
+    scale = table.scale_table()
+    assert scale.shape == (4, 8) and scale.dtype == np.float32
+    np.testing.assert_array_equal(scale[0], 0)
+    np.testing.assert_allclose(scale[1], [DEFAULT_ALPHA / 4] * 4 + [0] * 4)
+    np.testing.assert_allclose(scale[2], 16 / np.sqrt(8))
+    np.testing.assert_array_equal(scale[3], 0)
+
+
+def test_lru_victim_is_least_recently_used_sampler():
+    table = SlotTable(max_adapters=4, max_rank=8)
+    table.allocate("run", "run", 4)
+    for owner in ("s1", "s2", "s3"):
+        table.allocate(owner, "sampler", 4)
+    table.touch("s1")
+    assert table.eviction_victim() == "s2"
+    assert table.eviction_victim(protect=frozenset({"s2"})) == "s3"
+    table.touch("run")
+    table.free("s2")
+    table.free("s3")
+    table.free("s1")
+    assert table.eviction_victim() is None  # training slots are never evicted
+
+
+# ------------------------------------------------------------------------------------------ slot operations
+
+SPEC = LoRASpec(slots=4, max_rank=4)
+D, F, L = 8, 16, 2
+
+
+class Tiny(nnx.Module):
+    """Same layout as the decoder: stacked projections under `model.layers`, an unstacked `lm_head`."""
+
+    def __init__(self) -> None:
+        self.model = nnx.Dict(layers=nnx.Dict(mlp=nnx.Dict()))
+        self.model.layers.mlp.up_proj = LoRALinear(
+            D, F, axes=("embed", "mlp"), dtype=jnp.float32, lora=SPEC, stack=(L,)
+        )
+        self.lm_head = LoRALinear(D, F, axes=("embed", "vocab"), dtype=jnp.float32, lora=SPEC)
+
+
+@pytest.fixture
+def lora() -> nnx.State:
+    return nnx.state(Tiny(), LoRAParam)
+
+
+def random_weights(rank: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    names = [f"model.layers.{i}.mlp.up_proj" for i in range(L)] + ["lm_head"]
+    return {
+        n: (rng.normal(size=(D, rank)).astype(np.float32), rng.normal(size=(rank, F)).astype(np.float32)) for n in names
+    }
+
+
+def config(rank: int, targets=("up_proj", "lm_head")) -> AdapterConfig:
+    return AdapterConfig(rank=rank, alpha=8, target_modules=targets, base_model_name_or_path="tiny")
+
+
+def test_write_read_round_trip_pads_and_masks(lora):
+    weights = random_weights(2)
+    lora = write_slot(lora, 2, config(2), weights)
+    back = read_slot(lora, 2, 2, frozenset({"up_proj", "lm_head"}))
+    assert back.keys() == weights.keys()
+    for name, (a, b) in weights.items():
+        np.testing.assert_array_equal(back[name][0], a)
+        np.testing.assert_array_equal(back[name][1], b)
+    padded = read_slot(lora, 2, 4, frozenset({"lm_head"}))
+    assert list(padded) == ["lm_head"] and not padded["lm_head"][0][:, 2:].any()
+    others = np.asarray(lora["model"]["layers"]["mlp"]["up_proj"]["lora_a"][...])
+    assert not others[:, [0, 1, 3]].any()
+
+
+def test_write_zeroes_modules_missing_from_weights(lora):
+    lora = write_slot(lora, 1, config(2), random_weights(2))
+    only_head = {"lm_head": random_weights(2, seed=1)["lm_head"]}
+    lora = write_slot(lora, 1, config(2, ("lm_head",)), only_head)
+    back = read_slot(lora, 1, 4, frozenset({"up_proj"}))
+    assert not any(a.any() or b.any() for a, b in back.values())
+
+
+def test_write_errors(lora):
+    with pytest.raises(ValueError, match="--max-lora-rank 8"):
+        write_slot(lora, 1, config(8), random_weights(8))
+    with pytest.raises(ValueError, match="no LoRA-adapted modules"):
+        write_slot(lora, 1, config(2), {"model.layers.5.mlp.up_proj": random_weights(2)["lm_head"]})
+    with pytest.raises(ValueError, match="not in the adapter's target_modules"):
+        write_slot(lora, 1, config(2, ("lm_head",)), random_weights(2))
+    with pytest.raises(ValueError, match="do not fit"):
+        write_slot(lora, 1, config(2), {"lm_head": (np.zeros((D + 1, 2)), np.zeros((2, F)))})
+    with pytest.raises(ValueError, match="slot 0 is the base model"):
+        write_slot(lora, 0, config(2), random_weights(2))
+
+
+def test_copy_and_clear(lora):
+    lora = write_slot(lora, 1, config(3), random_weights(3))
+    lora = copy_slot(lora, 1, 3)
+    targets = frozenset({"up_proj", "lm_head"})
+    copied = read_slot(lora, 3, 4, targets)
+    for name, (a, b) in read_slot(lora, 1, 4, targets).items():
+        np.testing.assert_array_equal(copied[name][0], a)
+        np.testing.assert_array_equal(copied[name][1], b)
+    lora = clear_slot(lora, 1)
+    assert not any(a.any() or b.any() for a, b in read_slot(lora, 1, 4, targets).values())
+    assert any(a.any() for a, _ in read_slot(lora, 3, 4, targets).values())
+
+
+def test_init_is_peft_like_and_deterministic(lora):
+    first = read_slot(init_slot(lora, 1, 3, frozenset({"up_proj"}), seed=5), 1, 4, ALL_TARGETS)
+    again = read_slot(
+        init_slot(nnx.state(Tiny(), LoRAParam), 2, 3, frozenset({"up_proj", "lm_head"}), 5), 2, 4, ALL_TARGETS
+    )
+    for name in ("model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"):
+        a, b = first[name]
+        np.testing.assert_array_equal(a, again[name][0])
+        assert not b.any() and not a[:, 3:].any() and np.abs(a[:, :3]).max() <= 1 / np.sqrt(D)
+        assert np.all(a[:, :3] != 0)
+    assert not first["lm_head"][0].any() and again["lm_head"][0].any()
+    assert not np.array_equal(first["model.layers.0.mlp.up_proj"][0], first["model.layers.1.mlp.up_proj"][0])
+
+
+def test_writes_keep_sharding():
+    mesh = make_mesh(1, 2, 4)
+    graphdef, state = nnx.split(nnx.eval_shape(Tiny))
+    shardings = dict(nnx.to_flat_state(state_shardings(state, mesh)))
+    for path, var in nnx.to_flat_state(state):
+        var.set_value(jax.device_put(jnp.zeros(var.shape, var.dtype), shardings[path]))
+    model = nnx.merge(graphdef, state)
+    lora = nnx.state(model, LoRAParam)
+    before = {p: v.get_value().sharding for p, v in nnx.to_flat_state(lora)}
+    lora = init_slot(write_slot(lora, 1, config(2), random_weights(2)), 2, 2, ALL_TARGETS, seed=0)
+    lora = clear_slot(copy_slot(lora, 1, 3), 2)
+    after = {p: v.get_value().sharding for p, v in nnx.to_flat_state(lora)}
+    assert after == before and len(after[("lm_head", "lora_b")].device_set) == 8
+    np.testing.assert_array_equal(read_slot(lora, 3, 2, ALL_TARGETS)["lm_head"][1], random_weights(2)["lm_head"][1])
