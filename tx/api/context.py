@@ -9,19 +9,23 @@ HTTP errors whose JSON body names the problem (never an empty 400: the SDK would
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, TypeVar
 
 from fastapi import Depends, Header, HTTPException, Request
-from fastapi.concurrency import run_in_threadpool
 from sqlmodel import SQLModel
 
 from tx.db import Database, DuplicateRequestError, owner_of
 from tx.db.tables import TrainingRunRow
 from tx.protocol import ModelInfo, Payload
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,14 @@ class AppContext:
     db: Database
     model_info: ModelInfo
     downloads: dict[str, tuple[Path, float]] = field(default_factory=dict)
+    # Heavy request bodies are decoded and queued on a few threads: dozens of CPU-bound threads
+    # fighting over the GIL are slower than a handful, and the group commit batches them anyway.
+    heavy_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="tx-submit")
+    )
+
+    async def run_heavy(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.heavy_pool, fn, *args)
 
     def issue_download(self, directory: Path) -> str:
         """A one-off unauthenticated token for downloading `directory` as a tar archive."""
@@ -88,7 +100,7 @@ def future_reply(future_id: str, model_id: str | None = None, sequence_ids: list
     return reply
 
 
-async def submit(
+def submit(
     ctx: AppContext,
     *,
     kind: str,
@@ -100,10 +112,9 @@ async def submit(
     sequence_ids: list[str] | None = None,
     rows: list[SQLModel] | None = None,
 ) -> dict[str, Any]:
-    """Queue one request (off the event loop) and return the future reply."""
+    """Queue one request and return the future reply (blocking: call from a worker thread)."""
     try:
-        submitted = await run_in_threadpool(
-            ctx.db.queue.submit,
+        submitted = ctx.db.queue.submit(
             kind=kind,
             payload=payload,
             owner=owner,

@@ -69,7 +69,7 @@ def _weights_of(ctx: AppContext, sampler: SamplingSessionRow) -> WeightsRef | No
 
 
 @router.post("/asample")
-async def asample(body: schemas.SampleRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+def asample(body: schemas.SampleRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
     for name, is_set in _UNSUPPORTED.items():
         if is_set(body):
             user_error(f"{name} is not supported by this server")
@@ -92,7 +92,7 @@ async def asample(body: schemas.SampleRequest, ctx: Ctx, owner: Owner) -> dict[s
     )
     settings = ctx.settings
     validate.check_sample(request, ctx.model_info, settings.max_num_samples, settings.max_topk_logprobs)
-    return await submit(
+    return submit(
         ctx, kind="sample", payload=request, owner=owner, model_id=sampler.id, seq_id=seq,
         dedupe_key=f"{sampler.id}#{seq}" if seq is not None else None, sequence_ids=sequence_ids,
     )  # fmt: skip

@@ -12,7 +12,6 @@ import json
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.concurrency import run_in_threadpool
 
 from tx.api import schemas, validate
 from tx.api.context import AppContext, Ctx, Owner, not_found, submit, usable_run, user_error
@@ -37,7 +36,7 @@ def _seq_key(model_id: str, seq_id: int | None) -> str | None:
 
 
 @router.post("/create_model")
-async def create_model(body: schemas.CreateModelRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+def create_model(body: schemas.CreateModelRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
     session = ctx.db.records.get_session(body.session_id, owner)
     if session is None:
         not_found(f"unknown session_id {body.session_id!r}")
@@ -56,7 +55,7 @@ async def create_model(body: schemas.CreateModelRequest, ctx: Ctx, owner: Owner)
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
     run = new_run_row(model_id, body.session_id, owner, body.base_model, lora, body.user_metadata or {})
     payload = CreateModelRequest(body.base_model, lora, body.user_metadata or {})
-    return await submit(
+    return submit(
         ctx,
         kind="create_model",
         payload=payload,
@@ -101,53 +100,44 @@ def get_info(body: schemas.ModelRef, ctx: Ctx, owner: Owner) -> dict[str, Any]:
 @router.post("/forward_backward")
 async def forward_backward(request: Request, ctx: Ctx, owner: Owner) -> dict[str, Any]:
     raw = await request.body()
-    content_type = request.headers.get("content-type", "")
-    if "application/x-protobuf" in content_type:
+    if "application/x-protobuf" in request.headers.get("content-type", ""):
         encoding = request.headers.get("content-encoding")
-        model_id, seq_id, payload = await run_in_threadpool(_decode_proto, raw, encoding)
-        return await _submit_pass(ctx, owner, model_id, seq_id, payload)
-    body = _json_object(raw)
-    return await _submit_json_pass(ctx, owner, body, "forward_backward_input")
+        return await ctx.run_heavy(_accept_proto_pass, ctx, owner, raw, encoding)
+    return await ctx.run_heavy(_accept_json_pass, ctx, owner, raw, "forward_backward_input")
 
 
 @router.post("/forward")
 async def forward(request: Request, ctx: Ctx, owner: Owner) -> dict[str, Any]:
-    return await _submit_json_pass(ctx, owner, _json_object(await request.body()), "forward_input")
+    return await ctx.run_heavy(_accept_json_pass, ctx, owner, await request.body(), "forward_input")
 
 
-def _decode_proto(raw: bytes, encoding: str | None) -> tuple[str, int, ForwardBackwardRequest]:
+def _accept_proto_pass(ctx: AppContext, owner: str, raw: bytes, encoding: str | None) -> dict[str, Any]:
     message, payload = parse_forward_backward_proto(decompress(raw, encoding))
-    return message.model_id, int(message.seq_id), payload
+    return _accept_pass(ctx, owner, message.model_id, int(message.seq_id), payload)
 
 
-def _json_object(raw: bytes) -> dict[str, Any]:
+def _accept_json_pass(ctx: AppContext, owner: str, raw: bytes, key: str) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise WireError(f"body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise WireError("body must be a JSON object")
-    return body
-
-
-async def _submit_json_pass(ctx: AppContext, owner: str, body: dict[str, Any], key: str) -> dict[str, Any]:
-    model_id = body.get("model_id")
-    if not isinstance(model_id, str):
-        raise WireError("missing string field 'model_id'")
+    if not isinstance(body, dict) or not isinstance(body.get("model_id"), str):
+        raise WireError("body must be a JSON object with a string 'model_id'")
     seq_id = body.get("seq_id")
-    payload = await run_in_threadpool(parse_forward_backward_json, body, key)
-    return await _submit_pass(ctx, owner, model_id, seq_id if isinstance(seq_id, int) else None, payload)
+    payload = parse_forward_backward_json(body, key)
+    return _accept_pass(ctx, owner, body["model_id"], seq_id if isinstance(seq_id, int) else None, payload)
 
 
-async def _submit_pass(
+def _accept_pass(
     ctx: AppContext, owner: str, model_id: str, seq_id: int | None, payload: ForwardBackwardRequest
 ) -> dict[str, Any]:
+    """Check and queue a forward or forward_backward (runs in a worker thread)."""
     if not model_id:
         raise WireError("missing model_id")
     usable_run(ctx, model_id, owner)
-    await run_in_threadpool(validate.check_forward_backward, payload, ctx.model_info)
+    validate.check_forward_backward(payload, ctx.model_info)
     kind = "forward" if payload.forward_only else "forward_backward"
-    return await submit(
+    return submit(
         ctx,
         kind=kind,
         payload=payload,
@@ -159,7 +149,7 @@ async def _submit_pass(
 
 
 @router.post("/optim_step")
-async def optim_step(body: schemas.OptimStepRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+def optim_step(body: schemas.OptimStepRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
     if body.optimizer_params is not None:
         kind = body.optimizer_params.get("type", "unknown")
         user_error(f"optimizer {kind!r} is not supported; use adam_params (AdamW)")
@@ -167,7 +157,7 @@ async def optim_step(body: schemas.OptimStepRequest, ctx: Ctx, owner: Owner) -> 
     adam = AdamParams(**params.model_dump())
     validate.check_adam(adam)
     usable_run(ctx, body.model_id, owner)
-    return await submit(
+    return submit(
         ctx,
         kind="optim_step",
         payload=OptimStepRequest(adam),
@@ -179,6 +169,6 @@ async def optim_step(body: schemas.OptimStepRequest, ctx: Ctx, owner: Owner) -> 
 
 
 @router.post("/unload_model")
-async def unload_model(body: schemas.ModelRef, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+def unload_model(body: schemas.ModelRef, ctx: Ctx, owner: Owner) -> dict[str, Any]:
     usable_run(ctx, body.model_id, owner)
-    return await submit(ctx, kind="unload_model", payload=UnloadModelRequest(), owner=owner, model_id=body.model_id)
+    return submit(ctx, kind="unload_model", payload=UnloadModelRequest(), owner=owner, model_id=body.model_id)

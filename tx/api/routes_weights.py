@@ -57,7 +57,7 @@ def _claim_name(ctx: AppContext, path: TinkerPath, owner: str, overwrite: bool) 
 
 
 @router.post("/save_weights")
-async def save_weights(body: schemas.SaveWeightsRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+def save_weights(body: schemas.SaveWeightsRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
     usable_run(ctx, body.model_id, owner)
     path = TinkerPath(body.model_id, "weights", body.path or f"seq-{body.seq_id or 0}")
     dedupe = f"{body.model_id}#{body.seq_id}" if body.seq_id else None
@@ -65,16 +65,14 @@ async def save_weights(body: schemas.SaveWeightsRequest, ctx: Ctx, owner: Owner)
         _claim_name(ctx, path, owner, body.overwrite)
     row = _checkpoint_row(ctx, path, owner, body.ttl_seconds, body.user_metadata)
     payload = SaveStateRequest(path.name, row.directory, str(path))
-    return await submit(
+    return submit(
         ctx, kind="save_state", payload=payload, owner=owner, model_id=body.model_id, seq_id=body.seq_id,
         dedupe_key=dedupe, rows=[row],
     )  # fmt: skip
 
 
 @router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(
-    body: schemas.SaveWeightsForSamplerRequest, ctx: Ctx, owner: Owner
-) -> dict[str, Any]:
+def save_weights_for_sampler(body: schemas.SaveWeightsForSamplerRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
     run = usable_run(ctx, body.model_id, owner)
     dedupe = f"{body.model_id}#{body.seq_id}" if body.seq_id else None
     fresh = dedupe is None or ctx.db.queue.get_by_key(dedupe) is None
@@ -95,7 +93,7 @@ async def save_weights_for_sampler(
         rows = [] if not fresh else _ephemeral_rows(run, sampler_id, owner, body.kind)
     else:
         user_error("save_weights_for_sampler needs a path (named checkpoint) or a sampling_session_seq_id")
-    return await submit(
+    return submit(
         ctx, kind="save_weights_for_sampler", payload=payload, owner=owner, model_id=body.model_id,
         seq_id=body.seq_id, dedupe_key=dedupe, rows=rows,
     )  # fmt: skip
@@ -121,23 +119,23 @@ def resolve_checkpoint(ctx: AppContext, tinker_path: str, owner: str) -> tuple[T
 
 
 @router.post("/load_weights")
-async def load_weights(body: schemas.LoadWeightsRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+def load_weights(body: schemas.LoadWeightsRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
     path, ckpt = resolve_checkpoint(ctx, body.path, owner)
     if path.kind != "weights":
         user_error(f"{body.path!r} is a sampler checkpoint; load_weights needs a training checkpoint (…/weights/…)")
     if body.model_id is not None:
         usable_run(ctx, body.model_id, owner)
         payload = LoadStateRequest(ckpt.directory, str(path), body.optimizer)
-        return await submit(
+        return submit(
             ctx, kind="load_state", payload=payload, owner=owner, model_id=body.model_id, seq_id=body.seq_id,
             dedupe_key=f"{body.model_id}#{body.seq_id}" if body.seq_id else None,
         )  # fmt: skip
     if body.session_id is None or body.model_seq_id is None:
         user_error("load_weights needs model_id, or session_id and model_seq_id (create from state)")
-    return await _create_from_state(ctx, body, owner, path, ckpt)
+    return _create_from_state(ctx, body, owner, path, ckpt)
 
 
-async def _create_from_state(
+def _create_from_state(
     ctx: AppContext, body: schemas.LoadWeightsRequest, owner: str, path: TinkerPath, ckpt: CheckpointRow
 ) -> dict[str, Any]:
     assert body.session_id is not None
@@ -154,7 +152,7 @@ async def _create_from_state(
     meta = body.user_metadata or {}
     run = new_run_row(model_id, body.session_id, owner, source.base_model, lora, meta)
     payload = LoadWeightsRequest(source.base_model, lora, ckpt.directory, str(path), body.optimizer, meta)
-    return await submit(
+    return submit(
         ctx, kind="load_weights", payload=payload, owner=owner, model_id=model_id, dedupe_key=f"{model_id}#create",
         rows=[run],
     )  # fmt: skip

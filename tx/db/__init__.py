@@ -13,8 +13,9 @@ from sqlalchemy.engine import Engine
 
 from tx.db.connect import WriteLock, database_url, is_sqlite, open_engine
 from tx.db.notify import Notifier, PgListener
-from tx.db.queue import DuplicateRequestError, SqlQueue, Submitted
+from tx.db.queue import SqlQueue
 from tx.db.records import Records, owner_of
+from tx.db.submit import DuplicateRequestError, Submitted
 
 __all__ = ["Database", "DuplicateRequestError", "Records", "SqlQueue", "Submitted", "open_database", "owner_of"]
 

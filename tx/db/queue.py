@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import text, update
@@ -26,6 +24,7 @@ from sqlmodel import Session, SQLModel, col, select
 from tx.db import codec
 from tx.db.connect import WriteLock, is_sqlite
 from tx.db.notify import DONE_CHANNEL, WORK_CHANNEL, Notifier
+from tx.db.submit import GroupCommit, NewRequest, Submitted
 from tx.db.tables import CheckpointRow, FutureRow, MetricRow, SamplerSnapshotRow, TrainingRunRow, utcnow
 from tx.protocol import (
     CheckpointResult,
@@ -43,17 +42,6 @@ FINISHED = ("done", "failed")
 _LINKED = (TrainingRunRow, CheckpointRow, SamplerSnapshotRow)
 
 
-class DuplicateRequestError(Exception):
-    """The dedupe key was already used for a different request."""
-
-
-@dataclass(frozen=True)
-class Submitted:
-    future_id: str
-    sequence_ids: list[str]
-    duplicate: bool
-
-
 class SqlQueue:
     """Queue operations over one SQLAlchemy engine (SQLite or Postgres)."""
 
@@ -64,6 +52,7 @@ class SqlQueue:
         self.rescan_s = rescan_s
         self._last_scan = float("-inf")
         self._postgres = not is_sqlite(engine)
+        self._group = GroupCommit(engine, write_lock, lambda session: self._pg_notify(session, WORK_CHANNEL, ""))
 
     # ---- API side -----------------------------------------------------------------------------
 
@@ -81,61 +70,22 @@ class SqlQueue:
     ) -> Submitted:
         """Queue one request; returns the existing future for a repeated `dedupe_key`."""
         blob = codec.encode(payload)
-        digest = hashlib.sha256(blob).hexdigest()
-        with self.write_lock.held(), Session(self.engine, expire_on_commit=False) as session:
-            existing = self._find_duplicate(session, dedupe_key, digest)
-            if existing is not None:
-                return existing
-            row = FutureRow(
-                kind=kind,
-                model_id=model_id,
-                seq_id=seq_id,
-                dedupe_key=dedupe_key,
-                payload_hash=digest,
-                payload=blob,
-                owner=owner,
-                sequence_ids_json=json.dumps(list(sequence_ids)) if sequence_ids else None,
-                created_at=time.time(),
-            )
-            session.add(row)
-            session.flush()
-            future_id = str(row.id)
-            for linked in rows:
-                if hasattr(linked, "future_id"):
-                    linked.future_id = future_id
-                session.add(linked)
-            if model_id is not None and kind != "sample":
-                session.execute(
-                    update(TrainingRunRow).where(col(TrainingRunRow.id) == model_id).values(last_request_at=utcnow())
-                )
-            self._pg_notify(session, WORK_CHANNEL, "")
-            session.commit()
-        self.notifier.work_submitted()
-        return Submitted(future_id, list(sequence_ids), duplicate=False)
+        digest = hashlib.blake2b(blob, digest_size=20).hexdigest()
+        request = NewRequest(kind, blob, digest, owner, model_id, seq_id, dedupe_key, list(sequence_ids), rows)
+        submitted = self._group.submit(request)
+        if not submitted.duplicate:
+            self.notifier.work_submitted()
+        return submitted
 
-    @staticmethod
-    def _find_duplicate(session: Session, dedupe_key: str | None, digest: str) -> Submitted | None:
-        if dedupe_key is None:
-            return None
-        row = session.exec(select(FutureRow).where(FutureRow.dedupe_key == dedupe_key)).first()
-        if row is None:
-            return None
-        if row.payload_hash != digest:
-            raise DuplicateRequestError(
-                f"{dedupe_key.replace('#', ' seq_id ')} was already used for a different request"
-            )
-        ids = json.loads(row.sequence_ids_json) if row.sequence_ids_json else []
-        return Submitted(str(row.id), ids, duplicate=True)
+    def get_by_key(self, dedupe_key: str) -> FutureRow | None:
+        with Session(self.engine, expire_on_commit=False) as session:
+            return session.exec(select(FutureRow).where(FutureRow.dedupe_key == dedupe_key)).first()
 
     def get(self, future_id: str) -> FutureRow | None:
         if not future_id.isdigit():
             return None
         with Session(self.engine, expire_on_commit=False) as session:
             return session.get(FutureRow, int(future_id))
-
-    def get_by_key(self, dedupe_key: str) -> FutureRow | None:
-        with Session(self.engine, expire_on_commit=False) as session:
-            return session.exec(select(FutureRow).where(FutureRow.dedupe_key == dedupe_key)).first()
 
     async def wait_finished(self, future_id: str, timeout_s: float) -> FutureRow | None:
         """The future's row once finished, or as it is after `timeout_s`; None if unknown."""
@@ -194,6 +144,12 @@ class SqlQueue:
             row.status, row.result, row.payload, row.completed_at = "done", blob, None, time.time()
             self._mark_linked(session, future_id, "unloaded" if row.kind == "unload_model" else "ready", result)
             self._record_metrics(session, row, result)
+            if row.model_id is not None and row.kind not in ("sample", "forward", "forward_backward"):
+                session.execute(
+                    update(TrainingRunRow)
+                    .where(col(TrainingRunRow.id) == row.model_id)
+                    .values(last_request_at=utcnow())
+                )
             self._pg_notify(session, DONE_CHANNEL, future_id)
             session.commit()
         self.notifier.result_ready(future_id)

@@ -1,0 +1,139 @@
+"""`python -m tx.api`: start SmolGym (database, engine thread, HTTP server) on one machine.
+
+Startup order: open the database in the data directory (or `--database-url`), fail work left over
+from a previous run, build the runner (the single call into `tx.engine.build_runner`, which loads
+the base model), start the engine loop, then serve HTTP. When the server is listening it prints
+how to point the `tinker` SDK at it and the line "SmolGym ready on http://HOST:PORT".
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from tx.api.app import create_app
+from tx.api.context import Settings
+from tx.db import open_database
+from tx.engine.loop import Engine, Runner
+from tx.protocol import ModelInfo
+
+log = logging.getLogger("tx.api")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m tx.api", description="SmolGym: the Tinker training API on your machine."
+    )
+    p.add_argument("--base-model", required=True, help="Hugging Face model id or local directory of the base model")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument(
+        "--data-dir", default="./smolgym-data", help="database, checkpoints and compile cache (default ./smolgym-data)"
+    )
+    p.add_argument("--database-url", default=None, help="SQLAlchemy/Postgres URL; default: SQLite file in --data-dir")
+    p.add_argument(
+        "--max-lora-adapters", type=int, default=8, help="LoRA adapter slots: concurrent training runs (default 8)"
+    )
+    p.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank a run may ask for (default 64)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices per tensor-parallel group (default 1)")
+    p.add_argument(
+        "--fsdp-size", type=int, default=1, help="devices the weights are sharded over with FSDP (default 1)"
+    )
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype (default bfloat16)"
+    )
+    p.add_argument(
+        "--train-micro-batch-tokens",
+        type=int,
+        default=8192,
+        help="tokens per training micro-batch; bounds memory (default 8192)",
+    )
+    p.add_argument(
+        "--api-key", action="append", default=[], help="accept only this key (repeatable); default: any tml- key"
+    )
+    p.add_argument("--api-keys-file", default=None, help="file with one accepted API key per line ('#' comments)")
+    p.add_argument(
+        "--session-timeout", type=float, default=600.0, help="seconds without heartbeat before a session expires"
+    )
+    p.add_argument("--log-level", default="info", help="logging level (default info)")
+    return p.parse_args(argv)
+
+
+def load_api_keys(keys: list[str], keys_file: str | None) -> frozenset[str]:
+    found = set(keys)
+    if keys_file:
+        for line in Path(keys_file).read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                found.add(line)
+    return frozenset(found)
+
+
+def build_runner(args: argparse.Namespace) -> tuple[Runner, ModelInfo]:
+    """THE RUNNER FACTORY: the one call from the server into the JAX engine.
+
+    `tx.engine.build_runner(**options)` must load the base model and return `(runner, model_info)`,
+    where `runner` implements `tx.engine.loop.Runner`.
+    """
+    try:
+        from tx.engine import build_runner as engine_build_runner  # type: ignore[attr-defined]
+    except ImportError:
+        sys.exit("error: tx.engine.build_runner is not available yet; the JAX runner is still being written")
+    options: dict[str, Any] = {
+        "base_model": args.base_model,
+        "data_dir": Path(args.data_dir),
+        "max_lora_adapters": args.max_lora_adapters,
+        "max_lora_rank": args.max_lora_rank,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "fsdp_size": args.fsdp_size,
+        "dtype": args.dtype,
+        "train_micro_batch_tokens": args.train_micro_batch_tokens,
+    }
+    runner, model_info = engine_build_runner(**options)
+    return runner, model_info
+
+
+def _announce_when_ready(server: uvicorn.Server, host: str, port: int, key_hint: str) -> None:
+    while not server.started and not server.should_exit:
+        time.sleep(0.05)
+    if not server.started:
+        return
+    shown = "localhost" if host in ("0.0.0.0", "127.0.0.1", "::") else host
+    url = f"http://{shown}:{port}"
+    print(f"\nPoint the tinker SDK at this server:\n  export TINKER_API_KEY={key_hint}\n  export TINKER_BASE_URL={url}")
+    print(f"  (or ServiceClient(base_url={url!r}, api_key={key_hint!r}))")
+    print(f"SmolGym ready on http://{host}:{port}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_keys = load_api_keys(args.api_key, args.api_keys_file)
+    db = open_database(args.database_url, args.data_dir, session_timeout_s=args.session_timeout)
+    failed = db.queue.recover()
+    if failed:
+        log.warning("failed %d requests left unfinished by a previous run", failed)
+    runner, model_info = build_runner(args)
+    engine = Engine(db.queue, runner)
+    engine.start()
+    settings = Settings(data_dir=Path(args.data_dir), api_keys=api_keys)
+    app = create_app(settings, db, model_info)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    key_hint = sorted(api_keys)[0] if api_keys else "tml-local"
+    threading.Thread(target=_announce_when_ready, args=(server, args.host, args.port, key_hint), daemon=True).start()
+    try:
+        server.run()
+    finally:
+        engine.stop()
+        db.close()
+
+
+if __name__ == "__main__":
+    main()
