@@ -1,0 +1,204 @@
+"""Training engine against an independent torch + peft reference, and its isolation guarantees."""
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import get_peft_model
+
+from tx.engine.compiles import compile_count
+from tx.engine.trainer import Trainer
+from tx.lora.layers import LoRASpec
+from tx.models.weights import load_model
+from tx.protocol import AdamParams, Datum, ForwardBackwardRequest, LoraConfig
+
+RANK, ALPHA = 4, 32.0
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+@pytest.fixture(scope="module")
+def setup(hf_models):
+    path, torch_model = hf_models("qwen3", 2, False)
+    model, cfg = load_model(str(path), lora=LoRASpec(slots=4, max_rank=8), progress=False)
+    return path, torch_model, model, cfg
+
+
+def random_lora(trainer, run, seed):
+    rng = np.random.RandomState(seed)
+    params = {p: rng.normal(0, 0.1, v.shape).astype(np.float32) for p, v in trainer.run_params(run).items()}
+    trainer.set_run_params(run, params)
+    return params
+
+
+def peft_reference(torch_model, params, cfg):
+    import copy
+
+    peft_model = get_peft_model(
+        copy.deepcopy(torch_model), PeftLoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0)
+    )
+    named = dict(peft_model.named_parameters())
+    with torch.no_grad():
+        for path, value in params.items():
+            module, which = ".".join(path[:-1]), "lora_A" if path[-1] == "lora_a" else "lora_B"
+            layers = range(cfg.num_layers) if path[1] == "layers" else [None]
+            for i in layers:
+                name = module if i is None else module.replace("model.layers", f"model.layers.{i}")
+                v = value if i is None else value[i]
+                named[f"base_model.model.{name}.{which}.default.weight"].copy_(torch.tensor(v.T))
+    return peft_model, named
+
+
+def make_datum(rng, vocab, n, loss):
+    tokens = rng.randint(0, vocab, n + 1)
+    inputs = {"target_tokens": tokens[1:].astype(np.int64), "weights": rng.uniform(0.2, 1.0, n).astype(np.float32)}
+    if loss != "cross_entropy":
+        inputs["logprobs"] = rng.uniform(-6, -3, n).astype(np.float32)
+        inputs["advantages"] = rng.normal(0, 1, n).astype(np.float32)
+    if loss == "gspo":
+        inputs["sequence_ratio_mask"] = (rng.uniform(size=n) > 0.3).astype(np.float32)
+    return Datum(tokens[:-1].tolist(), inputs)
+
+
+def torch_loss(loss, lp, inputs, config):
+    w = torch.tensor(inputs["weights"])
+    if loss == "cross_entropy":
+        return -(w * lp)
+    q, adv = torch.tensor(inputs["logprobs"]), torch.tensor(inputs["advantages"])
+    r = torch.exp(lp - q)
+    lo, hi = config.get("clip_low_threshold"), config.get("clip_high_threshold")
+    if loss == "importance_sampling":
+        per = -r * adv
+    elif loss == "ppo":
+        per = -torch.minimum(r * adv, torch.clamp(r, lo, hi) * adv)
+    elif loss == "cispo":
+        per = -torch.clamp(r, lo, hi).detach() * adv * lp
+    elif loss == "dro":
+        per = -(lp * adv - 0.5 * config["beta"] * (lp - q) ** 2)
+    elif loss == "gspo":
+        m = torch.tensor(inputs["sequence_ratio_mask"]) != 0
+        s = torch.exp((lp.detach() - q)[m].mean())
+        si = s * torch.exp(lp - lp.detach())
+        per = -torch.minimum(si * adv, torch.clamp(si, lo, hi) * adv)
+    return per * w
+
+
+LOSSES = [
+    ("cross_entropy", {}),
+    ("importance_sampling", {}),
+    ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+    ("cispo", {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}),
+    ("dro", {"beta": 0.1}),
+    ("gspo", {"clip_low_threshold": 0.99, "clip_high_threshold": 1.01}),
+]
+
+
+@pytest.mark.parity
+def test_every_loss_matches_torch_peft(setup):
+    path, torch_model, model, cfg = setup
+    trainer = Trainer(model)
+    run = trainer.create_lora_run("a", LoraConfig(rank=RANK, alpha=ALPHA), slot=1)
+    params = random_lora(trainer, run, seed=0)
+    rng = np.random.RandomState(1)
+    work = [
+        ("a", ForwardBackwardRequest([make_datum(rng, cfg.vocab_size, n, name) for n in (9, 14)], name, conf))
+        for name, conf in LOSSES
+    ]
+    results = trainer.forward_backward(work)
+
+    peft_model, named = peft_reference(torch_model, params, cfg)
+    total = 0
+    for (_, req), result, (name, conf) in zip(work, results, LOSSES, strict=True):
+        request_loss = 0
+        for datum, out in zip(req.data, result.outputs, strict=True):
+            logits = peft_model(torch.tensor([datum.tokens])).logits[0]
+            lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(datum.loss_fn_inputs["target_tokens"])[:, None])[
+                :, 0
+            ]
+            np.testing.assert_allclose(out["logprobs"], lp.detach().numpy(), atol=1e-4)
+            full_conf = {**{"clip_low_threshold": None, "clip_high_threshold": None}, **conf}
+            request_loss = request_loss + torch_loss(name, lp, datum.loss_fn_inputs, full_conf).sum()
+        np.testing.assert_allclose(result.metrics["loss:sum"], request_loss.item(), rtol=1e-4, atol=1e-5)
+        total = total + request_loss
+    total.backward()
+    for p, g in run.grads.items():
+        which = "lora_A" if p[-1] == "lora_a" else "lora_B"
+        module = ".".join(p[:-1])
+        for i in range(cfg.num_layers) if p[1] == "layers" else [None]:
+            name = module if i is None else module.replace("model.layers", f"model.layers.{i}")
+            ref = named[f"base_model.model.{name}.{which}.default.weight"].grad.numpy().T
+            ours = np.asarray(g if i is None else g[i])
+            np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
+def sft_batch(cfg, seed=0, n=6):
+    rng = np.random.RandomState(seed)
+    return ForwardBackwardRequest(
+        [make_datum(rng, cfg.vocab_size, int(rng.randint(5, 30)), "cross_entropy") for _ in range(n)], "cross_entropy"
+    )
+
+
+def test_fused_runs_equal_alone_and_steps_are_isolated(setup):
+    _, _, model, cfg = setup
+    trainer = Trainer(model)
+    a = trainer.create_lora_run("a", LoraConfig(rank=4, train_unembed=False), slot=1)
+    b = trainer.create_lora_run("b", LoraConfig(rank=8, train_attn=False), slot=2)
+    random_lora(trainer, a, 3), random_lora(trainer, b, 4)
+    req_a, req_b = sft_batch(cfg, 1), sft_batch(cfg, 2)
+    fused = trainer.forward_backward([("a", req_a), ("b", req_b)])
+    grads_fused = {r: {p: np.asarray(g) for p, g in trainer.runs[r].grads.items()} for r in "ab"}
+    for r in "ab":
+        trainer.runs[r].grads = {p: g * 0 for p, g in trainer.runs[r].grads.items()}
+    alone = [trainer.forward_backward([("a", req_a)])[0], trainer.forward_backward([("b", req_b)])[0]]
+    for f, s in zip(fused, alone, strict=True):
+        np.testing.assert_allclose(f.metrics["loss:sum"], s.metrics["loss:sum"], rtol=1e-6)
+    for r in "ab":
+        for p, g in trainer.runs[r].grads.items():
+            want = grads_fused[r][p]
+            np.testing.assert_allclose(np.asarray(g), want, rtol=1e-4, atol=2e-6 * max(1.0, np.abs(want).max()))
+    b_params = {p: np.asarray(v) for p, v in trainer.run_params(b).items()}
+    b_state = [np.asarray(x) for x in __import__("jax").tree.leaves(b.opt_state)]
+    lora_b_slot = {p: np.asarray(v[..., 2, :, :]) for p, v in trainer.lora.items()}
+    trainer.optim_step("a", AdamParams(learning_rate=1e-2, weight_decay=0.5))
+    for p, v in trainer.run_params(b).items():
+        np.testing.assert_array_equal(np.asarray(v), b_params[p])
+    for before, after in zip(b_state, __import__("jax").tree.leaves(b.opt_state), strict=True):
+        np.testing.assert_array_equal(before, np.asarray(after))
+    for p, v in trainer.lora.items():
+        np.testing.assert_array_equal(np.asarray(v[..., 2, :, :]), lora_b_slot[p])
+
+
+def test_micro_batches_equal_one_batch(setup):
+    _, _, model, cfg = setup
+    big, small = Trainer(model, micro_batch_tokens=1 << 16), Trainer(model, micro_batch_tokens=128)
+    req = sft_batch(cfg, 5, n=12)
+    outs = []
+    for trainer in (big, small):
+        run = trainer.create_lora_run("a", LoraConfig(rank=4), slot=1)
+        random_lora(trainer, run, 7)
+        outs.append((trainer.forward_backward([("a", req)])[0], run.grads))
+    (r1, g1), (r2, g2) = outs
+    np.testing.assert_allclose(r1.metrics["loss:sum"], r2.metrics["loss:sum"], rtol=1e-5)
+    for d1, d2 in zip(r1.outputs, r2.outputs, strict=True):
+        np.testing.assert_allclose(d1["logprobs"], d2["logprobs"], atol=1e-5)
+    for p in g1:
+        want = np.asarray(g2[p])
+        np.testing.assert_allclose(np.asarray(g1[p]), want, rtol=1e-4, atol=2e-6 * max(1.0, np.abs(want).max()))
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_sft_lowers_loss_and_replays_without_compiles(setup, full):
+    _, _, model, cfg = setup
+    trainer = Trainer(model)
+    if full:
+        trainer.create_full_run("a")
+    else:
+        trainer.create_lora_run("a", LoraConfig(rank=8), slot=1)
+    req = sft_batch(cfg, 9)
+    losses = []
+    for step in range(20):
+        losses.append(trainer.forward_backward([("a", req)])[0].metrics["loss:sum"])
+        trainer.optim_step("a", AdamParams(learning_rate=1e-2 if not full else 5e-3))
+        if step == 1:
+            compiles = compile_count()
+    assert compile_count() == compiles, "replaying the same workload compiled again"
+    assert losses[-1] < 0.5 * losses[0], losses

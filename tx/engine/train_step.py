@@ -1,0 +1,152 @@
+"""The jitted training programs: forward, gradient (LoRA or full), accumulate, AdamW step.
+
+Each program takes named pytrees (`TrainBatch`, the model's states) and is built once per graph; shapes
+come from the host-side bucketing in `batching.py`, so a workload replays without new compiles. The
+model is split once into LoRA weights (`LoRAParam`) and base weights; a LoRA run differentiates the
+former, a full fine-tuning run the latter, through the same loss code. Dimension letters: R rows,
+T row length, N = R*T tokens, K targets per token, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from tx.engine.losses import LossInputs, token_losses
+from tx.lora.params import LoRARows
+
+Flat = dict[tuple[str, ...], jax.Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainBatch:
+    tokens: jax.Array  # [R, T] int32
+    positions: jax.Array  # [R, T] int32, restarting per packed segment
+    segments: jax.Array  # [R, T] int32, 0 = padding
+    targets: jax.Array  # [R, T, K] int32
+    rows: LoRARows
+    loss: LossInputs  # over the N = R*T flattened tokens
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutputs:
+    target_logprobs: jax.Array  # [N, K]
+    token_loss: jax.Array  # [N]
+
+
+def _outputs(model: Any, batch: TrainBatch) -> tuple[jax.Array, StepOutputs]:
+    h, _ = model.hidden(batch.tokens, batch.positions, batch.segments, batch.rows)
+    logp = jax.nn.log_softmax(model.logits(h, batch.rows), axis=-1)  # [R, T, V]
+    target_lp = jnp.take_along_axis(logp, batch.targets, axis=-1)  # [R, T, K]
+    R, T, K = batch.targets.shape
+    target_lp = target_lp.reshape(R * T, K)
+    loss_N = token_losses(target_lp, batch.loss)
+    return loss_N.sum(), StepOutputs(target_lp, loss_N)
+
+
+def flat(state: nnx.State) -> Flat:
+    """An nnx State as {path: array}: the engine's canonical, jit-friendly form of a weight set."""
+    return {tuple(str(k) for k in path): var.get_value() for path, var in nnx.to_flat_state(state)}
+
+
+def as_state(weights: Flat) -> nnx.State:
+    return nnx.from_flat_state(list(weights.items()))
+
+
+class StepFunctions:
+    """The compiled programs for one model graph; `lora` is the trainable split when True."""
+
+    def __init__(self, graphdef: nnx.GraphDef) -> None:
+        self.graphdef = graphdef
+        self.forward = jax.jit(self._forward)
+        self.lora_grad = jax.jit(functools.partial(self._grad, train_lora=True))
+        self.full_grad = jax.jit(functools.partial(self._grad, train_lora=False))
+
+    def model(self, lora: Flat, base: Flat) -> Any:
+        return nnx.merge(self.graphdef, as_state(lora), as_state(base))
+
+    def _forward(self, lora: Flat, base: Flat, batch: TrainBatch) -> StepOutputs:
+        return _outputs(self.model(lora, base), batch)[1]
+
+    def _grad(self, lora: Flat, base: Flat, batch: TrainBatch, *, train_lora: bool) -> tuple[Flat, StepOutputs]:
+        def loss_fn(trainable: Flat, frozen: Flat) -> tuple[jax.Array, StepOutputs]:
+            pair = (trainable, frozen) if train_lora else (frozen, trainable)
+            return _outputs(self.model(*pair), batch)
+
+        grads, out = jax.grad(loss_fn, has_aux=True)(*((lora, base) if train_lora else (base, lora)))
+        return grads, out
+
+
+# ---- per-run slices of the stacked adapter slots -------------------------------------------------
+
+
+def is_lora_a(path: tuple[str, ...]) -> bool:
+    return path[-1] == "lora_a"
+
+
+def take_slot(x: jax.Array, slot: jax.Array, rank: int, a: bool) -> jax.Array:
+    """[..., S, I, R] -> the slot's [..., I, rank] (A), or [..., S, R, O] -> [..., rank, O] (B)."""
+    one = jnp.take(x, slot, axis=x.ndim - 3)
+    return one[..., :rank] if a else one[..., :rank, :]
+
+
+def put_slot(x: jax.Array, slot: jax.Array, value: jax.Array, a: bool) -> jax.Array:
+    pad = x.shape[-1] - value.shape[-1] if a else x.shape[-2] - value.shape[-2]
+    widths = [(0, 0)] * value.ndim
+    widths[-1 if a else -2] = (0, pad)
+    full = jnp.pad(value.astype(x.dtype), widths)
+    return jax.lax.dynamic_update_index_in_dim(x, full, slot, x.ndim - 3)
+
+
+@functools.partial(jax.jit, static_argnames=("ranks",), donate_argnums=0)
+def accumulate_slot(acc: Flat, grads: Flat, slot: jax.Array, ranks: tuple) -> Flat:
+    """acc[path] += the slot's slice of grads[path] (LoRA runs; `ranks` is static, one per path)."""
+    rank = dict(ranks)
+    return {p: acc[p] + take_slot(grads[p], slot, rank[p], is_lora_a(p)) for p in acc}
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def accumulate_full(acc: Flat, grads: Flat) -> Flat:
+    return {p: acc[p] + grads[p].astype(acc[p].dtype) for p in acc}
+
+
+@jax.jit
+def read_slot_params(lora: Flat, slot: jax.Array, like: Flat) -> Flat:
+    return {p: take_slot(lora[p], slot, like[p].shape[-1 if is_lora_a(p) else -2], is_lora_a(p)) for p in like}
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def write_slot_params(lora: Flat, slot: jax.Array, params: Flat) -> Flat:
+    return {p: put_slot(v, slot, params[p], is_lora_a(p)) if p in params else v for p, v in lora.items()}
+
+
+# ---- AdamW ------------------------------------------------------------------------------------------
+
+
+def make_optimizer() -> optax.GradientTransformation:
+    """AdamW (torch semantics: decoupled decay p -= lr*wd*p) with per-step hyper-parameters as inputs."""
+    return optax.inject_hyperparams(optax.adamw)(
+        learning_rate=1e-4, b1=0.9, b2=0.95, eps=1e-12, weight_decay=0.0
+    )
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+def adam_step(params: Flat, opt_state: Any, grads: Flat, hp: dict[str, jax.Array]) -> tuple[Flat, Any, Flat, jax.Array]:
+    """One AdamW step; returns new params, optimizer state, zeroed grads and the pre-clip grad norm."""
+    norm = optax.global_norm(grads)
+    clip = hp["grad_clip_norm"]
+    factor = jnp.where((clip > 0) & (norm > clip), clip / jnp.maximum(norm, 1e-30), 1.0)
+    grads32 = jax.tree.map(lambda g: (g * factor).astype(jnp.float32), grads)
+    for name in ("learning_rate", "b1", "b2", "eps", "weight_decay"):
+        opt_state.hyperparams[name] = hp[name]
+    updates, opt_state = make_optimizer().update(grads32, opt_state, params)
+    new_params = jax.tree.map(lambda p, u: (p.astype(jnp.float32) + u).astype(p.dtype), params, updates)
+    return new_params, opt_state, jax.tree.map(jnp.zeros_like, grads), norm

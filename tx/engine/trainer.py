@@ -1,0 +1,220 @@
+"""Training runs on one loaded model: LoRA runs in adapter slots, full fine-tuning runs on own copies.
+
+The trainer owns the model's weights as two flat dicts (`base`, `lora`: {path: array}) and, per run,
+gradient accumulators and AdamW state sized to that run's adapter (its targets, its rank) or, for full
+fine-tuning, to the whole model. `forward_backward` fuses datums of any number of LoRA runs into one
+set of packed micro-batches and adds each run's slice of the gradient to its accumulator (Tinker's sum
+semantics: gradients add up until `optim_step`). `optim_step` touches only its own run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tx.engine import train_step as ts
+from tx.engine.losses import validate_loss
+from tx.engine.train_batch import Example, build_batch, make_example, plan_rows, scatter_outputs
+from tx.lora.params import LoRAParam
+from tx.models.causal_lm import CausalLM
+from tx.protocol import AdamParams, ForwardBackwardRequest, ForwardBackwardResult, LoraConfig, RequestError
+
+log = logging.getLogger("tx.engine")
+Flat = ts.Flat
+TARGET_GROUPS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def lora_targets(cfg: LoraConfig) -> frozenset[str]:
+    names: list[str] = []
+    if cfg.train_attn:
+        names += TARGET_GROUPS["attn"]
+    if cfg.train_mlp:
+        names += TARGET_GROUPS["mlp"]
+    if cfg.train_unembed:
+        names.append("lm_head")
+    return frozenset(names)
+
+
+@dataclasses.dataclass
+class Run:
+    run_id: str
+    slot: int  # adapter slot; 0 for full fine-tuning (its rows use no adapter)
+    lora: LoraConfig | None
+    grads: Flat
+    opt_state: Any
+    params: Flat | None = None  # full fine-tuning: the run's own copy of every base weight
+    step: int = 0
+
+    @property
+    def ranks(self) -> tuple:
+        return tuple((p, g.shape[-1] if ts.is_lora_a(p) else g.shape[-2]) for p, g in sorted(self.grads.items()))
+
+
+class Trainer:
+    def __init__(self, model: CausalLM, micro_batch_tokens: int = 8192) -> None:
+        graphdef, lora, base = nnx.split(model, LoRAParam, ...)  # type: ignore[misc]
+        self.steps = ts.StepFunctions(graphdef)
+        # The trainer updates LoRA slots in place (donated buffers), so it owns a copy of them.
+        self.lora = {p: jnp.array(v, copy=True) for p, v in ts.flat(lora).items()}
+        self.base = ts.flat(base)
+        self.config = model.config
+        self.micro_batch_tokens = micro_batch_tokens
+        self.runs: dict[str, Run] = {}
+        self.scale = np.zeros(self._lora_shape(), np.float32)  # [S, R] per-slot alpha/rank on live columns
+
+    def _lora_shape(self) -> tuple[int, int]:
+        a = self.lora.get(("lm_head", "lora_a"))
+        if a is None:
+            raise RuntimeError("the model was built without LoRA slots")
+        return a.shape[0], a.shape[-1]
+
+    @property
+    def max_rank(self) -> int:
+        return self._lora_shape()[1]
+
+    # ---- runs -------------------------------------------------------------------------------------
+
+    def create_lora_run(self, run_id: str, cfg: LoraConfig, slot: int, seed: int = 0) -> Run:
+        targets = lora_targets(cfg)
+        paths = [p for p in self.lora if p[-2] in targets]
+        key = jax.random.key(seed if cfg.seed is None else cfg.seed)
+        params: Flat = {}
+        for i, p in enumerate(sorted(paths)):
+            shape = ts.take_slot(self.lora[p], jnp.int32(slot), cfg.rank, ts.is_lora_a(p)).shape
+            if ts.is_lora_a(p):  # PEFT's default: kaiming-uniform A, zero B, so training starts at the base
+                bound = 1.0 / np.sqrt(shape[-2])
+                params[p] = jax.random.uniform(jax.random.fold_in(key, i), shape, jnp.float32, -bound, bound)
+            else:
+                params[p] = jnp.zeros(shape, jnp.float32)
+        self.clear_slot(slot)
+        self.lora = ts.write_slot_params(self.lora, jnp.int32(slot), params)
+        self.scale[slot] = np.where(np.arange(self.max_rank) < cfg.rank, cfg.alpha / cfg.rank, 0.0)
+        run = Run(run_id, slot, cfg, _zeros(params), ts.make_optimizer().init(params))
+        self.runs[run_id] = run
+        return run
+
+    def create_full_run(self, run_id: str) -> Run:
+        params = {p: jnp.array(v, copy=True) for p, v in self.base.items()}
+        run = Run(run_id, 0, None, _zeros(params, jnp.float32), ts.make_optimizer().init(params), params)
+        self.runs[run_id] = run
+        return run
+
+    def clear_slot(self, slot: int) -> None:
+        zero = {
+            p: jnp.zeros_like(ts.take_slot(v, jnp.int32(slot), self.max_rank, ts.is_lora_a(p)))
+            for p, v in self.lora.items()
+        }
+        self.lora = ts.write_slot_params(self.lora, jnp.int32(slot), zero)
+        self.scale[slot] = 0.0
+
+    def drop_run(self, run_id: str) -> Run:
+        run = self.runs.pop(run_id)
+        if run.lora is not None:
+            self.clear_slot(run.slot)
+        return run
+
+    def run_params(self, run: Run) -> Flat:
+        if run.params is not None:
+            return run.params
+        return ts.read_slot_params(self.lora, jnp.int32(run.slot), run.grads)
+
+    def set_run_params(self, run: Run, params: Flat) -> None:
+        if run.lora is None:
+            run.params = params
+        else:
+            self.lora = ts.write_slot_params(self.lora, jnp.int32(run.slot), params)
+
+    # ---- forward / backward -----------------------------------------------------------------------
+
+    def forward_backward(self, work: Sequence[tuple[str, ForwardBackwardRequest]]) -> list[ForwardBackwardResult]:
+        """Run requests of LoRA runs fused (or of one full fine-tuning run); gradients unless forward_only."""
+        examples: list[Example] = []
+        owner: list[int] = []
+        for index, (run_id, req) in enumerate(work):
+            run = self._run(run_id)
+            config = validate_loss(req.loss_fn, dict(req.loss_fn_config or {}))
+            for datum in req.data:
+                examples.append(make_example(datum, req.loss_fn, config, run.slot))
+                owner.append(index)
+        full = {self.runs[r].run_id for r, _ in work if self.runs[r].lora is None}
+        if full and len({r for r, _ in work}) > 1:
+            raise ValueError("a full fine-tuning run cannot share a batch with other runs")
+        outputs: dict[int, dict[str, np.ndarray]] = {}
+        if examples:
+            self._run_batches(examples, [work[o] for o in owner], outputs)
+        return self._results(work, examples, owner, outputs)
+
+    def _run_batches(self, examples: list[Example], work_of: list, outputs: dict) -> None:
+        plan = plan_rows(examples, self.micro_batch_tokens)
+        for batch in plan.batches:
+            if not batch.segments:
+                continue
+            inputs, datums = build_batch(examples, batch, self.scale)
+            present = {work_of[d][0] for d in datums}
+            needs_grad = {work_of[d][0] for d in datums if not work_of[d][1].forward_only}
+            out = self._execute(inputs, present, needs_grad)
+            scatter_outputs(batch, np.asarray(out.target_logprobs), np.asarray(out.token_loss), outputs)
+
+    def _execute(self, inputs: ts.TrainBatch, present: set[str], needs_grad: set[str]) -> ts.StepOutputs:
+        full = [self.runs[r] for r in present if self.runs[r].lora is None]
+        base = full[0].params if full else self.base
+        if not needs_grad:
+            return self.steps.forward(self.lora, base, inputs)
+        if full:  # a full fine-tuning run is alone in its batch
+            grads, out = self.steps.full_grad(self.lora, base, inputs)
+            full[0].grads = ts.accumulate_full(full[0].grads, grads)
+            return out
+        grads, out = self.steps.lora_grad(self.lora, base, inputs)
+        for run_id in sorted(needs_grad):
+            run = self.runs[run_id]
+            run.grads = ts.accumulate_slot(run.grads, grads, jnp.int32(run.slot), run.ranks)
+        return out
+
+    def _results(self, work, examples, owner, outputs) -> list[ForwardBackwardResult]:
+        results = []
+        for index, (_, req) in enumerate(work):
+            per_datum: list[dict[str, np.ndarray]] = []
+            total = 0.0
+            for d in (d for d, o in enumerate(owner) if o == index):
+                out = outputs[d]
+                k = examples[d].targets.shape[1]
+                one_d = np.asarray(req.data[len(per_datum)].loss_fn_inputs["target_tokens"]).ndim == 1
+                lp = out["logprobs"][:, 0] if one_d else out["logprobs"][:, :k]
+                per_datum.append({"logprobs": lp.astype(np.float32), "elementwise_loss": out["elementwise_loss"]})
+                total += float(out["elementwise_loss"].sum())
+            results.append(ForwardBackwardResult(per_datum, {"loss:sum": total}))
+        return results
+
+    # ---- optimizer ----------------------------------------------------------------------------------
+
+    def optim_step(self, run_id: str, adam: AdamParams) -> dict[str, float]:
+        run = self._run(run_id)
+        hp = {
+            "learning_rate": adam.learning_rate,
+            "b1": adam.beta1,
+            "b2": adam.beta2,
+            "eps": adam.eps,
+            "weight_decay": adam.weight_decay,
+            "grad_clip_norm": adam.grad_clip_norm,
+        }
+        hp_arrays = {k: jnp.asarray(v, jnp.float32) for k, v in hp.items()}
+        params, run.opt_state, run.grads, norm = ts.adam_step(self.run_params(run), run.opt_state, run.grads, hp_arrays)
+        self.set_run_params(run, params)
+        run.step += 1
+        return {"grad_norm:mean": float(norm), "learning_rate:mean": adam.learning_rate}
+
+    def _run(self, run_id: str) -> Run:
+        if run_id not in self.runs:
+            raise RequestError(f"unknown model_id {run_id!r}", "user")
+        return self.runs[run_id]
+
+
+def _zeros(params: Flat, dtype: Any = None) -> Flat:
+    return {p: jnp.zeros(v.shape, dtype or v.dtype) for p, v in params.items()}
