@@ -107,6 +107,9 @@ class SqlQueue:
     def wait_for_work(self, timeout_s: float) -> None:
         self.notifier.wait_for_work(timeout_s)
 
+    def wake(self) -> None:
+        self.notifier.work_submitted()
+
     def claim(self, limit: int) -> list[WorkItem]:
         signalled = self.notifier.take_work_flag()
         if not signalled and time.monotonic() - self._last_scan < self.rescan_s:
@@ -122,6 +125,8 @@ class SqlQueue:
             ids = [row.id for row in rows]
             session.execute(update(FutureRow).where(col(FutureRow.id).in_(ids)).values(status="running"))
             session.commit()
+        if len(rows) == limit:  # there may be more: look again on the next claim
+            self.notifier.work_submitted()
         return self._decode_items(rows)
 
     def _decode_items(self, rows: list[FutureRow]) -> list[WorkItem]:

@@ -98,7 +98,7 @@ class GroupCommit:
 
     def _write(self, batch: list[NewRequest]) -> None:
         outcomes: list[Submitted | Exception] = []
-        with self.write_lock.held(), Session(self.engine) as session:
+        with self.write_lock.held(), Session(self.engine, expire_on_commit=False) as session:
             for entry in batch:
                 try:
                     outcomes.append(_insert(session, entry))

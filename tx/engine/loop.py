@@ -46,7 +46,11 @@ class WorkQueue(Protocol):
         ...
 
     def wait_for_work(self, timeout_s: float) -> None:
-        """Return as soon as new work is submitted, or after `timeout_s`."""
+        """Return as soon as new work is submitted (or `wake` is called), or after `timeout_s`."""
+        ...
+
+    def wake(self) -> None:
+        """Make a pending `wait_for_work` return now (used to stop the engine promptly)."""
         ...
 
     def complete(self, future_id: str, result: Result) -> None: ...
@@ -94,6 +98,7 @@ class Engine:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
+        self.queue.wake()
         if self._thread is not None:
             self._thread.join(timeout_s)
 

@@ -1,0 +1,102 @@
+"""The engine loop over the real SQLite queue with scripted test runners."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tx.db import Database, open_database, owner_of
+from tx.engine.loop import Completion, Engine, StepError
+from tx.protocol import Datum, ForwardBackwardRequest, OptimStepResult, WorkItem
+
+OWNER = owner_of("tml-test")
+
+
+class ScriptedRunner:
+    """Test-only runner: completes items one step later; a token 7 raises StepError, 8 a bare exception."""
+
+    def __init__(self) -> None:
+        self.items: list[WorkItem] = []
+        self.submitted_at: list[float] = []
+
+    def submit(self, items: Sequence[WorkItem]) -> None:
+        self.items.extend(items)
+        self.submitted_at.extend(time.monotonic() for _ in items)
+
+    def idle(self) -> bool:
+        return not self.items
+
+    def step(self) -> list[Completion]:
+        items, self.items = self.items, []
+        for item in items:
+            token = item.payload.data[0].tokens[0]  # type: ignore[union-attr]
+            if token == 7:
+                self.items = [i for i in items if i is not item]
+                raise StepError("boom", [item.future_id])
+            if token == 8:
+                raise RuntimeError("unattributable")
+        return [Completion(item.future_id, OptimStepResult()) for item in items]
+
+
+@pytest.fixture
+def sqlite_db(tmp_path: Path) -> Database:
+    return open_database(None, tmp_path)
+
+
+def _submit(db: Database, seq: int, token: int = 1) -> str:
+    payload = ForwardBackwardRequest([Datum([token, 2], {"target_tokens": np.array([2, 3])})], "cross_entropy")
+    return db.queue.submit(kind="forward_backward", payload=payload, owner=OWNER, model_id="m", seq_id=seq).future_id
+
+
+def _wait_status(db: Database, future_id: str, timeout: float = 5.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = db.queue.get(future_id)
+        if row is not None and row.status in ("done", "failed"):
+            return row.status
+        time.sleep(0.01)
+    raise AssertionError(f"{future_id} never finished")
+
+
+def test_engine_wakes_immediately_and_completes(sqlite_db: Database, caplog: pytest.LogCaptureFixture) -> None:
+    runner = ScriptedRunner()
+    engine = Engine(sqlite_db.queue, runner, idle_wait_s=30.0)
+    engine.start()
+    try:
+        time.sleep(0.1)  # the loop is now asleep in wait_for_work
+        with caplog.at_level(logging.INFO, logger="tx.engine"):
+            start = time.monotonic()
+            future_id = _submit(sqlite_db, 1)
+            assert _wait_status(sqlite_db, future_id) == "done"
+            assert runner.submitted_at[0] - start < 0.5
+        assert any("ok forward_backward model=m" in r.message for r in caplog.records)
+    finally:
+        engine.stop()
+
+
+def test_step_error_fails_only_affected_future(sqlite_db: Database) -> None:
+    runner = ScriptedRunner()
+    good, bad = _submit(sqlite_db, 1), _submit(sqlite_db, 2, token=7)
+    engine = Engine(sqlite_db.queue, runner)
+    engine.run_once()  # claim + step: raises StepError for `bad`
+    engine.run_once()
+    assert sqlite_db.queue.get(bad).status == "failed"  # type: ignore[union-attr]
+    assert sqlite_db.queue.get(bad).error_category == "server"  # type: ignore[union-attr]
+    assert sqlite_db.queue.get(good).status == "done"  # type: ignore[union-attr]
+
+
+def test_unattributable_exception_fails_inflight_and_loop_survives(sqlite_db: Database) -> None:
+    runner = ScriptedRunner()
+    engine = Engine(sqlite_db.queue, runner)
+    first = _submit(sqlite_db, 1, token=8)
+    engine.run_once()
+    row = sqlite_db.queue.get(first)
+    assert row is not None and row.status == "failed" and "unattributable" in (row.error or "")
+    later = _submit(sqlite_db, 2)
+    engine.run_once()
+    assert sqlite_db.queue.get(later).status == "done"  # type: ignore[union-attr]

@@ -1,0 +1,159 @@
+"""The work queue: dedupe, claim order, event-driven waits, completion bookkeeping, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tx.db import Database, DuplicateRequestError, owner_of
+from tx.db.tables import CheckpointRow, TrainingRunRow
+from tx.protocol import (
+    CheckpointResult,
+    CreateModelRequest,
+    CreateModelResult,
+    Datum,
+    ForwardBackwardRequest,
+    ForwardBackwardResult,
+    LoraConfig,
+    RequestError,
+    SaveStateRequest,
+)
+
+OWNER = owner_of("tml-test")
+
+
+def _fb(tokens: list[int]) -> ForwardBackwardRequest:
+    return ForwardBackwardRequest([Datum(tokens, {"target_tokens": np.asarray(tokens, np.int64)})], "cross_entropy")
+
+
+def _submit(db: Database, seq_id: int, tokens: list[int] | None = None) -> str:
+    payload = _fb(tokens or [1, 2, 3])
+    key = f"m#{seq_id}"
+    return db.queue.submit(
+        kind="forward_backward", payload=payload, owner=OWNER, model_id="m", seq_id=seq_id, dedupe_key=key
+    ).future_id
+
+
+def test_dedupe_same_payload_same_future(db: Database) -> None:
+    first = _submit(db, 1)
+    assert _submit(db, 1) == first
+    with pytest.raises(DuplicateRequestError, match="m seq_id 1 was already used"):
+        _submit(db, 1, [4, 5, 6])
+
+
+def test_claim_in_creation_order_and_marks_running(db: Database) -> None:
+    ids = [_submit(db, i) for i in range(1, 6)]
+    items = db.queue.claim(3)
+    assert [item.future_id for item in items] == ids[:3]
+    assert items[0].payload.data[0].tokens == [1, 2, 3] and items[0].seq_id == 1 and items[0].kind == "forward_backward"
+    assert [item.future_id for item in db.queue.claim(10)] == ids[3:]
+    assert db.queue.claim(10) == []
+    assert {db.queue.get(i).status for i in ids} == {"running"}  # type: ignore[union-attr]
+
+
+def test_concurrent_submits_group_commit(db: Database) -> None:
+    results: list[str] = []
+    lock = threading.Lock()
+
+    def worker(seq: int) -> None:
+        future_id = _submit(db, seq % 25 + 1)  # every key submitted twice, concurrently
+        with lock:
+            results.append(future_id)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(50)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(results)) == 25
+    assert len(db.queue.claim(100)) == 25
+
+
+def test_wait_for_work_wakes_on_submit(db: Database) -> None:
+    db.queue.claim(10)  # clear the flag
+    threading.Timer(0.05, lambda: _submit(db, 1)).start()
+    start = time.monotonic()
+    db.queue.wait_for_work(5.0)
+    assert time.monotonic() - start < 1.0
+    assert len(db.queue.claim(10)) == 1
+
+
+def test_wait_finished_is_event_driven(db: Database) -> None:
+    future_id = _submit(db, 1)
+    db.queue.claim(10)
+    result = ForwardBackwardResult([{"logprobs": np.zeros(3, np.float32)}], {"loss:sum": 0.0})
+    threading.Timer(0.1, lambda: db.queue.complete(future_id, result)).start()
+
+    async def wait() -> tuple[str, float]:
+        start = time.monotonic()
+        row = await db.queue.wait_finished(future_id, 10.0)
+        assert row is not None
+        return row.status, time.monotonic() - start
+
+    status, seconds = asyncio.run(wait())
+    assert status == "done" and seconds < 1.0
+    row = asyncio.run(db.queue.wait_finished(future_id, 10.0))  # results stay retrievable
+    assert row is not None and row.status == "done" and row.payload is None
+
+
+def test_wait_finished_times_out_pending(db: Database) -> None:
+    future_id = _submit(db, 1)
+    start = time.monotonic()
+    row = asyncio.run(db.queue.wait_finished(future_id, 0.2))
+    assert row is not None and row.status == "pending" and 0.15 < time.monotonic() - start < 2.0
+    assert asyncio.run(db.queue.wait_finished("12345", 0.1)) is None
+
+
+def test_completion_updates_linked_rows(db: Database) -> None:
+    run = TrainingRunRow(id="s:train:0", session_id="s", owner=OWNER, base_model="b", lora_rank=4)
+    payload = CreateModelRequest("b", LoraConfig(4))
+    created = db.queue.submit(kind="create_model", payload=payload, owner=OWNER, model_id=run.id, rows=[run])
+    ckpt = CheckpointRow(run_id=run.id, checkpoint_id="weights/a", checkpoint_type="training",
+                         tinker_path="tinker://s:train:0/weights/a", owner=OWNER, directory="/tmp/x")  # fmt: skip
+    save = db.queue.submit(kind="save_state", payload=SaveStateRequest("a", "/tmp/x", ckpt.tinker_path), owner=OWNER,
+                           model_id=run.id, rows=[ckpt])  # fmt: skip
+    assert db.records.get_run(run.id, OWNER).status == "pending"  # type: ignore[union-attr]
+    db.queue.claim(10)
+    db.queue.complete(created.future_id, CreateModelResult(run.id))
+    assert db.records.get_run(run.id, OWNER).status == "ready"  # type: ignore[union-attr]
+    assert db.records.get_run(run.id, owner_of("tml-other")) is None
+    db.queue.fail(save.future_id, RequestError("disk full", "server"))
+    assert db.records.get_checkpoint(run.id, "weights/a", OWNER, ready=False) is None
+    failed = db.queue.get(save.future_id)
+    assert failed is not None and (failed.error, failed.error_category) == ("disk full", "server")
+    db.queue.complete(created.future_id, CheckpointResult(path="p"))  # idempotent overwrite is harmless
+
+
+def test_recover_fails_unfinished_work(db: Database) -> None:
+    running, pending = _submit(db, 1), _submit(db, 2)
+    db.queue.claim(1)
+    assert db.queue.recover() == 2
+    for future_id in (running, pending):
+        row = db.queue.get(future_id)
+        assert row is not None and row.status == "failed" and "restarted" in (row.error or "")
+
+
+def test_postgres_notify_reaches_another_server(db: Database) -> None:
+    """Two Database objects on one Postgres stand in for two processes: NOTIFY must wake the other."""
+    if db.listener is None:
+        pytest.skip("LISTEN/NOTIFY only applies to Postgres")
+    from tx.db import open_database
+
+    other = open_database(db.engine.url.render_as_string(hide_password=False), ".")
+    try:
+        time.sleep(0.3)  # let both listeners connect
+        db.queue.claim(10)
+        threading.Timer(0.05, lambda: _submit(other, 1)).start()
+        start = time.monotonic()
+        db.queue.wait_for_work(5.0)
+        assert time.monotonic() - start < 2.0
+        (item,) = db.queue.claim(10)
+        threading.Timer(0.1, lambda: other.queue.fail(item.future_id, RequestError("x", "user"))).start()
+        row = asyncio.run(db.queue.wait_finished(item.future_id, 10.0))
+        assert row is not None and row.status == "failed" and time.monotonic() - start < 3.0
+    finally:
+        other.close()
