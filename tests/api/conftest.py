@@ -11,34 +11,18 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import uvicorn
-from fake_runner import FakeRunner  # tests/api is on sys.path (rootdir-relative test layout)
 
+from api.fake_runner import FakeRunner
+from api.harness import KEY, MODEL, Server
 from tx.api.app import create_app
 from tx.api.context import Settings
-from tx.db import Database, open_database
+from tx.db import open_database
 from tx.engine.loop import Engine
-from tx.protocol import ModelInfo
 
 os.environ["TINKER_TELEMETRY"] = "0"
-
-MODEL = ModelInfo(
-    base_model="smolgym/tiny-test", vocab_size=1000, max_seq_len=128, tokenizer_id="gpt2", max_lora_rank=32
-)
-KEY = "tml-alice"
-OTHER_KEY = "tml-bob"
-
-
-@dataclass
-class Server:
-    url: str
-    runner: FakeRunner
-    db: Database
-    data_dir: Path
 
 
 def _free_port() -> int:

@@ -9,8 +9,9 @@ import httpx
 import numpy as np
 import pytest
 import zstandard
-from conftest import KEY, MODEL, OTHER_KEY, Server
 from tinker.proto import tinker_public_pb2 as pb
+
+from api.harness import KEY, MODEL, OTHER_KEY, PROTO, Server, proto_body
 
 
 @pytest.fixture(scope="module")
@@ -34,22 +35,6 @@ def wait(http: httpx.Client, request_id: str, accept: str = "application/json") 
             assert reply.status_code == 200, reply.text
             return reply.content if "protobuf" in reply.headers["content-type"] else reply.json()
     raise AssertionError("future never finished")
-
-
-def proto_body(model_id: str, seq_id: int, tokens: list[int], targets: list[int] | None = None, **extra: Any) -> bytes:
-    request = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn=extra.pop("loss_fn", "cross_entropy"))
-    datum = request.data.add()
-    datum.model_input.add().encoded_text.tokens = np.asarray(tokens, np.int32).tobytes()
-    target = datum.loss_fn_inputs["target_tokens"]
-    target.dense = np.asarray(targets if targets is not None else tokens, np.int64).tobytes()
-    target.dtype = pb.DTYPE_INT64
-    target.shape.append(len(targets if targets is not None else tokens))
-    for key, value in extra.items():
-        request.loss_fn_config_v2[key].number = value
-    return request.SerializeToString()
-
-
-PROTO = {"Content-Type": "application/x-protobuf"}
 
 
 def test_client_config_and_health(http: httpx.Client) -> None:

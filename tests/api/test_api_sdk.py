@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tinker
-from conftest import KEY, MODEL, Server
 from tinker import types
 
+from api.harness import KEY, MODEL, Server
 from tx.db import owner_of
 
 

@@ -8,10 +8,10 @@ import httpx
 import numpy as np
 import pytest
 import tinker
-from conftest import KEY, MODEL, Server
-from test_api_http import PROTO, proto_body
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
+
+from api.harness import KEY, MODEL, PROTO, Server, proto_body
 
 
 @pytest.fixture(scope="module")
