@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -12,6 +14,9 @@ import zstandard
 from tinker.proto import tinker_public_pb2 as pb
 
 from api.harness import KEY, MODEL, OTHER_KEY, PROTO, Server, proto_body
+from tx.api.app import reap_sessions
+from tx.db import owner_of
+from tx.db.tables import SessionRow, utcnow
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +142,19 @@ def test_checkpoint_archive_download(http: httpx.Client, model_id: str, server: 
     assert tar.status_code == 200 and b"adapter_config.json" in tar.content
     dup = http.post("/save_weights", json={"model_id": model_id, "path": "arch", "seq_id": 109})
     assert dup.status_code == 400 and "already exists" in dup.json()["detail"]
+
+
+def test_expired_session_unloads_runs_and_heartbeat_410(http: httpx.Client, server: Server) -> None:
+    session_id = http.post("/create_session", json={}).json()["session_id"]
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": MODEL.base_model, "lora_config": {"rank": 4}}
+    wait(http, http.post("/create_model", json=body).json()["request_id"])
+    server.db.records._update(SessionRow, session_id, last_heartbeat_at=utcnow() - timedelta(hours=1))
+    assert reap_sessions(SimpleNamespace(db=server.db)) == 1  # type: ignore[arg-type]
+    assert http.post("/session_heartbeat", json={"session_id": session_id}).status_code == 410
+    deadline = time.monotonic() + 5
+    model_id = f"{session_id}:train:0"
+    while server.db.records.get_run(model_id, owner_of(KEY)).status != "unloaded":  # type: ignore[union-attr]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    reply = http.post("/forward_backward", content=proto_body(model_id, 1, [1, 2]), headers=PROTO)
+    assert reply.status_code == 400 and "unloaded" in reply.json()["detail"]

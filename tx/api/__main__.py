@@ -83,9 +83,9 @@ def build_runner(args: argparse.Namespace) -> tuple[Runner, ModelInfo]:
     where `runner` implements `tx.engine.loop.Runner`.
     """
     try:
-        from tx.engine import build_runner as engine_build_runner  # type: ignore[attr-defined]
+        from tx.engine import build_runner as engine_build_runner
     except ImportError:
-        sys.exit("error: tx.engine.build_runner is not available yet; the JAX runner is still being written")
+        sys.exit("error: tx.engine.build_runner is not available (the JAX engine failed to import)")
     options: dict[str, Any] = {
         "base_model": args.base_model,
         "data_dir": Path(args.data_dir),

@@ -1,24 +1,29 @@
 """FastAPI application factory: `create_app(settings, db, model_info)`.
 
 The app only validates, queues and serves results; the engine that executes the queue is started
-next to it by the caller (`python -m tx.api`, or a test fixture with a fake runner). Decoding and
+next to it by the caller (`python -m tx.api`, or a test fixture with a fake runner). A background
+task expires sessions whose heartbeats stopped and unloads their runs' adapters. Decoding and
 validation errors become HTTP 400 with a `detail` naming the field; 422 (schema) errors keep
 FastAPI's field-by-field detail.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from tx.api import routes_futures, routes_rest, routes_sample, routes_session, routes_train, routes_weights
-from tx.api.context import AppContext, Settings
+from tx.api.context import AppContext, Settings, submit
 from tx.api.validate import ValidationError
 from tx.api.wire_decode import WireError
 from tx.db import Database
-from tx.protocol import ModelInfo
+from tx.protocol import ModelInfo, UnloadModelRequest
 
 log = logging.getLogger("tx.api")
 
@@ -27,9 +32,37 @@ async def _bad_request(_request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=400)
 
 
+def reap_sessions(ctx: AppContext) -> int:
+    """Expire sessions whose heartbeats stopped and queue an unload for each of their loaded runs."""
+    runs = ctx.db.records.expire_sessions()
+    for run in runs:
+        log.info("session %s expired: unloading %s", run.session_id, run.id)
+        submit(ctx, kind="unload_model", payload=UnloadModelRequest(), owner=run.owner, model_id=run.id)
+    return len(runs)
+
+
+async def _reaper(ctx: AppContext) -> None:
+    interval = max(1.0, min(60.0, ctx.db.records.session_timeout.total_seconds() / 4))
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await run_in_threadpool(reap_sessions, ctx)
+        except Exception:
+            log.exception("session reaper failed")
+
+
 def create_app(settings: Settings, db: Database, model_info: ModelInfo) -> FastAPI:
-    app = FastAPI(title="SmolGym", description="Tinker-compatible training and sampling server")
-    app.state.ctx = AppContext(settings, db, model_info)
+    ctx = AppContext(settings, db, model_info)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(_reaper(ctx))
+        yield
+        task.cancel()
+        ctx.heavy_pool.shutdown(wait=False)
+
+    app = FastAPI(title="SmolGym", description="Tinker-compatible training and sampling server", lifespan=lifespan)
+    app.state.ctx = ctx
     app.add_exception_handler(WireError, _bad_request)
     app.add_exception_handler(ValidationError, _bad_request)
     for module in (routes_session, routes_train, routes_weights, routes_sample, routes_futures, routes_rest):

@@ -147,7 +147,10 @@ class SqlQueue:
             if row is None:
                 return
             row.status, row.result, row.payload, row.completed_at = "done", blob, None, time.time()
-            self._mark_linked(session, future_id, "unloaded" if row.kind == "unload_model" else "ready", result)
+            self._mark_linked(session, future_id, "ready", result)
+            if row.kind == "unload_model":
+                run = update(TrainingRunRow).where(col(TrainingRunRow.id) == row.model_id)
+                session.execute(run.values(status="unloaded"))
             self._record_metrics(session, row, result)
             if row.model_id is not None and row.kind not in ("sample", "forward", "forward_backward"):
                 session.execute(
@@ -166,8 +169,7 @@ class SqlQueue:
                 return
             row.status, row.payload, row.completed_at = "failed", None, time.time()
             row.error, row.error_category = error.message, error.category
-            if row.kind != "unload_model":
-                self._mark_linked(session, future_id, "failed", None)
+            self._mark_linked(session, future_id, "failed", None)
             self._pg_notify(session, DONE_CHANNEL, future_id)
             session.commit()
         self.notifier.result_ready(future_id)

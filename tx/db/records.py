@@ -94,6 +94,22 @@ class Records:
             self._update(SessionRow, session_id, status="finished", finish_reason=reason)
         return True
 
+    def expire_sessions(self) -> list[TrainingRunRow]:
+        """Mark sessions silent for longer than the timeout expired; returns their still-loaded runs."""
+        cutoff = utcnow() - self.session_timeout
+        with self.write_lock.held(), self._session() as session:
+            stale = session.exec(
+                select(SessionRow).where(SessionRow.status == "active", col(SessionRow.last_heartbeat_at) < cutoff)
+            ).all()
+            ids = [row.id for row in stale]
+            for row in stale:
+                row.status = "expired"
+            runs = session.exec(
+                select(TrainingRunRow).where(col(TrainingRunRow.session_id).in_(ids), TrainingRunRow.status == "ready")
+            ).all()
+            session.commit()
+        return list(runs)
+
     def list_sessions(self, owner: str, limit: int, offset: int) -> list[str]:
         query = select(SessionRow.id).where(SessionRow.owner == owner).order_by(col(SessionRow.created_at).desc())
         with self._session() as session:

@@ -1,0 +1,35 @@
+"""`python -m tx.api`: options, key loading, and the ready announcement."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tx.api import __main__ as cli
+
+
+def test_help_lists_every_option() -> None:
+    out = subprocess.run([sys.executable, "-m", "tx.api", "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in ("--base-model", "--host", "--port", "--data-dir", "--database-url", "--max-lora-adapters",
+                 "--max-lora-rank", "--tensor-parallel-size", "--fsdp-size", "--dtype", "--train-micro-batch-tokens",
+                 "--api-key", "--api-keys-file"):  # fmt: skip
+        assert flag in out
+
+
+def test_defaults_and_repeatable_keys(tmp_path: Path) -> None:
+    args = cli.parse_args(["--base-model", "Qwen/Qwen3-0.6B", "--api-key", "tml-a", "--api-key", "tml-b"])
+    assert (args.port, args.data_dir, args.host) == (8000, "./smolgym-data", "127.0.0.1")
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("tml-c  # laptop\n\n# comment\ntml-d\n")
+    assert cli.load_api_keys(args.api_key, str(keys_file)) == {"tml-a", "tml-b", "tml-c", "tml-d"}
+
+
+def test_ready_announcement(capsys: pytest.CaptureFixture[str]) -> None:
+    cli._announce_when_ready(SimpleNamespace(started=True, should_exit=False), "0.0.0.0", 8123, "tml-x")  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert "export TINKER_API_KEY=tml-x" in out and "TINKER_BASE_URL=http://localhost:8123" in out
+    assert out.strip().endswith("SmolGym ready on http://0.0.0.0:8123")
