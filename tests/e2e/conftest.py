@@ -1,0 +1,89 @@
+"""A real SmolGym server (JAX engine + uvicorn, in-process on a free loopback port) on a tiny model."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+os.environ["TINKER_TELEMETRY"] = "0"
+KEY = "tml-e2e"
+
+
+@dataclass
+class LiveServer:
+    url: str
+    model_dir: Path
+    base_model: str
+    torch_model: object
+    data_dir: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_server(model_dir: Path, data_dir: Path, database_url: str | None = None) -> tuple[str, callable]:
+    from tx.api.app import create_app
+    from tx.api.context import Settings
+    from tx.db import open_database
+    from tx.engine import build_runner
+    from tx.engine.loop import Engine
+
+    db = open_database(database_url, data_dir)
+    db.queue.recover()
+    runner, info = build_runner(
+        base_model=str(model_dir),
+        data_dir=data_dir,
+        max_lora_adapters=6,
+        max_lora_rank=16,
+        max_seq_len=256,
+        decode_rows=16,
+    )
+    engine = Engine(db.queue, runner)
+    engine.start()
+    port = _free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(Settings(data_dir=data_dir), db, info), host="127.0.0.1", port=port, log_level="warning"
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(10)
+        engine.stop()
+        db.close()
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+@pytest.fixture(scope="session")
+def live(hf_models, tmp_path_factory) -> Iterator[LiveServer]:
+    model_dir, torch_model = hf_models("qwen3", 2, False)
+    data_dir = tmp_path_factory.mktemp("e2e-data")
+    url, stop = start_server(model_dir, data_dir)
+    yield LiveServer(url, model_dir, str(model_dir), torch_model, data_dir)
+    stop()
+
+
+@pytest.fixture(scope="session")
+def service(live: LiveServer):
+    import tinker
+
+    client = tinker.ServiceClient(base_url=live.url, api_key=KEY)
+    yield client

@@ -1,0 +1,99 @@
+"""Builds the JAX runner for the server: load the base model, then the trainer, sampler and slot table."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from tx.engine.compiles import enable_persistent_cache, install_counter
+from tx.engine.runner import JaxRunner
+from tx.engine.sampler import Sampler, SamplerConfig
+from tx.engine.trainer import Trainer
+from tx.engine.weights_io import WeightsIO
+from tx.lora.layers import LoRASpec
+from tx.lora.params import LoRAParam
+from tx.lora.slots import SlotTable
+from tx.models.sharding import make_mesh
+from tx.models.weights import load_model, resolve_model_dir
+from tx.protocol import ModelInfo
+
+log = logging.getLogger("tx.engine")
+
+
+def _tokenizer(model_dir: Path) -> tuple[Any, list[int]]:
+    eos: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            if value is not None:
+                eos = [value] if isinstance(value, int) else list(value)
+                break
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as err:  # a model directory without tokenizer files still trains and samples
+        log.warning("no tokenizer in %s (%s): stop strings are unavailable", model_dir, err)
+        return None, eos
+    if not eos and tok.eos_token_id is not None:
+        eos = [tok.eos_token_id]
+    return tok, eos
+
+
+def build_runner(
+    base_model: str,
+    data_dir: Path,
+    max_lora_adapters: int = 8,
+    max_lora_rank: int = 32,
+    tensor_parallel_size: int = 1,
+    fsdp_size: int = 1,
+    dtype: str | None = None,
+    train_micro_batch_tokens: int = 8192,
+    max_seq_len: int = 4096,
+    decode_rows: int = 64,
+    **_: Any,
+) -> tuple[JaxRunner, ModelInfo]:
+    install_counter()
+    enable_persistent_cache(Path(data_dir) / "compile-cache")
+    model_dir = resolve_model_dir(base_model)
+    slots = SlotTable(max_lora_adapters, max_lora_rank)
+    mesh = make_mesh(1, fsdp_size, tensor_parallel_size)
+    log.info("loading %s", model_dir)
+    model, cfg = load_model(str(model_dir), dtype=dtype, lora=LoRASpec(slots.slots, max_lora_rank), mesh=mesh)
+    _, lora_template, _ = nnx.split(model, LoRAParam, ...)  # type: ignore[misc]
+    trainer = Trainer(model, train_micro_batch_tokens)
+    tok, eos = _tokenizer(model_dir)
+    seq_len = min(max_seq_len, cfg.max_position_embeddings)
+
+    def decode(tokens: list[int]) -> str:
+        return tok.decode(tokens) if tok is not None else ""
+
+    def state() -> nnx.State:
+        return nnx.from_flat_state(list({**trainer.base, **trainer.lora}.items()))
+
+    sampler = Sampler(
+        trainer.steps.graphdef,
+        state,
+        cfg,
+        SamplerConfig(max_rows=decode_rows, max_seq_len=seq_len),
+        eos,
+        decode,
+        lambda: jnp.asarray(trainer.scale),
+    )
+    runner = JaxRunner(trainer, sampler, slots, WeightsIO(lora_template, base_model), base_model)
+    info = ModelInfo(
+        base_model=base_model,
+        vocab_size=cfg.vocab_size,
+        max_seq_len=seq_len,
+        tokenizer_id=str(model_dir),
+        max_lora_rank=max_lora_rank,
+        max_lora_adapters=max_lora_adapters,
+        arch=cfg.family,
+    )
+    return runner, info

@@ -1,0 +1,63 @@
+"""Training checkpoints on disk: a run's weights, optimizer state and step, written atomically.
+
+Layout of a `save_state` directory: `run.json` (adapter shape, step, base model) and `state/`, an orbax
+checkpoint of {"params", "opt_state"}. Orbax writes to a temporary directory and renames it when the
+save is complete, and `run.json` is written last through its own rename, so a crash mid-save never
+leaves a directory that looks like a whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from tx.protocol import LoraConfig
+
+META = "run.json"
+
+
+def _keyed(flat: dict[tuple[str, ...], Any]) -> dict[str, Any]:
+    return {"/".join(p): v for p, v in flat.items()}
+
+
+def _unkeyed(named: dict[str, Any]) -> dict[tuple[str, ...], Any]:
+    return {tuple(k.split("/")): v for k, v in named.items()}
+
+
+def save(dest: Path, params: dict, opt_state: Any, step: int, lora: LoraConfig | None, base_model: str) -> int:
+    """Write the checkpoint; returns its size in bytes."""
+    if (dest / META).exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    tree = {"params": _keyed(params), "opt_state": opt_state}
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(dest / "state", tree, force=True)
+    meta = {"step": step, "base_model": base_model, "lora": dataclasses.asdict(lora) if lora else None}
+    tmp = dest / f".{META}.tmp"
+    tmp.write_text(json.dumps(meta))
+    os.replace(tmp, dest / META)
+    return sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+
+
+def read_meta(source: Path) -> tuple[LoraConfig | None, int]:
+    if not (source / META).is_file():
+        raise FileNotFoundError(f"{source} is not a complete SmolGym training checkpoint (no {META})")
+    meta = json.loads((source / META).read_text())
+    lora = LoraConfig(**meta["lora"]) if meta.get("lora") else None
+    return lora, int(meta.get("step", 0))
+
+
+def restore(source: Path, params_like: dict, opt_like: Any) -> tuple[dict, Any]:
+    """Restore into the structure (and shardings) of an existing run's params and optimizer state."""
+    target = {"params": _keyed(params_like), "opt_state": opt_like}
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    with ocp.StandardCheckpointer() as ckptr:
+        tree = ckptr.restore(source / "state", abstract)
+    return _unkeyed(tree["params"]), tree["opt_state"]

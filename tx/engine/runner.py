@@ -1,0 +1,246 @@
+"""The JAX runner: turns queued work items into trainer, sampler and checkpoint calls.
+
+It implements `tx.engine.loop.Runner`. Training-side items of one run execute strictly in arrival
+order; each `step()` first plans a round (`plan_round`, a pure function): the leading forward /
+forward_backward items of every run are fused into one training batch, then each run whose next item
+is a control item (optim_step, save, load, ...) executes it. Then the sampler runs one decode chunk,
+so training waits at most one chunk behind sampling. Sample requests bypass the round: they join the
+sampler's continuous batch as soon as they are submitted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from tx.engine import checkpoints
+from tx.engine import train_step as ts
+from tx.engine.loop import Completion
+from tx.engine.sampler import Sampler
+from tx.engine.trainer import Trainer, lora_targets
+from tx.engine.weights_io import WeightsIO
+from tx.lora.slots import SlotsExhausted, SlotTable
+from tx.protocol import (
+    CheckpointResult,
+    CreateModelRequest,
+    CreateModelResult,
+    ForwardBackwardRequest,
+    LoadResult,
+    LoadStateRequest,
+    LoadWeightsRequest,
+    OptimStepRequest,
+    OptimStepResult,
+    RequestError,
+    SampleRequest,
+    SaveSamplerRequest,
+    SaveStateRequest,
+    UnloadResult,
+    WorkItem,
+)
+
+log = logging.getLogger("tx.engine")
+BATCHED = ("forward", "forward_backward")
+
+
+def plan_round(pending: Sequence[WorkItem], full_runs: set[str]) -> tuple[list[WorkItem], list[WorkItem]]:
+    """(fused training items, control items) that may run now, each run's items in order.
+
+    A run contributes its leading forward/forward_backward items to the fused batch, then (if its next
+    item is a control item) that one item. A full fine-tuning run's items are never fused with others.
+    """
+    fused: list[WorkItem] = []
+    control: list[WorkItem] = []
+    blocked: set[str | None] = set()
+    full_in_batch: str | None = None
+    for item in pending:
+        run = item.model_id
+        if run in blocked:
+            continue
+        if item.kind in BATCHED and (run not in full_runs or full_in_batch in (None, run)):
+            if run in full_runs and not fused:
+                full_in_batch = run
+            if full_in_batch is None or full_in_batch == run:
+                fused.append(item)
+                continue
+        blocked.add(run)
+        if item.kind not in BATCHED:
+            control.append(item)
+    return fused, control
+
+
+class JaxRunner:
+    def __init__(self, trainer: Trainer, sampler: Sampler, slots: SlotTable, io: WeightsIO, base_model: str) -> None:
+        self.trainer, self.sampler, self.slots, self.io = trainer, sampler, slots, io
+        self.base_model = base_model
+        self.pending: list[WorkItem] = []
+
+    # ---- Runner protocol ----------------------------------------------------------------------------
+
+    def submit(self, items: Sequence[WorkItem]) -> None:
+        for item in items:
+            if item.kind == "sample":
+                self._submit_sample(item)
+            else:
+                self.pending.append(item)
+
+    def idle(self) -> bool:
+        return not self.pending and self.sampler.idle()
+
+    def step(self) -> list[Completion]:
+        done: list[Completion] = []
+        full = {r for r, run in self.trainer.runs.items() if run.lora is None}
+        fused, control = plan_round(self.pending, full)
+        if fused:
+            done += self._forward_backward(fused)
+        for item in control:
+            done.append(self._control(item))
+        finished = {c.future_id for c in done}
+        self.pending = [i for i in self.pending if i.future_id not in finished]
+        done += [Completion(rid, out) for rid, out in self.sampler.step()]
+        return done
+
+    # ---- training ----------------------------------------------------------------------------------
+
+    def _forward_backward(self, items: list[WorkItem]) -> list[Completion]:
+        ok: list[WorkItem] = []
+        done = []
+        for item in items:
+            if item.model_id not in self.trainer.runs:
+                done.append(Completion(item.future_id, RequestError(f"unknown model_id {item.model_id!r}", "user")))
+            else:
+                ok.append(item)
+        work = [(str(i.model_id), i.payload) for i in ok]
+        assert all(isinstance(p, ForwardBackwardRequest) for _, p in work)
+        try:
+            results = self.trainer.forward_backward(work)  # type: ignore[arg-type]
+        except RequestError as err:
+            return done + [Completion(i.future_id, err) for i in ok]
+        except ValueError as err:
+            return done + [Completion(i.future_id, RequestError(str(err), "user")) for i in ok]
+        return done + [Completion(i.future_id, r) for i, r in zip(ok, results, strict=True)]
+
+    def _control(self, item: WorkItem) -> Completion:
+        try:
+            return Completion(item.future_id, self._dispatch(item))
+        except RequestError as err:
+            return Completion(item.future_id, err)
+        except (SlotsExhausted, ValueError, FileNotFoundError, MemoryError) as err:
+            return Completion(item.future_id, RequestError(str(err), "user"))
+
+    def _dispatch(self, item: WorkItem):  # noqa: ANN202 - one of the protocol results
+        run_id, p = str(item.model_id), item.payload
+        if isinstance(p, CreateModelRequest):
+            self._create(run_id, p.lora)
+            return CreateModelResult(run_id)
+        if isinstance(p, OptimStepRequest):
+            return OptimStepResult(self.trainer.optim_step(run_id, p.adam))
+        if isinstance(p, SaveStateRequest):
+            run = self._run(run_id)
+            size = checkpoints.save(
+                Path(p.dest_dir), self.trainer.run_params(run), run.opt_state, run.step, run.lora, self.base_model
+            )
+            return CheckpointResult(path=p.tinker_path, size_bytes=size)
+        if isinstance(p, LoadStateRequest):
+            self._load(run_id, Path(p.source_dir), p.with_optimizer)
+            return LoadResult(run_id, p.tinker_path)
+        if isinstance(p, LoadWeightsRequest):
+            lora, _ = checkpoints.read_meta(Path(p.source_dir))
+            self._create(run_id, lora)
+            self._load(run_id, Path(p.source_dir), p.with_optimizer)
+            return LoadResult(run_id, p.tinker_path)
+        if isinstance(p, SaveSamplerRequest):
+            return self._save_for_sampler(run_id, p)
+        if item.kind == "unload_model":
+            self._run(run_id)
+            self.trainer.drop_run(run_id)
+            self.slots.free(run_id) if run_id in self.slots else None
+            return UnloadResult(run_id)
+        raise RequestError(f"unsupported request kind {item.kind!r}", "server")
+
+    def _create(self, run_id: str, lora) -> None:  # noqa: ANN001
+        if run_id in self.trainer.runs:
+            raise RequestError(f"model {run_id!r} already exists", "user")
+        if lora is None:
+            self.io.check_full_finetune_fits(self.trainer)
+            self.trainer.create_full_run(run_id)
+            return
+        self._make_room()
+        info = self.slots.allocate(run_id, "run", lora.rank, lora.alpha, lora_targets(lora))
+        self.trainer.create_lora_run(run_id, lora, info.slot, seed=lora.seed or 0)
+
+    def _load(self, run_id: str, source: Path, with_optimizer: bool) -> None:
+        run = self._run(run_id)
+        lora, step = checkpoints.read_meta(source)
+        if (lora is None) != (run.lora is None) or (lora and run.lora and lora.rank != run.lora.rank):
+            raise RequestError(f"checkpoint {source.name} does not match model {run_id!r} (rank or kind)", "user")
+        params, opt_state = checkpoints.restore(source, self.trainer.run_params(run), run.opt_state)
+        self.trainer.set_run_params(run, params)
+        run.grads = {p: jnp.zeros_like(g) for p, g in run.grads.items()}
+        if with_optimizer:
+            run.opt_state, run.step = opt_state, step
+
+    def _run(self, run_id: str):  # noqa: ANN202
+        if run_id not in self.trainer.runs:
+            raise RequestError(f"unknown model_id {run_id!r}", "user")
+        return self.trainer.runs[run_id]
+
+    # ---- sampling ----------------------------------------------------------------------------------
+
+    def _save_for_sampler(self, run_id: str, p: SaveSamplerRequest) -> CheckpointResult:
+        run = self._run(run_id)
+        if run.lora is None:
+            raise RequestError("sampling a full fine-tuning run is not supported yet", "user")
+        slot = self._sampler_slot_for(p.snapshot_id, run.lora)
+        params = self.trainer.run_params(run)
+        self.trainer.lora = ts.write_slot_params(self.trainer.lora, jnp.int32(slot), params)
+        self.trainer.scale[slot] = self.trainer.scale[run.slot]
+        size = None
+        if p.dest_dir:
+            size = self.io.save_peft(Path(p.dest_dir), self.trainer, slot, run.lora)
+        return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
+
+    def _sampler_slot_for(self, snapshot_id: str, lora) -> int:  # noqa: ANN001
+        existing = self.slots.get(snapshot_id)
+        if existing is not None:
+            self.slots.free(snapshot_id)
+        self._make_room()
+        info = self.slots.allocate(snapshot_id, "sampler", lora.rank, lora.alpha, lora_targets(lora))
+        self.trainer.clear_slot(info.slot)
+        return info.slot
+
+    def _make_room(self) -> None:
+        """When every slot is taken, evict the least recently used sampler snapshot (runs are never evicted)."""
+        if len(self.slots) < self.slots.slots - 1:
+            return
+        victim = self.slots.eviction_victim()
+        if victim is not None:
+            self.trainer.clear_slot(self.slots.free(victim).slot)
+
+    def _submit_sample(self, item: WorkItem) -> None:
+        req = item.payload
+        assert isinstance(req, SampleRequest)
+        try:
+            slot = self._resolve_weights(req)
+        except (RequestError, ValueError, FileNotFoundError, SlotsExhausted) as err:
+            error = err if isinstance(err, RequestError) else RequestError(str(err), "user")
+            self.sampler._outbox.append((item.future_id, error))  # reported by the next step()
+            return
+        self.sampler.submit(item.future_id, req, slot)
+
+    def _resolve_weights(self, req: SampleRequest) -> int:
+        ref = req.weights
+        if ref is None:
+            return 0
+        info = self.slots.get(ref.snapshot_id)
+        if info is not None:
+            self.slots.touch(ref.snapshot_id)
+            return info.slot
+        if ref.checkpoint_dir and ref.checkpoint_type == "sampler":
+            lora = self.io.peft_lora_config(Path(ref.checkpoint_dir))
+            slot = self._sampler_slot_for(ref.snapshot_id, lora)
+            self.io.load_peft(Path(ref.checkpoint_dir), self.trainer, slot)
+            return slot
+        raise RequestError(f"sampler weights {ref.snapshot_id!r} are not available (not saved, or evicted)", "user")
