@@ -1,0 +1,44 @@
+"""End to end with the real JAX runner: tinker SDK -> HTTP -> queue -> engine -> tiny Qwen3 on CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from api.harness import running_server
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def test_train_save_sample_resume(hf_models, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tx.engine import build_runner
+
+    model_dir, _ = hf_models()
+    runner, info = build_runner(
+        base_model=str(model_dir), data_dir=tmp_path, max_lora_adapters=4, max_lora_rank=8, dtype="float32",
+        max_seq_len=64, decode_rows=4,
+    )  # fmt: skip
+    with running_server(runner, info, tmp_path) as (url, _db):
+        with tinker.ServiceClient(base_url=url, api_key="tml-e2e") as service:
+            training = service.create_lora_training_client(base_model=info.base_model, rank=4).result()
+            tokens = [1, 2, 3, 4, 5, 6]
+            datum = types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": np.array(tokens[1:]), "weights": np.ones(5, np.float32)},
+            )
+            losses = []
+            for _ in range(2):
+                fb = training.forward_backward([datum], "cross_entropy")
+                training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+                losses.append(fb.result().metrics["loss:sum"])
+            assert losses[1] < losses[0]
+            path = training.save_state("e2e").result().path
+            sampler = training.save_weights_and_get_sampling_client().result()
+            params = types.SamplingParams(max_tokens=4, seed=1)
+            sample = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 2, params).result()
+            assert [len(s.tokens) for s in sample.sequences] == [4, 4]
+            resumed = service.create_training_client_from_state_with_optimizer(path).result()
+            out = resumed.forward([datum], "cross_entropy").result()
+            assert out.loss_fn_outputs[0]["logprobs"].shape == [5]
