@@ -59,6 +59,7 @@ def write_tiny_model(out_dir: str | Path, family: str = "qwen3") -> Path:
         vocab = tokenizer.get_vocab_size()
         tokenizer.save(str(tmp / "tokenizer.json"))
         eos_id = tokenizer.token_to_id(EOS)
+        assert eos_id is not None
         _write_json(tmp / "tokenizer_config.json", tokenizer_config())
         _write_json(tmp / "config.json", hf_config(vocab, eos_id))
         _write_json(tmp / "generation_config.json", {"eos_token_id": eos_id, "do_sample": True})
