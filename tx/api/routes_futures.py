@@ -8,6 +8,7 @@ raises `RequestFailedError`). Results stay stored, so a repeated poll gets the s
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -21,6 +22,7 @@ from tx.db import codec
 from tx.db.tables import FutureRow
 
 router = APIRouter(prefix="/api/v1")
+log = logging.getLogger("tx.api")
 
 PROTO_MEDIA_TYPE = "application/x-protobuf"
 
@@ -39,8 +41,13 @@ async def retrieve_future(body: RetrieveFutureRequest, request: Request, ctx: Ct
 
 
 def _render(row: FutureRow, accept: str | None) -> Response:
-    result = codec.decode(row.result or b"null")
-    if wants_proto(accept, result):
-        return Response(result_proto(result), media_type=PROTO_MEDIA_TYPE)
-    payload: dict[str, Any] = result_json(result)
-    return JSONResponse(payload)
+    """Encode a stored result. Never raise: a 5xx here would make the SDK re-poll in a tight loop."""
+    try:
+        result = codec.decode(row.result or b"")
+        if wants_proto(accept, result):
+            return Response(result_proto(result), media_type=PROTO_MEDIA_TYPE)
+        payload: dict[str, Any] = result_json(result)
+        return JSONResponse(payload)
+    except Exception as exc:
+        log.exception("could not encode the result of future %s", row.id)
+        return JSONResponse({"error": f"the server could not encode this result: {exc}", "category": "server"})

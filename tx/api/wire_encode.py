@@ -8,6 +8,7 @@ datums' flattened values concatenated, with little-endian int64 byte offsets per
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -24,6 +25,8 @@ from tx.protocol import (
     SampleResult,
     UnloadResult,
 )
+
+log = logging.getLogger("tx.api")
 
 EMPTY_TOPK = (0, -99999.0)
 
@@ -47,20 +50,49 @@ def _wire_array(array: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def forward_backward_proto(result: ForwardBackwardResult) -> bytes:
+    """One ArrayRecord per run of consecutive datums sharing field names, dtypes and trailing shapes."""
     message = wire_proto.ForwardBackwardOutput(loss_fn_output_type=result.output_type)
-    for name, value in result.metrics.items():
+    for name, value in clean_metrics(result.metrics).items():
         message.metrics[name] = float(value)
-    if result.outputs:
-        record = message.loss_fn_outputs.add(type_tag=result.output_type, num_datums=len(result.outputs))
-        for name in result.outputs[0]:
-            arrays = [_wire_array(np.asarray(out[name])) for out in result.outputs]
+    for group in _rectangular_groups(
+        [{k: _wire_array(np.asarray(v)) for k, v in out.items()} for out in result.outputs]
+    ):
+        record = message.loss_fn_outputs.add(type_tag=result.output_type, num_datums=len(group))
+        for name, (first, dtype) in group[0].items():
             tensor = record.fields[name]
-            tensor.dtype = arrays[0][1]
-            tensor.trailing_shape.extend(arrays[0][0].shape[1:])
-            sizes = np.array([0] + [a.nbytes for a, _ in arrays], dtype="<i8")
+            tensor.dtype = dtype
+            tensor.trailing_shape.extend(first.shape[1:])
+            sizes = np.array([0] + [datum[name][0].nbytes for datum in group], dtype="<i8")
             tensor.offsets = np.cumsum(sizes).astype("<i8").tobytes()
-            tensor.data = b"".join(a.tobytes() for a, _ in arrays)
+            tensor.data = b"".join(datum[name][0].tobytes() for datum in group)
     return bytes(message.SerializeToString())
+
+
+_Wire = dict[str, tuple[np.ndarray, int]]
+
+
+def _rectangular_groups(datums: list[_Wire]) -> list[list[_Wire]]:
+    groups: list[list[_Wire]] = []
+    last_key = None
+    for datum in datums:
+        key = tuple((name, dtype, array.shape[1:]) for name, (array, dtype) in sorted(datum.items()))
+        if key != last_key:
+            groups.append([])
+            last_key = key
+        groups[-1].append(datum)
+    return groups
+
+
+def clean_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Metric keys must contain exactly one ':' (the SDK splits on it); repair and log any that do not."""
+    clean: dict[str, float] = {}
+    for key, value in metrics.items():
+        if key.count(":") != 1:
+            fixed = key.replace(":", "_") + ":mean" if ":" not in key else key.replace(":", "_", key.count(":") - 1)
+            log.warning("metric key %r is not 'name:reduction'; sending it as %r", key, fixed)
+            key = fixed
+        clean[key] = float(value)
+    return clean
 
 
 def sample_proto(result: SampleResult) -> bytes:
@@ -102,13 +134,17 @@ def result_json(result: Result) -> dict[str, Any]:
     """The JSON success payload for any result type (§6.3 of the wire contract)."""
     if isinstance(result, ForwardBackwardResult):
         outputs = [{name: _tensor_json(value) for name, value in out.items()} for out in result.outputs]
-        return {"loss_fn_output_type": result.output_type, "loss_fn_outputs": outputs, "metrics": result.metrics}
+        return {
+            "loss_fn_output_type": result.output_type,
+            "loss_fn_outputs": outputs,
+            "metrics": clean_metrics(result.metrics),
+        }
     if isinstance(result, SampleResult):
         return _sample_json(result)
     if isinstance(result, CreateModelResult):
         return {"model_id": result.model_id, "type": "create_model"}
     if isinstance(result, OptimStepResult):
-        return {"metrics": result.metrics}
+        return {"metrics": clean_metrics(result.metrics)}
     if isinstance(result, CheckpointResult):
         return _checkpoint_json(result)
     if isinstance(result, LoadResult):
