@@ -8,6 +8,7 @@ deduplicated by `(sampling_session_id, seq_id)`.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from fastapi import APIRouter
@@ -79,7 +80,8 @@ def asample(body: schemas.SampleRequest, ctx: Ctx, owner: Owner) -> dict[str, An
     if sampler is None:
         not_found(f"unknown sampling_session_id {body.sampling_session_id!r}")
     seq = body.seq_id
-    sequence_ids = [f"{sampler.id}:{seq if seq is not None else 'x'}:{i}" for i in range(body.num_samples)]
+    tag = str(seq) if seq is not None else uuid.uuid4().hex[:12]  # deterministic when deduplicated by seq_id
+    sequence_ids = [f"{sampler.id}:{tag}:{i}" for i in range(body.num_samples)]
     request = SampleRequest(
         prompt=model_input_tokens(body.prompt, "prompt"),
         num_samples=body.num_samples,
