@@ -1,0 +1,98 @@
+"""Training throughput: tokens/s of forward_backward + optim_step, and first-step compile seconds.
+
+Runs the engine's Trainer in-process on a random-weight model (no server, no files) for LoRA ranks and
+full fine-tuning, and prints one JSON document. Example:
+    python benchmarks/train_throughput.py --shape small --batch 8 --length 256
+    python benchmarks/train_throughput.py --quick          # CI smoke: tiny shape, 2 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import model_config, param_count, random_model  # noqa: E402
+
+from tx.engine.trainer import Trainer  # noqa: E402
+from tx.lora.layers import LoRASpec  # noqa: E402
+from tx.protocol import AdamParams, Datum, ForwardBackwardRequest, LoraConfig  # noqa: E402
+
+
+def workload(vocab: int, batch: int, length: int, seed: int = 0) -> ForwardBackwardRequest:
+    rng = np.random.RandomState(seed)
+    data = []
+    for _ in range(batch):
+        tokens = rng.randint(0, vocab, length + 1)
+        data.append(Datum(tokens[:-1].tolist(), {"target_tokens": tokens[1:].astype(np.int64)}))
+    return ForwardBackwardRequest(data, "cross_entropy")
+
+
+def measure(shape: str, mode: str, batch: int, length: int, steps: int, max_rank: int) -> dict:
+    rank = None if mode == "full" else int(mode.split("r")[1])
+    model = random_model(shape, LoRASpec(slots=2, max_rank=max(max_rank, rank or 1)))
+    trainer = Trainer(model, micro_batch_tokens=max(batch * length, 2048))
+    if rank is None:
+        trainer.create_full_run("run")
+    else:
+        trainer.create_lora_run("run", LoraConfig(rank=rank), slot=1)
+    req = workload(model.config.vocab_size, batch, length)
+    adam = AdamParams(learning_rate=1e-5)
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        trainer.forward_backward([("run", req)])
+        trainer.optim_step("run", adam)
+        jax.block_until_ready(trainer.lora)
+        times.append(time.perf_counter() - start)
+    steady = statistics.median(times[1:])
+    tokens = batch * length
+    cfg = model_config(shape)
+    flops = (6 if rank is None else 4) * param_count(cfg) * tokens
+    return {
+        "shape": shape,
+        "mode": mode,
+        "batch": batch,
+        "length": length,
+        "tokens_per_step": tokens,
+        "first_step_s": round(times[0], 3),
+        "steady_step_s": round(steady, 4),
+        "tokens_per_s": round(tokens / steady, 1),
+        "gflops_per_s": round(flops / steady / 1e9, 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="small", choices=["tiny", "small", "qwen3-0.6b"])
+    p.add_argument("--modes", default="r8,r32,full", help="comma list of rN (LoRA rank N) and full")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--length", type=int, default=256)
+    p.add_argument("--steps", type=int, default=3, help="steady-state steps after the first (median reported)")
+    p.add_argument("--quick", action="store_true", help="tiny shape, batch 2 x 32, 1 step: a smoke test")
+    args = p.parse_args()
+    if args.quick:
+        args.shape, args.batch, args.length, args.steps, args.modes = "tiny", 2, 32, 1, "r8,full"
+    modes = args.modes.split(",")
+    max_rank = max([int(m[1:]) for m in modes if m.startswith("r")] or [1])
+    results = [measure(args.shape, m, args.batch, args.length, args.steps, max_rank) for m in modes]
+    out = {
+        "benchmark": "train_throughput",
+        "backend": jax.default_backend(),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": jax.local_device_count(),
+        "results": results,
+    }
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
