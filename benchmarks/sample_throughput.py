@@ -1,0 +1,161 @@
+"""Sampling throughput of `tx.engine.sampler.Sampler` on a random-weight model: generated tokens per second.
+
+For each batch size B, B independent requests (prompt P random tokens, T new tokens, temperature 1, no
+early stop) are submitted at once and stepped until done; prefill is included, as in HF `generate`. The
+first run of a shape pays its compiles; `compile_s` is that run's wall time minus the steady run's.
+Variants: `base` (a model without adapters) and `lora` (rank-8 adapter slots, every row on slot 1).
+
+    python benchmarks/sample_throughput.py                 # small shape, B = 1, 8, 32
+    python benchmarks/sample_throughput.py --full          # ... and B = 128
+    python benchmarks/sample_throughput.py --qwen3-0.6b    # the Qwen3-0.6B shape (fp32)
+    python benchmarks/sample_throughput.py --quick         # CI smoke, well under 20 s
+
+Prints one JSON document (also written to --out when given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tx.engine.sampler import Sampler, SamplerConfig
+from tx.lora.layers import LoRASpec
+from tx.lora.params import slot_scale
+from tx.models.causal_lm import abstract_model
+from tx.models.config import ModelConfig
+from tx.protocol import SampleRequest, SamplingParams
+
+# Shapes of /work/shared/bench/make_model.py's presets (numbers only).
+SHAPES: dict[str, dict[str, Any]] = {
+    "small": dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8, num_kv_heads=4),
+    "qwen3-0.6b": dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8
+    ),
+}
+HEAD_DIM = {"small": 64, "qwen3-0.6b": 128}
+LORA_RANK = 8
+
+
+def model_config(shape: str) -> ModelConfig:
+    return ModelConfig(
+        family="qwen3",
+        head_dim=HEAD_DIM[shape],
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        dtype="float32",
+        **SHAPES[shape],
+    )
+
+
+def random_state(cfg: ModelConfig, lora: LoRASpec | None, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+    """Random weights (norms at one) without materialising an initialised model first."""
+    graphdef, state = nnx.split(abstract_model(cfg, lora))
+    rng = np.random.default_rng(seed)  # numpy: jax.random would compile a kernel per weight shape
+    for path, var in nnx.to_flat_state(state):
+        if str(path[-2]).endswith("norm"):
+            var.set_value(jax.numpy.ones(var.shape, var.dtype))
+        else:
+            var.set_value(jax.numpy.asarray(0.02 * rng.standard_normal(var.shape, np.float32), var.dtype))
+    return graphdef, state
+
+
+def make_sampler(cfg: ModelConfig, lora: bool, max_rows: int, max_seq_len: int) -> Sampler:
+    spec = LoRASpec(slots=2, max_rank=LORA_RANK) if lora else None
+    graphdef, state = random_state(cfg, spec)
+    scale = jax.numpy.stack([jax.numpy.zeros(LORA_RANK), slot_scale(LORA_RANK, 16.0, LORA_RANK)]) if lora else None
+    sampler_cfg = SamplerConfig(max_rows=max_rows, max_seq_len=max_seq_len, chunk_steps=16)
+    return Sampler(
+        graphdef, lambda: state, cfg, sampler_cfg, [], lambda ids: "", None if scale is None else lambda: scale
+    )
+
+
+def run_batch(sampler: Sampler, batch: int, prompt_len: int, new_tokens: int, vocab: int, slot: int) -> float:
+    """Wall seconds to sample `batch` requests to completion."""
+    rng = np.random.default_rng(batch)
+    start = time.perf_counter()
+    for i in range(batch):
+        params = SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=i, stop_at_eos=False)
+        prompt = rng.integers(0, vocab, prompt_len).tolist()
+        sampler.submit(f"r{i}", SampleRequest(prompt, 1, params, "bench"), slot)
+    done = 0
+    while not sampler.idle():
+        done += len(sampler.step())
+    assert done == batch
+    return time.perf_counter() - start
+
+
+def measure(args: argparse.Namespace, shape: str, batches: list[int], variants: list[str]) -> list[dict[str, Any]]:
+    cfg = model_config(shape)
+    rows = []
+    for variant in variants:
+        sampler = make_sampler(cfg, variant == "lora", max(batches), args.prompt + args.new_tokens)
+        slot = 1 if variant == "lora" else 0
+        for batch in batches:
+            compiles = sampler.compile_count
+            first = run_batch(sampler, batch, args.prompt, args.new_tokens, cfg.vocab_size, slot)
+            compiles = sampler.compile_count - compiles
+            steady = statistics.median(
+                run_batch(sampler, batch, args.prompt, args.new_tokens, cfg.vocab_size, slot)
+                for _ in range(args.repeats)
+            )
+            row = dict(
+                shape=shape,
+                variant=variant,
+                batch=batch,
+                first_s=round(first, 3),
+                steady_s=round(steady, 3),
+                compile_s=round(max(first - steady, 0.0), 3),
+                compiles=compiles,
+                tokens_per_s=round(batch * args.new_tokens / steady, 1),
+            )
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="also batch 128")
+    parser.add_argument("--quick", action="store_true", help="CI smoke: batch 4, short sequences")
+    parser.add_argument("--qwen3-0.6b", dest="qwen", action="store_true", help="also the Qwen3-0.6B shape (fp32)")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2, help="steady runs per point (median)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    batches = [1, 8, 32] + ([128] if args.full else [])
+    if args.quick:
+        batches, args.prompt, args.new_tokens, args.repeats = [4], 32, 16, 1
+    results = measure(args, "small", batches, ["base", "lora"])
+    if args.qwen:
+        results += measure(args, "qwen3-0.6b", batches, ["base", "lora"])
+    doc = dict(
+        benchmark="sample_throughput",
+        prompt_tokens=args.prompt,
+        new_tokens=args.new_tokens,
+        chunk_steps=16,
+        lora_rank=LORA_RANK,
+        jax=jax.__version__,
+        backend=jax.default_backend(),
+        machine=platform.machine(),
+        results=results,
+    )
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""The continuous-batching sampler against transformers and against our own teacher-forced forward pass.
+
+Models are tiny random-weight checkpoints built with a wide initialiser, so their greedy outputs vary
+from token to token (HF's default init gives near-uniform logits and repetitive text). One sampler per
+model is shared by most tests so each shape compiles once; tests read counters as deltas.
+"""
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import build_hf_model
+from flax import nnx
+
+from tx.engine.sampler import Sampler, SamplerConfig, plan_admission
+from tx.lora.layers import LoRASpec
+from tx.lora.params import LoRAParam, LoRARows, slot_scale
+from tx.models.weights import load_model
+from tx.protocol import RequestError, SampleRequest, SampleResult, SamplingParams
+
+CFG = SamplerConfig(max_rows=8, max_seq_len=64, chunk_steps=4, length_buckets=(32, 64))
+LORA_SLOT = 2
+PROMPTS = [[1, 2, 3], [7], list(range(10, 22)), [5, 9, 40, 41, 200, 3, 8]]
+
+
+def char_decode(ids: list[int]) -> str:
+    """A stand-in tokenizer: one distinct character per token id."""
+    return "".join(chr(0x100 + t) for t in ids)
+
+
+def first_new_index(tokens: list[int], start: int) -> int:
+    return next(i for i in range(start, len(tokens)) if tokens[i] not in tokens[:i])
+
+
+class Setup:
+    def __init__(self, path: Path, family: str, tied: bool, lora: bool) -> None:
+        self.hf = build_hf_model(path, family, 2, tied, initializer_range=0.3)
+        self.hf.generation_config.eos_token_id = None  # compare whole continuations
+        spec = LoRASpec(slots=3, max_rank=4) if lora else None
+        self.model, self.cfg = load_model(str(path), lora=spec, progress=False)
+        self.scale = None
+        if lora:
+            self._randomise_adapter()
+            one = slot_scale(4, 8.0, 4)
+            self.scale = jnp.stack([jnp.zeros_like(one), one, one])
+        self.graphdef, self.state = nnx.split(self.model)
+        # EOS is a token that greedy decoding of PROMPTS[0] reaches (tests not about EOS switch it off).
+        greedy = self.hf_greedy(PROMPTS[0], 16)
+        self.eos_index = first_new_index(greedy, 2)
+        self.sampler = self.new_sampler(eos=(greedy[self.eos_index],))
+
+    def _randomise_adapter(self) -> None:
+        lora = nnx.state(self.model, LoRAParam)
+        keys = iter(jax.random.split(jax.random.key(0), 64))
+
+        def fill(x: jax.Array) -> jax.Array:
+            # The slot axis sits third from the end of every A [..., S, I, R] and B [..., S, R, O].
+            value = 0.3 * jax.random.normal(next(keys), x.shape[: x.ndim - 3] + x.shape[x.ndim - 2 :])
+            return x.at[..., LORA_SLOT, :, :].set(value)
+
+        nnx.update(self.model, jax.tree.map(fill, lora))
+
+    def new_sampler(self, eos: tuple[int, ...] = ()) -> Sampler:
+        scale = self.scale
+        return Sampler(
+            self.graphdef, lambda: self.state, self.cfg, CFG, eos, char_decode, None if scale is None else lambda: scale
+        )
+
+    def logprobs(self, tokens: list[int], slot: int = 0) -> np.ndarray:
+        """Teacher-forced log_softmax [T, V] of the full forward pass (padded to one jitted shape)."""
+        padded = np.zeros((1, CFG.max_seq_len), np.int32)
+        padded[0, : len(tokens)] = tokens
+        return np.asarray(self._forward(self.state, padded, jnp.array([slot], jnp.int32)))[0, : len(tokens)]
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def _forward(self, state: nnx.State, tokens: jax.Array, slot: jax.Array) -> jax.Array:
+        rows = None if self.scale is None else LoRARows(slot, self.scale)
+        logits, _ = nnx.merge(self.graphdef, state)(tokens, rows=rows)
+        return jax.nn.log_softmax(logits, axis=-1)
+
+    def greedy(self, prompt: list[int], n: int, slot: int = 0) -> list[int]:
+        tokens = list(prompt)
+        for _ in range(n):
+            tokens.append(int(np.argmax(self.logprobs(tokens, slot)[-1])))
+        return tokens[len(prompt) :]
+
+    def hf_greedy(self, prompt: list[int], n: int) -> list[int]:
+        with torch.no_grad():
+            out = self.hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)
+        return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> Setup:
+    return Setup(tmp_path_factory.mktemp("qwen-sampler"), "qwen3", True, lora=True)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Setup:
+    return Setup(tmp_path_factory.mktemp("llama-sampler"), "llama", False, lora=False)
+
+
+def make_req(prompt: list[int], max_tokens: int = 12, n: int = 1, **params) -> SampleRequest:
+    params.setdefault("stop_at_eos", False)
+    return SampleRequest(list(prompt), n, SamplingParams(max_tokens=max_tokens, **params), "base")
+
+
+def run(sampler: Sampler, requests: dict[str, tuple[SampleRequest, int]]) -> tuple[dict, list[str]]:
+    """Submit all, step until idle; returns results by id and the order they finished in."""
+    for request_id, (req, slot) in requests.items():
+        sampler.submit(request_id, req, slot)
+    results, order = {}, []
+    while not sampler.idle():
+        for request_id, result in sampler.step():
+            results[request_id] = result
+            order.append(request_id)
+    return results, order
+
+
+def tokens_of(result: SampleResult | RequestError) -> list[list[int]]:
+    assert isinstance(result, SampleResult), result
+    return [seq.tokens for seq in result.sequences]
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("name", ["qwen", "llama"])
+def test_greedy_batch_matches_transformers(name, request):
+    setup = request.getfixturevalue(name)
+    reqs = {f"r{i}": (make_req(p, temperature=0.0), 0) for i, p in enumerate(PROMPTS)}
+    results, _ = run(setup.sampler, reqs)
+    for i, prompt in enumerate(PROMPTS):
+        assert tokens_of(results[f"r{i}"]) == [setup.hf_greedy(prompt, 12)]
+        assert results[f"r{i}"].sequences[0].stop_reason == "length"
+
+
+def test_adapter_rows_beside_base_rows(qwen):
+    prompt = PROMPTS[2]
+    reqs = {"base": (make_req(prompt, temperature=0.0), 0), "lora": (make_req(prompt, temperature=0.0), LORA_SLOT)}
+    results, _ = run(qwen.sampler, reqs)
+    adapted = tokens_of(results["lora"])[0]
+    assert adapted == qwen.greedy(prompt, 12, LORA_SLOT)
+    assert tokens_of(results["base"])[0] == qwen.hf_greedy(prompt, 12)
+    assert adapted != tokens_of(results["base"])[0]
+
+
+@pytest.mark.parametrize("slot", [0, LORA_SLOT])
+def test_logprobs_match_teacher_forcing(qwen, slot):
+    prompt = PROMPTS[3]
+    reqs = {"t": (make_req(prompt, 16, n=2, temperature=1.0, seed=3), slot)}
+    results, _ = run(qwen.sampler, reqs)
+    for seq in results["t"].sequences:
+        logp = qwen.logprobs(prompt + seq.tokens, slot)
+        expected = [logp[len(prompt) - 1 + i, t] for i, t in enumerate(seq.tokens)]
+        np.testing.assert_allclose(seq.logprobs, expected, atol=2e-4)
+
+
+def test_seeded_sample_is_the_same_alone_and_in_a_mixed_batch(qwen):
+    target = make_req(PROMPTS[2], 14, temperature=0.9, top_p=0.95, seed=11)
+    alone, _ = run(qwen.sampler, {"x": (target, LORA_SLOT)})
+    mixed, _ = run(
+        qwen.sampler,
+        {
+            "a": (make_req(PROMPTS[0], 20, temperature=1.0, top_k=5, seed=1), 0),
+            "x": (target, LORA_SLOT),
+            "b": (make_req(PROMPTS[3], 6, n=3, temperature=0.0), LORA_SLOT),
+        },
+    )
+    assert tokens_of(mixed["x"]) == tokens_of(alone["x"])
+    other, _ = run(qwen.sampler, {"y": (make_req(PROMPTS[2], 14, temperature=0.9, top_p=0.95, seed=12), LORA_SLOT)})
+    assert tokens_of(other["y"]) != tokens_of(alone["x"])
+
+
+def test_top_k_one_is_greedy(qwen):
+    results, _ = run(qwen.sampler, {"k": (make_req(PROMPTS[0], 12, temperature=1.0, top_k=1, seed=5), 0)})
+    assert tokens_of(results["k"]) == [qwen.hf_greedy(PROMPTS[0], 12)]
+
+
+def test_stop_tokens_and_strings_end_the_sequence(llama):
+    prompt = PROMPTS[3]
+    greedy = llama.hf_greedy(prompt, 16)
+    i = first_new_index(greedy, 3)
+    pair = char_decode(greedy[i + 1 : i + 3])
+    reqs = {
+        "tok": (make_req(prompt, 16, temperature=0.0, stop_token_ids=[greedy[i]]), 0),
+        "str": (make_req(prompt, 16, temperature=0.0, stop_strings=[pair]), 0),
+        "none": (make_req(prompt, 16, temperature=0.0, stop_token_ids=[]), 0),
+    }
+    results, _ = run(llama.sampler, reqs)
+    assert tokens_of(results["tok"]) == [greedy[: i + 1]]
+    assert results["tok"].sequences[0].stop_reason == "stop"
+    if pair not in char_decode(greedy[: i + 2]):
+        assert tokens_of(results["str"]) == [greedy[: i + 3]]
+        assert results["str"].sequences[0].stop_reason == "stop"
+    assert tokens_of(results["none"]) == [greedy] and results["none"].sequences[0].stop_reason == "length"
+
+
+def test_eos_stops_unless_disabled(llama):
+    prompt = PROMPTS[0]
+    greedy, i = llama.hf_greedy(prompt, 16), llama.eos_index
+    reqs = {
+        "eos": (make_req(prompt, 16, temperature=0.0, stop_at_eos=True), 0),
+        "off": (make_req(prompt, 16, temperature=0.0, stop_at_eos=False), 0),
+    }
+    results, _ = run(llama.sampler, reqs)
+    assert tokens_of(results["eos"]) == [greedy[: i + 1]] and results["eos"].sequences[0].stop_reason == "stop"
+    assert tokens_of(results["off"]) == [greedy]
+
+
+def test_short_request_overtakes_a_long_one_and_rows_shrink(qwen):
+    sampler = qwen.sampler
+    long_req = make_req(PROMPTS[2], 40, temperature=1.0, seed=21)
+    short_req = make_req(PROMPTS[3], 4, n=2, temperature=0.7, seed=22)
+    alone_long, _ = run(sampler, {"long": (long_req, 0)})
+    alone_short, _ = run(sampler, {"short": (short_req, LORA_SLOT)})
+    sampler.submit("long", long_req, 0)
+    finished, shapes = {}, []
+    for i in range(200):
+        if i == 2:
+            sampler.submit("short", short_req, LORA_SLOT)
+        finished.update(sampler.step())
+        shapes.append(sampler.cache_shape)
+        if sampler.idle():
+            break
+    assert list(finished) == ["short", "long"]
+    assert tokens_of(finished["short"]) == tokens_of(alone_short["short"])
+    assert tokens_of(finished["long"]) == tokens_of(alone_long["long"])
+    rows = [shape[0] for shape in shapes if shape]
+    assert max(rows) > 1 and rows[-1] == 1, rows  # grew for the short request, shrank back to batch 1 after it
+
+
+def test_num_samples_share_one_prefill(qwen):
+    sampler = qwen.sampler
+    before = sampler.prefill_count
+    results, _ = run(sampler, {"n": (make_req(PROMPTS[2], 10, n=4, temperature=1.0, seed=4), LORA_SLOT)})
+    assert sampler.prefill_count - before == 1
+    samples = tokens_of(results["n"])
+    assert len(samples) == 4 and len({tuple(s) for s in samples}) > 1
+    again, _ = run(sampler, {"n": (make_req(PROMPTS[2], 10, n=4, temperature=1.0, seed=4), LORA_SLOT)})
+    assert tokens_of(again["n"]) == samples
+
+
+def test_more_samples_than_rows(qwen):
+    sampler = qwen.sampler
+    before = sampler.prefill_count
+    results, _ = run(sampler, {"n": (make_req(PROMPTS[0], 5, n=11, temperature=1.0, seed=9), 0)})
+    assert len(tokens_of(results["n"])) == 11
+    assert sampler.prefill_count - before == 2  # 8 rows, then the remaining 3
+
+
+def test_prompt_logprobs_match_teacher_forcing(qwen):
+    prompt = PROMPTS[3]
+    req = make_req(prompt, 3, temperature=0.0)
+    req.prompt_logprobs, req.topk_prompt_logprobs = True, 3
+    one = make_req([7], 2, temperature=0.0)
+    one.prompt_logprobs = True
+    results, _ = run(qwen.sampler, {"p": (req, LORA_SLOT), "one": (one, 0), "plain": (make_req(prompt, 2), 0)})
+    logp = qwen.logprobs(prompt, LORA_SLOT)
+    got = results["p"]
+    assert got.prompt_logprobs[0] is None and got.topk_prompt_logprobs[0] is None
+    expected = [logp[j - 1, prompt[j]] for j in range(1, len(prompt))]
+    np.testing.assert_allclose(got.prompt_logprobs[1:], expected, atol=2e-4)
+    for j in range(1, len(prompt)):
+        top = got.topk_prompt_logprobs[j]
+        assert [t for t, _ in top] == list(np.argsort(-logp[j - 1])[:3])
+        np.testing.assert_allclose([lp for _, lp in top], np.sort(logp[j - 1])[::-1][:3], atol=2e-4)
+    assert results["one"].prompt_logprobs == [None]
+    assert results["plain"].prompt_logprobs is None and results["plain"].topk_prompt_logprobs is None
+
+
+def test_invalid_requests_are_user_errors(qwen):
+    results, _ = run(qwen.sampler, {"long": (make_req([1] * 60, 5), 0), "empty": (make_req([], 5), 0)})
+    assert isinstance(results["long"], RequestError) and results["long"].category == "user"
+    assert "max_seq_len" in results["long"].message and "64" in results["long"].message
+    assert isinstance(results["empty"], RequestError) and results["empty"].category == "user"
+
+
+def test_replayed_workload_compiles_nothing_new(qwen):
+    def workload() -> dict:
+        reqs = {
+            "a": (make_req(PROMPTS[0], 9, n=3, temperature=1.0, seed=1), LORA_SLOT),
+            "b": (make_req(PROMPTS[2], 30, temperature=0.5, top_k=3, seed=2), 0),
+        }
+        return run(qwen.sampler, reqs)[0]
+
+    first = workload()
+    compiled = qwen.sampler.compile_count
+    assert tokens_of(workload()["b"]) == tokens_of(first["b"])
+    assert qwen.sampler.compile_count == compiled
+
+
+def test_plan_admission_is_fifo_and_bounded():
+    assert plan_admission([(2, 10), (3, 10), (1, 10)], free_rows=4, max_rows=8, prefill_budget=100) == [2]
+    assert plan_admission([(2, 10), (1, 10)], free_rows=4, max_rows=8, prefill_budget=100) == [2, 1]
+    assert plan_admission([(20, 10), (1, 10)], free_rows=5, max_rows=8, prefill_budget=100) == [5]
+    assert plan_admission([(1, 90), (1, 90)], free_rows=4, max_rows=8, prefill_budget=100) == [1]
+    assert plan_admission([(1, 900)], free_rows=4, max_rows=8, prefill_budget=100) == [1]

@@ -1,0 +1,141 @@
+"""The sampler's jitted programs: prompt prefill into the decode cache, a chunk of decode steps, cache resize.
+
+The decode cache is one preallocated `KVCache` [L, B, S, K, E] whose row count B and length S come from
+the sampler's buckets. A decode row feeds one token per step at its own position and attends to every
+cache position up to it; every such position was written by the row itself (its prefilled prompt or an
+earlier step), so stale keys left by a previous occupant of the row are never seen. An empty row sits at
+position >= S, where the model drops its writes. Prefill runs the distinct prompts (all tokens but the
+last, which the first decode step feeds) in a cache of their own and copies each prompt's cache rows
+into every decode row that samples it, so `num_samples` rows share one prefill. Dimension letters:
+B decode rows, N prefill rows, P prefill length, C chunk steps, k top-k width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tx.engine.sampling import row_keys, select_tokens
+from tx.lora.params import LoRARows
+from tx.models.causal_lm import KVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeRows:
+    """Per-row inputs of a decode chunk, all [B]."""
+
+    token: jax.Array  # int32: the token fed at the first step (last prompt token, or the last sampled one)
+    position: jax.Array  # int32: where that token goes; >= S for an empty row
+    step: jax.Array  # int32: generated-token index of the token the first step samples (seeds the key)
+    seed: jax.Array  # uint32
+    temperature: jax.Array  # float32, 0 = greedy
+    top_k: jax.Array  # int32, <= 0 = off
+    top_p: jax.Array  # float32, 1 = off
+    slot: jax.Array  # int32 adapter slot (0 = base)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillBatch:
+    """Prompts to prefill, and which decode rows receive each prompt's cache."""
+
+    tokens: jax.Array  # [N, P] int32
+    positions: jax.Array  # [N, P] int32; P on padding, so its writes are dropped
+    targets: jax.Array  # [N, P] int32: the next prompt token, scored when prompt logprobs are wanted
+    slot: jax.Array  # [N] int32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptScores:
+    """log p(prompt[j+1] | prompt[<=j]) at prefill position j, and the k best tokens there."""
+
+    logprobs: jax.Array  # [N, P]
+    topk_ids: jax.Array  # [N, P, k]
+    topk_logprobs: jax.Array  # [N, P, k]
+
+
+class DecodePrograms:
+    """The compiled programs for one model graph. `compile_count` counts traces, i.e. new shapes compiled."""
+
+    def __init__(self, graphdef: nnx.GraphDef, chunk_steps: int, k_cap: int) -> None:
+        self.graphdef = graphdef
+        self.chunk_steps = chunk_steps
+        self.k_cap = k_cap
+        self.compile_count = 0
+        self.decode = jax.jit(self._decode, donate_argnames="cache")
+        self.prefill = jax.jit(self._prefill, static_argnames=("scores", "topk"))
+        self.insert = jax.jit(self._insert, donate_argnames="cache")
+        self.resize = jax.jit(self._resize, static_argnames="length")
+
+    def _decode(
+        self, state: nnx.State, scale: jax.Array | None, cache: KVCache, rows: DecodeRows
+    ) -> tuple[KVCache, jax.Array, jax.Array]:
+        """`chunk_steps` decode steps -> (cache, sampled tokens [B, C], their raw logprobs [B, C])."""
+        self.compile_count += 1  # runs only while tracing
+        lora = None if scale is None else LoRARows(rows.slot, scale)
+
+        def one_step(carry: tuple, _: None) -> tuple[tuple, tuple[jax.Array, jax.Array]]:
+            cache, token, position, step = carry
+            model = nnx.merge(self.graphdef, state)
+            logits, cache = model(token[:, None], position[:, None], rows=lora, cache=cache)
+            keys = row_keys(rows.seed, step)
+            token, logprob = select_tokens(
+                logits[:, 0], keys, rows.temperature, rows.top_k, rows.top_p, k_cap=self.k_cap
+            )
+            return (cache, token, position + 1, step + 1), (token, logprob)
+
+        carry: tuple = (cache, rows.token, rows.position, rows.step)
+        (cache, *_), (tokens_CB, logprobs_CB) = jax.lax.scan(one_step, carry, length=self.chunk_steps)
+        return cache, tokens_CB.T, logprobs_CB.T
+
+    def _prefill(
+        self, state: nnx.State, scale: jax.Array | None, batch: PrefillBatch, *, scores: bool, topk: int
+    ) -> tuple[KVCache, PromptScores | None]:
+        """The prompts' own cache [L, N, P, K, E], and their scores when `scores`.
+
+        Kept apart from `insert` so that this, the expensive compile, does not depend on the decode shape.
+        """
+        self.compile_count += 1
+        model = nnx.merge(self.graphdef, state)
+        N, P = batch.tokens.shape
+        lora = None if scale is None else LoRARows(batch.slot, scale)
+        h_NPD, fresh = model.hidden(batch.tokens, batch.positions, rows=lora, cache=KVCache.zeros(model.config, N, P))
+        assert fresh is not None
+        if not scores:
+            return fresh, None
+        # Full-vocabulary logits for every prompt position: only built when a request asked for them.
+        logp_NPV = jax.nn.log_softmax(model.logits(h_NPD, lora), axis=-1)
+        target_NP = jnp.take_along_axis(logp_NPV, batch.targets[..., None], axis=-1)[..., 0]
+        top_lp, top_ids = jax.lax.top_k(logp_NPV, topk) if topk else (logp_NPV[..., :0], batch.targets[..., :0])
+        return fresh, PromptScores(target_NP, top_ids.astype(jnp.int32), top_lp)
+
+    def _insert(self, cache: KVCache, fresh: KVCache, source: jax.Array) -> KVCache:
+        """Copy prefill row `source[b]` into the head of decode row b; rows with -1 keep their cache."""
+        self.compile_count += 1
+        return KVCache(_copy_rows(cache.k, fresh.k, source), _copy_rows(cache.v, fresh.v, source))
+
+    def _resize(self, cache: KVCache, index: jax.Array, *, length: int) -> KVCache:
+        """Decode rows `index` [B'] of `cache`, cut or zero-padded to `length` positions."""
+        self.compile_count += 1
+        return KVCache(_take_rows(cache.k, index, length), _take_rows(cache.v, index, length))
+
+
+def _copy_rows(dst_LBSKE: jax.Array, src_LNPKE: jax.Array, source_B: jax.Array) -> jax.Array:
+    P = src_LNPKE.shape[2]
+    rows = jnp.take(src_LNPKE, jnp.maximum(source_B, 0), axis=1)
+    keep = (source_B < 0)[None, :, None, None, None]
+    head = jnp.where(keep, dst_LBSKE[:, :, :P], rows.astype(dst_LBSKE.dtype))
+    return jax.lax.dynamic_update_slice_in_dim(dst_LBSKE, head, 0, axis=2)
+
+
+def _take_rows(x_LBSKE: jax.Array, index: jax.Array, length: int) -> jax.Array:
+    x = jnp.take(x_LBSKE, index, axis=1)
+    S = x.shape[2]
+    if length <= S:
+        return x[:, :, :length]
+    return jnp.pad(x, [(0, 0), (0, 0), (0, length - S), (0, 0), (0, 0)])

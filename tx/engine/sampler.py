@@ -1,0 +1,272 @@
+"""Continuous-batching sampler: requests in, one bounded decode chunk per `step`, finished samples out.
+
+The sampler owns a fixed set of decode rows (at most `max_rows`) backed by one preallocated KV cache
+whose row count and length are bucketed, so a workload compiles a handful of shapes. Each `step`
+(1) admits waiting requests in FIFO order while rows are free, (2) resizes the cache when the active
+set moves to another row or length bucket (rows are compacted, so a lone request decodes at batch 1),
+(3) prefills the admitted prompts once each and copies their cache into all their sample rows,
+(4) runs one jitted chunk of `chunk_steps` decode steps over every row, and (5) retires rows whose
+`StopChecker` fires. A row carries its own adapter slot, sampling parameters and seed, so requests of
+different users and adapters share a batch, and a row's tokens depend only on its seed, its
+generated-token index and its logits, never on its neighbours. Weights are read through `get_state()`
+at every device call; the caller gives each sampler an immutable slot for snapshot isolation. One
+`step` does at most one decode chunk (plus a prefill capped by `max_prefill_tokens`), so a training
+step interleaved between steps waits at most that long.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tx.engine.batching import bucket_size
+from tx.engine.decode_steps import DecodePrograms
+from tx.engine.sampler_rows import Job, Row, decode_rows, prefill_batch, prompt_results
+from tx.engine.sampling import StopChecker, resolve_seed, sample_seeds
+from tx.models.causal_lm import KVCache
+from tx.models.config import ModelConfig
+from tx.protocol import RequestError, SampleRequest, SampleResult
+
+log = logging.getLogger(__name__)
+
+Outcome = tuple[str, SampleResult | RequestError]
+
+
+def powers_of_two(smallest: int, largest: int) -> tuple[int, ...]:
+    """1, 2, 4, ... from `smallest` (rounded down to a power of two) to `largest`, with `largest` last."""
+    sizes, size = {largest}, 1
+    while size < largest:
+        if size * 2 > smallest:
+            sizes.add(size)
+        size *= 2
+    return tuple(sorted(sizes))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """Engine knobs for sampling. Empty bucket tuples take the defaults (powers of two)."""
+
+    max_rows: int = 64  # decode rows at most
+    max_seq_len: int = 2048  # prompt + generated tokens per row at most
+    chunk_steps: int = 16  # decode steps per jitted call
+    k_cap: int = 64  # widest top-k served without a full-vocabulary sort
+    max_prefill_tokens: int = 8192  # prompt tokens prefilled per step (the first request always goes)
+    row_buckets: tuple[int, ...] = ()  # decode (and prefill) row counts
+    length_buckets: tuple[int, ...] = ()  # cache lengths and prompt lengths
+
+    def __post_init__(self) -> None:
+        for name in ("max_rows", "max_seq_len", "chunk_steps", "k_cap", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SamplerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.row_buckets:
+            object.__setattr__(self, "row_buckets", powers_of_two(1, self.max_rows))
+        if not self.length_buckets:
+            object.__setattr__(self, "length_buckets", powers_of_two(min(128, self.max_seq_len), self.max_seq_len))
+        if self.row_buckets[-1] < self.max_rows or self.length_buckets[-1] < self.max_seq_len:
+            raise ValueError("the largest buckets must hold max_rows rows and max_seq_len positions")
+        if list(self.row_buckets) != sorted(self.row_buckets) or list(self.length_buckets) != sorted(
+            self.length_buckets
+        ):
+            raise ValueError("buckets must be sorted ascending")
+
+
+def plan_admission(waiting: Sequence[tuple[int, int]], free_rows: int, max_rows: int, prefill_budget: int) -> list[int]:
+    """How many samples of each waiting (samples left, prompt length) entry to admit now, FIFO.
+
+    A request is admitted whole so that its prompt is prefilled once; one with more samples than
+    `max_rows` can never fit and takes whatever rows are free (its later pieces prefill again). The
+    queue stops at the first request that does not fit, so large requests are not starved. Prompt
+    tokens per step stay within `prefill_budget`, except that the first admitted request always goes.
+    """
+    counts: list[int] = []
+    tokens = 0
+    for samples, prompt_len in waiting:
+        take = min(samples, free_rows) if samples > max_rows else (samples if samples <= free_rows else 0)
+        if take == 0 or (counts and tokens + prompt_len > prefill_budget):
+            break
+        counts.append(take)
+        free_rows -= take
+        tokens += prompt_len
+    return counts
+
+
+class Sampler:
+    """The continuous-batching sampling engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        get_state: Callable[[], nnx.State],
+        model_cfg: ModelConfig,
+        cfg: SamplerConfig,
+        eos_token_ids: Sequence[int],
+        decode: Callable[[list[int]], str],
+        lora_scale: Callable[[], jax.Array] | None,
+    ) -> None:
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.get_state = get_state
+        self.lora_scale = lora_scale
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.decode = decode
+        self.programs = DecodePrograms(graphdef, cfg.chunk_steps, cfg.k_cap)
+        self.prefill_count = 0  # prompts prefilled (one per admitted request piece with >1 prompt token)
+        self._waiting: deque[Job] = deque()
+        self._outbox: list[Outcome] = []
+        self._rows: list[Row | None] = []  # one entry per cache row
+        self._cache: KVCache | None = None
+
+    @property
+    def compile_count(self) -> int:
+        return self.programs.compile_count
+
+    @property
+    def cache_shape(self) -> tuple[int, int] | None:
+        """(rows, length) of the decode cache, None while nothing is decoding."""
+        return None if self._cache is None else (self._cache.k.shape[1], self._cache.k.shape[2])
+
+    def idle(self) -> bool:
+        return not (self._waiting or self._outbox or any(self._rows))
+
+    def submit(self, request_id: str, req: SampleRequest, slot: int) -> None:
+        """Queue a request sampled with the weights in adapter `slot`; errors come out of the next `step`."""
+        try:
+            self._validate(req, slot)
+            stop = StopChecker(
+                [*(self.eos_token_ids if req.params.stop_at_eos else ()), *req.params.stop_token_ids],
+                req.params.stop_strings,
+                lambda ids: self.decode(list(ids)),
+                req.params.max_tokens,
+            )
+        except (RequestError, ValueError) as err:
+            message = err.message if isinstance(err, RequestError) else str(err)
+            self._outbox.append((request_id, RequestError(message, "user")))
+            return
+        seeds = sample_seeds(resolve_seed(req.params.seed, request_id), req.num_samples)
+        self._waiting.append(Job(request_id, req, slot, seeds, stop))
+
+    def step(self) -> list[Outcome]:
+        """Admit waiting requests, run one decode chunk, return the requests that finished."""
+        out, self._outbox = self._outbox, []
+        try:
+            new_rows = self._admit()
+            if new_rows:
+                self._prefill(new_rows)
+            if any(self._rows):
+                out.extend(self._decode_chunk())
+        except Exception as err:  # a failed device call loses the cache: fail what it held, keep serving
+            log.exception("sampler step failed")
+            out.extend(self._fail_active(f"sampling failed: {type(err).__name__}: {err}"))
+        if not any(self._rows):
+            self._cache, self._rows = None, []  # give the cache's memory back while idle
+        return out
+
+    # ---- admission ------------------------------------------------------------------------------
+
+    def _validate(self, req: SampleRequest, slot: int) -> None:
+        cfg, p = self.cfg, req.params
+        if not req.prompt:
+            raise RequestError("the prompt is empty: sampling needs at least one prompt token", "user")
+        if req.num_samples < 1:
+            raise RequestError(f"num_samples must be >= 1, got {req.num_samples}", "user")
+        if p.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {p.max_tokens}", "user")
+        if len(req.prompt) + p.max_tokens > cfg.max_seq_len:
+            raise RequestError(
+                f"prompt ({len(req.prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds the sampler's "
+                f"max_seq_len of {cfg.max_seq_len} tokens",
+                "user",
+            )
+        vocab = self.model_cfg.vocab_size
+        if min(req.prompt) < 0 or max(req.prompt) >= vocab:
+            raise RequestError(f"prompt token ids must lie in [0, {vocab})", "user")
+        if p.temperature < 0 or not 0 < p.top_p <= 1:
+            raise RequestError("temperature must be >= 0 and top_p in (0, 1]", "user")
+        if not 0 <= req.topk_prompt_logprobs <= vocab:
+            raise RequestError(f"topk_prompt_logprobs must lie in [0, {vocab}]", "user")
+        slots = 1 if self.lora_scale is None else int(self.lora_scale().shape[0])
+        if not 0 <= slot < slots:
+            raise RequestError(f"adapter slot {slot} does not exist (the model has {slots})", "server")
+
+    def _admit(self) -> list[Row]:
+        """Take waiting requests into free rows and fit the cache to the new active set."""
+        active = [row for row in self._rows if row is not None]
+        waiting = [(job.req.num_samples - job.admitted, len(job.req.prompt)) for job in self._waiting]
+        counts = plan_admission(
+            waiting, self.cfg.max_rows - len(active), self.cfg.max_rows, self.cfg.max_prefill_tokens
+        )
+        new_rows: list[Row] = []
+        for take in counts:
+            job = self._waiting[0]
+            new_rows.extend(Row.start(job, sample) for sample in range(job.admitted, job.admitted + take))
+            job.admitted += take
+            if job.admitted == job.req.num_samples:
+                self._waiting.popleft()
+        if active or new_rows:
+            self._fit_cache(active, new_rows)
+        return new_rows
+
+    def _fit_cache(self, active: list[Row], new_rows: list[Row]) -> None:
+        """Move to the row and length buckets the next chunk needs, compacting rows; place the new rows."""
+        rows = bucket_size(len(active) + len(new_rows), self.cfg.row_buckets)
+        need = max(row.need(self.cfg.chunk_steps) for row in [*active, *new_rows])
+        length = bucket_size(need, self.cfg.length_buckets)
+        if self._cache is None:
+            self._cache = KVCache.zeros(self.model_cfg, rows, length)
+            self._rows = [None] * rows
+        elif self.cache_shape != (rows, length):
+            live = [i for i, row in enumerate(self._rows) if row is not None]
+            padded = np.array(live + [0] * (rows - len(live)), np.int32)
+            self._cache = self.programs.resize(self._cache, padded, length=length)
+            self._rows = [*active, *[None] * (rows - len(active))]
+        free = (i for i, row in enumerate(self._rows) if row is None)
+        for row, index in zip(new_rows, free, strict=False):
+            self._rows[index] = row
+
+    def _prefill(self, new_rows: list[Row]) -> None:
+        """Prefill each admitted request piece's prompt once, then fill in its prompt logprobs."""
+        assert self._cache is not None
+        planned = prefill_batch(self._rows, new_rows, self.cfg.row_buckets, self.cfg.length_buckets)
+        if planned is None:
+            return
+        batch, source, pieces = planned
+        scored = [job for job in pieces if job.wants_prompt_scores()]
+        topk = max((job.req.topk_prompt_logprobs for job in scored), default=0)
+        topk = min(bucket_size(topk), self.model_cfg.vocab_size) if topk else 0
+        scale = None if self.lora_scale is None else self.lora_scale()
+        fresh, scores = self.programs.prefill(self.get_state(), scale, batch, scores=bool(scored), topk=topk)
+        self._cache = self.programs.insert(self._cache, fresh, source)
+        self.prefill_count += len(pieces)
+        if scores is not None:
+            prompt_results(pieces, scores)
+
+    # ---- decoding -------------------------------------------------------------------------------
+
+    def _decode_chunk(self) -> list[Outcome]:
+        assert self._cache is not None
+        scale = None if self.lora_scale is None else self.lora_scale()
+        rows = decode_rows(self._rows, self._cache.k.shape[2])
+        self._cache, tokens_BC, logprobs_BC = self.programs.decode(self.get_state(), scale, self._cache, rows)
+        tokens_BC, logprobs_BC = np.asarray(tokens_BC), np.asarray(logprobs_BC)
+        out: list[Outcome] = []
+        for index, row in enumerate(self._rows):
+            if row is None:
+                continue
+            if row.advance(tokens_BC[index], logprobs_BC[index]):
+                self._rows[index] = None
+                if row.job.done():
+                    out.append((row.job.request_id, row.job.result()))
+        return out
+
+    def _fail_active(self, message: str) -> list[Outcome]:
+        """Fail every request with a row in the cache (the cache is gone)."""
+        jobs = {row.job.request_id: row.job for row in self._rows if row is not None}
+        self._waiting = deque(job for job in self._waiting if job.request_id not in jobs)
+        self._rows, self._cache = [], None
+        return [(request_id, RequestError(message, "server")) for request_id in jobs]

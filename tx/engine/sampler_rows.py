@@ -1,0 +1,141 @@
+"""Host-side bookkeeping of the sampler: requests (`Job`), decode rows (`Row`) and the arrays built from them.
+
+A `Job` is one submitted request: its stop checker, one seed per sample, and the sequences finished so
+far. A `Row` is one sample being decoded: the token it feeds next, the position it goes to, and what it
+has generated. Positions follow the protocol's prompt indexing: the prompt's first `len - 1` tokens are
+prefilled, the first decode step feeds the last prompt token at position `len - 1` and samples generated
+token 0. The functions here turn rows into the numpy inputs of `decode_steps` and read results back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from tx.engine.batching import bucket_size
+from tx.engine.decode_steps import DecodeRows, PrefillBatch, PromptScores
+from tx.engine.sampling import StopChecker
+from tx.protocol import SampledSequence, SampleRequest, SampleResult
+
+TopK = list[tuple[int, float]]
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One request: `admitted` samples have rows (or are done); `sequences` maps sample index -> result."""
+
+    request_id: str
+    req: SampleRequest
+    slot: int
+    seeds: list[int]
+    stop: StopChecker
+    admitted: int = 0
+    sequences: dict[int, SampledSequence] = dataclasses.field(default_factory=dict)
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[TopK | None] | None = None
+
+    def wants_prompt_scores(self) -> bool:
+        wanted = self.req.prompt_logprobs or self.req.topk_prompt_logprobs > 0
+        return wanted and self.prompt_logprobs is None and self.topk_prompt_logprobs is None
+
+    def done(self) -> bool:
+        return len(self.sequences) == self.req.num_samples
+
+    def result(self) -> SampleResult:
+        # A one-token prompt has nothing to score: its only entry is the undefined first one.
+        one_token = len(self.req.prompt) == 1
+        prompt_lp = self.prompt_logprobs or ([None] if one_token and self.req.prompt_logprobs else None)
+        topk = self.topk_prompt_logprobs or ([None] if one_token and self.req.topk_prompt_logprobs else None)
+        sequences = [self.sequences[i] for i in range(self.req.num_samples)]
+        return SampleResult(sequences, prompt_lp, topk)
+
+
+@dataclasses.dataclass(eq=False)
+class Row:
+    """One sample in decode: feeds `token` at `position` next; `tokens`/`logprobs` are what it generated."""
+
+    job: Job
+    sample: int
+    token: int
+    position: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+
+    @staticmethod
+    def start(job: Job, sample: int) -> Row:
+        return Row(job, sample, job.req.prompt[-1], len(job.req.prompt) - 1)
+
+    def need(self, chunk_steps: int) -> int:
+        """Cache positions the next chunk touches; past the row's last useful position writes may drop."""
+        last_useful = len(self.job.req.prompt) + self.job.req.params.max_tokens - 1
+        return min(self.position + chunk_steps, last_useful)
+
+    def advance(self, tokens_C: np.ndarray, logprobs_C: np.ndarray) -> bool:
+        """Append one chunk's output; True (and the job's sequence recorded) once the row is finished."""
+        self.tokens.extend(int(t) for t in tokens_C)
+        self.logprobs.extend(float(lp) for lp in logprobs_C)
+        self.token = self.tokens[-1]
+        self.position += len(tokens_C)
+        finish = self.job.stop.check(self.tokens, len(tokens_C))
+        if finish is None:
+            return False
+        n = finish.num_tokens
+        self.job.sequences[self.sample] = SampledSequence(self.tokens[:n], self.logprobs[:n], finish.reason)
+        return True
+
+
+def decode_rows(table: Sequence[Row | None], length: int) -> DecodeRows:
+    """The decode chunk's per-row inputs; empty rows sit at position `length`, where writes drop."""
+    B = len(table)
+    token, position, step = np.zeros(B, np.int32), np.full(B, length, np.int32), np.zeros(B, np.int32)
+    seed, slot, top_k = np.zeros(B, np.uint32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+    temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)
+    for i, row in enumerate(table):
+        if row is None:
+            continue
+        p = row.job.req.params
+        token[i], position[i], step[i] = row.token, row.position, len(row.tokens)
+        seed[i], slot[i] = row.job.seeds[row.sample], row.job.slot
+        temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+    return DecodeRows(token, position, step, seed, temperature, top_k, top_p, slot)  # type: ignore[arg-type]
+
+
+def prefill_batch(
+    table: Sequence[Row | None], new_rows: Sequence[Row], row_buckets: Sequence[int], length_buckets: Sequence[int]
+) -> tuple[PrefillBatch, np.ndarray, list[Job]] | None:
+    """One prefill row per newly admitted job with a prompt of 2+ tokens, and the prefill row each decode
+    row copies (-1: none): every new row of a job receives its job's row."""
+    jobs = list({id(row.job): row.job for row in new_rows if len(row.job.req.prompt) > 1}.values())
+    if not jobs:
+        return None
+    N = bucket_size(len(jobs), row_buckets)
+    P = bucket_size(max(len(job.req.prompt) - 1 for job in jobs), length_buckets)
+    tokens, targets = np.zeros((N, P), np.int32), np.zeros((N, P), np.int32)
+    positions, slot = np.full((N, P), P, np.int32), np.zeros(N, np.int32)
+    for i, job in enumerate(jobs):
+        prompt = job.req.prompt
+        n = len(prompt) - 1
+        tokens[i, :n], targets[i, :n], positions[i, :n] = prompt[:-1], prompt[1:], np.arange(n)
+        slot[i] = job.slot
+    piece = {id(job): i for i, job in enumerate(jobs)}
+    fresh = {id(row) for row in new_rows}
+    source = np.array(
+        [piece.get(id(row.job), -1) if row is not None and id(row) in fresh else -1 for row in table], np.int32
+    )
+    return PrefillBatch(tokens, positions, targets, slot), source, jobs  # type: ignore[arg-type]
+
+
+def prompt_results(jobs: Sequence[Job], scores: PromptScores) -> None:
+    """Fill in the prompt logprobs of the jobs that asked: entry j scores prompt[j]; entry 0 is None."""
+    logprobs, ids, top = (np.asarray(x) for x in (scores.logprobs, scores.topk_ids, scores.topk_logprobs))
+    for i, job in enumerate(jobs):
+        if not job.wants_prompt_scores():
+            continue
+        n, k = len(job.req.prompt) - 1, job.req.topk_prompt_logprobs
+        if job.req.prompt_logprobs:
+            job.prompt_logprobs = [None, *(float(lp) for lp in logprobs[i, :n])]
+        if k:
+            rows = [[(int(t), float(lp)) for t, lp in zip(ids[i, j, :k], top[i, j, :k], strict=True)] for j in range(n)]
+            job.topk_prompt_logprobs = [None, *rows]
