@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +29,9 @@ API_KEY = "tml-demo"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tx.demo", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12, help="training steps per example loop (default 12)")
-    p.add_argument("--port", type=int, default=None, help="server port (default 8000 if free, else any free port)")
+    p.add_argument(
+        "--port", type=int, default=None, help="server port (default 8000 if free, else any; 0: any free port)"
+    )
     p.add_argument("--data-dir", default="./smolgym-data", help="server data directory (default ./smolgym-data)")
     p.add_argument("--keep-server", action="store_true", help="leave the server running after the examples")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server to start")
@@ -38,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def pick_port(preferred: int = 8000) -> int:
     for port in (preferred, 0):
         with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
@@ -62,7 +66,7 @@ def child_env(url: str, model_dir: Path) -> dict[str, str]:
 
 def start_server(model_dir: Path, port: int, data_dir: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "tx.api", "--base-model", str(model_dir), "--port", str(port)]
-    cmd += ["--data-dir", str(data_dir), "--dtype", "float32", "--max-lora-adapters", "4", "--log-level", "warning"]
+    cmd += ["--data-dir", str(data_dir), "--dtype", "float32", "--log-level", "warning"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -113,9 +117,10 @@ def stop(server: subprocess.Popen[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the server
     data_dir = Path(args.data_dir).expanduser().absolute()
     model_dir = write_tiny_model(data_dir / "models" / "tiny-qwen3")
-    port = args.port or pick_port()
+    port = args.port or pick_port(8000 if args.port is None else 0)
     url = f"http://127.0.0.1:{port}"
     env = child_env(url, model_dir)
     print(f"tiny model: {model_dir}\nstarting SmolGym on {url} ...", flush=True)
