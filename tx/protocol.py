@@ -31,34 +31,6 @@ LOSS_NAMES: tuple[str, ...] = (
 )
 """Loss functions a `forward_backward` request may name."""
 
-_RL_INPUTS = frozenset({"target_tokens", "logprobs", "advantages"})
-_CLIP_KEYS = frozenset({"clip_low_threshold", "clip_high_threshold"})
-
-LOSS_REQUIRED_INPUTS: dict[str, frozenset[str]] = {
-    "cross_entropy": frozenset({"target_tokens"}),
-    "importance_sampling": _RL_INPUTS,
-    "ppo": _RL_INPUTS,
-    "cispo": _RL_INPUTS,
-    "dro": _RL_INPUTS,
-    "gspo": _RL_INPUTS | {"sequence_ratio_mask"},
-    "stable_reinforce": _RL_INPUTS,
-}
-"""`loss_fn_inputs` every datum must carry, per loss."""
-
-LOSS_OPTIONAL_INPUTS: frozenset[str] = frozenset({"weights"})
-"""Inputs any loss accepts (absent `weights` means all ones)."""
-
-LOSS_CONFIG_KEYS: dict[str, frozenset[str]] = {
-    "cross_entropy": frozenset(),
-    "importance_sampling": frozenset(),
-    "ppo": _CLIP_KEYS,
-    "cispo": _CLIP_KEYS,
-    "dro": frozenset({"beta"}),
-    "gspo": _CLIP_KEYS,
-    "stable_reinforce": frozenset({"kl_coeff"}),
-}
-"""`loss_fn_config` keys each loss understands; anything else is a user error."""
-
 WorkKind = Literal[
     "create_model",
     "forward",

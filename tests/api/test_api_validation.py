@@ -60,7 +60,7 @@ def test_unknown_loss(http: httpx.Client, ids: dict[str, str]) -> None:
 
 def test_unknown_loss_config_key(http: httpx.Client, ids: dict[str, str]) -> None:
     body = proto_body(ids["model"], 1, [1, 2], loss_fn="cross_entropy", clip_low_threshold=0.5)
-    _assert_400(_fb(http, body), "'clip_low_threshold' is not understood by loss 'cross_entropy'")
+    _assert_400(_fb(http, body), "loss_fn_config", "'clip_low_threshold' for loss 'cross_entropy'; allowed keys: none")
 
 
 def test_missing_rl_inputs(http: httpx.Client, ids: dict[str, str]) -> None:

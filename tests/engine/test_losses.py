@@ -238,6 +238,6 @@ def test_config_row_and_required_inputs() -> None:
     assert losses.required_inputs("cross_entropy") == ("target_tokens",)
     assert losses.required_inputs("ppo") == ("target_tokens", "logprobs", "advantages")
     assert "sequence_ratio_mask" in losses.required_inputs("gspo")
-    assert "logprobs" not in losses.required_inputs("stable_reinforce")
+    assert "logprobs" in losses.required_inputs("stable_reinforce")
     with pytest.raises(ValueError, match="unsupported loss_fn"):
         losses.required_inputs("dppo")

@@ -21,8 +21,8 @@ sg = stop-gradient, and RL losses multiplied by w[:, 0] (zero where w[:, 0] == 0
   stable_reinforce     -sg(min(r, truncation)) * A * p + kl_coeff * (exp(q - p) - (q - p) - 1)
 
 stable_reinforce is our own version of Tinker's unpublished loss: truncated-importance-weighted
-REINFORCE where q is the log-probability the server recorded when it sampled the token (the engine
-fills `sampling_logprobs` from its records), plus an optional k3 estimator of KL(p || q) that keeps
+REINFORCE where q is the behaviour log-probability of the sampled token (the datum's `logprobs`, as
+returned by the server's sampler for that token), plus an optional k3 estimator of KL(p || q) that keeps
 the learner near the behaviour policy. truncation defaults to 2.0, the cap commonly used for
 truncated importance sampling (Yao et al., 2025): large enough to correct mild sampler/learner
 mismatch, small enough to bound the variance of rare tokens. GSPO defaults 0.9997 / 1.0004 are the
@@ -38,15 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-LOSS_NAMES: tuple[str, ...] = (
-    "cross_entropy",
-    "importance_sampling",
-    "ppo",
-    "cispo",
-    "dro",
-    "gspo",
-    "stable_reinforce",
-)
+from tx.protocol import LOSS_NAMES
 
 # Column order of LossInputs.config; a loss leaves the columns it does not use at 0.
 CONFIG_COLUMNS: tuple[str, ...] = ("clip_low_threshold", "clip_high_threshold", "beta", "truncation", "kl_coeff")
@@ -70,8 +62,8 @@ _REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "cispo": _RL_INPUTS,
     "dro": _RL_INPUTS,
     "gspo": (*_RL_INPUTS, "sequence_ratio_mask"),
-    # q comes from the server's own sampling records, not from the request.
-    "stable_reinforce": ("target_tokens", "advantages"),
+    # q: the behaviour logprobs. The datum carries them (as the cookbook does for every RL loss).
+    "stable_reinforce": _RL_INPUTS,
 }
 
 

@@ -133,9 +133,7 @@ def write_slot_params(lora: Flat, slot: jax.Array, params: Flat) -> Flat:
 
 def make_optimizer() -> optax.GradientTransformation:
     """AdamW (torch semantics: decoupled decay p -= lr*wd*p) with per-step hyper-parameters as inputs."""
-    return optax.inject_hyperparams(optax.adamw)(
-        learning_rate=1e-4, b1=0.9, b2=0.95, eps=1e-12, weight_decay=0.0
-    )
+    return optax.inject_hyperparams(optax.adamw)(learning_rate=1e-4, b1=0.9, b2=0.95, eps=1e-12, weight_decay=0.0)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
