@@ -52,14 +52,16 @@ class DecoderLayer(nnx.Module):
         segments: jax.Array,
         inv_freq: jax.Array,
         rows: LoRARows | None,
-        cache: tuple[jax.Array, jax.Array] | None,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        cache: tuple[jax.Array, jax.Array, jax.Array] | None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array] | None]:
+        """`cache` = (k [L, B, S, K, E], v, layer index): the whole stack, written in place at this layer."""
         q, k, v = self.self_attn.project_qkv(self.input_layernorm(x), positions, inv_freq, rows)
         if cache is None:
             mask = AttentionMask(segments, segments, positions, positions)
         else:
-            k, v = _write_cache(cache, k, v, positions)
-            cache = (k, v)
+            k_all, v_all, layer = _write_cache(cache, k, v, positions)
+            cache = (k_all, v_all, layer)
+            k, v = k_all[layer], v_all[layer]
             B, S = k.shape[:2]
             key_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
             mask = AttentionMask(jnp.ones_like(segments), jnp.ones_like(key_pos), positions, key_pos)
@@ -69,12 +71,15 @@ class DecoderLayer(nnx.Module):
 
 
 def _write_cache(
-    cache: tuple[jax.Array, jax.Array], k: jax.Array, v: jax.Array, positions: jax.Array
-) -> tuple[jax.Array, jax.Array]:
+    cache: tuple[jax.Array, jax.Array, jax.Array], k: jax.Array, v: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Scatter this call's keys/values into layer `layer` of the stacked cache (in place inside the scan);
+    positions past the cache length are dropped."""
+    k_all, v_all, layer = cache
     row = jnp.arange(k.shape[0])[:, None]
-    k_cache = cache[0].at[row, positions].set(k.astype(cache[0].dtype), mode="drop")
-    v_cache = cache[1].at[row, positions].set(v.astype(cache[1].dtype), mode="drop")
-    return k_cache, v_cache
+    k_all = k_all.at[layer, row, positions].set(k.astype(k_all.dtype), mode="drop")
+    v_all = v_all.at[layer, row, positions].set(v.astype(v_all.dtype), mode="drop")
+    return k_all, v_all, layer
 
 
 class Embedding(nnx.Module):
@@ -107,8 +112,10 @@ class LMHead(nnx.Module):
             self.kernel_form = lora.kernel
 
     def __call__(self, h: jax.Array, embedding: jax.Array, rows: LoRARows | None) -> jax.Array:
-        kernel = self.kernel[...] if hasattr(self, "kernel") else embedding.T
-        logits = jnp.einsum("btd,dv->btv", h, kernel, preferred_element_type=jnp.float32)
+        if hasattr(self, "kernel"):
+            logits = jnp.einsum("btd,dv->btv", h, self.kernel[...], preferred_element_type=jnp.float32)
+        else:  # tied: contract against the [V, D] embedding as stored, no transposed copy
+            logits = jnp.einsum("btd,vd->btv", h, embedding, preferred_element_type=jnp.float32)
         if rows is not None and hasattr(self, "lora_a"):
             logits = logits + lora_delta(h, rows, self.lora_a[...], self.lora_b[...], self.kernel_form)
         return logits
@@ -135,17 +142,21 @@ class CausalLM(nnx.Module):
         segments = jnp.ones_like(tokens) if segments is None else segments
         graphdef, stacked = nnx.split(self.model.layers)
 
-        def body(h: jax.Array, xs: tuple) -> tuple[jax.Array, tuple | None]:
-            layer_state, layer_cache = xs
+        def body(carry: tuple, layer_state: nnx.State) -> tuple[tuple, None]:
+            h, layer_cache = carry
             layer = nnx.merge(graphdef, layer_state)
-            return layer(h, positions, segments, inv_freq, rows, layer_cache)
+            h, layer_cache = layer(h, positions, segments, inv_freq, rows, layer_cache)
+            if layer_cache is not None:  # advance to the next layer of the carried cache
+                layer_cache = (layer_cache[0], layer_cache[1], layer_cache[2] + 1)
+            return (h, layer_cache), None
 
         if self.remat:
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
         h = self.model.embed_tokens(tokens)
-        xs = (stacked, None if cache is None else (cache.k, cache.v))
-        h, new_cache = jax.lax.scan(body, h, xs)
-        out_cache = None if new_cache is None else KVCache(*new_cache)
+        # The cache rides in the scan carry, so each layer updates the one stacked buffer in place.
+        carried = None if cache is None else (cache.k, cache.v, jnp.int32(0))
+        (h, carried), _ = jax.lax.scan(body, (h, carried), stacked)
+        out_cache = None if carried is None else KVCache(carried[0], carried[1])
         return self.model.norm(h), out_cache
 
     def logits(self, h: jax.Array, rows: LoRARows | None = None) -> jax.Array:

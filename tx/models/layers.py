@@ -105,8 +105,15 @@ class Attention(nnx.Module):
         B, T, H, E = q.shape
         K = self.kv_heads
         qg = q.reshape(B, T, K, H // K, E)
+        allowed = mask.allowed()[:, None, None]  # [B, 1, 1, T, S]
+        if T == 1:  # decode: a streaming multiply-and-sum over the cache beats XLA CPU's tiny batched GEMMs
+            scores = jnp.sum(qg[:, 0, None].astype(jnp.float32) * k[:, :, :, None, :], axis=-1)  # [B, S, K, G]
+            scores = jnp.where(allowed[:, 0, 0, 0, :, None, None], scores / math.sqrt(E), jnp.finfo(jnp.float32).min)
+            probs = jax.nn.softmax(scores, axis=1).astype(v.dtype)
+            out = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1).reshape(B, 1, H * E)
+            return self.o_proj(out, rows)
         scores = jnp.einsum("btkge,bske->bkgts", qg, k, preferred_element_type=jnp.float32) / math.sqrt(E)
-        scores = jnp.where(mask.allowed()[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bkgts,bske->btkge", probs, v).reshape(B, T, H * E)
         return self.o_proj(out, rows)
