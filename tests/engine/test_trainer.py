@@ -202,3 +202,18 @@ def test_sft_lowers_loss_and_replays_without_compiles(setup, full):
             compiles = compile_count()
     assert compile_count() == compiles, "replaying the same workload compiled again"
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_rematerialised_layers_give_the_same_gradients(setup):
+    path, _, model, cfg = setup
+    remat_model, _ = load_model(str(path), lora=LoRASpec(slots=4, max_rank=8), remat=True, progress=False)
+    req = sft_batch(cfg, 11)
+    grads = []
+    for m in (model, remat_model):
+        trainer = Trainer(m)
+        run = trainer.create_lora_run("a", LoraConfig(rank=4), slot=1)
+        random_lora(trainer, run, 12)
+        trainer.forward_backward([("a", req)])
+        grads.append(run.grads)
+    for p, g in grads[0].items():
+        np.testing.assert_allclose(np.asarray(grads[1][p]), np.asarray(g), rtol=1e-4, atol=2e-5)

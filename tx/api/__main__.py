@@ -56,6 +56,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tokens per training micro-batch; bounds memory (default 8192)",
     )
     p.add_argument(
+        "--remat",
+        action="store_true",
+        help="recompute each layer's activations in the backward pass (gradient checkpointing): less memory, "
+        "about a third more compute",
+    )
+    p.add_argument(
+        "--max-seq-len", type=int, default=4096, help="longest prompt + generation or training sequence (default 4096)"
+    )
+    p.add_argument("--decode-rows", type=int, default=64, help="sampling rows decoded together at most (default 64)")
+    p.add_argument(
         "--api-key", action="append", default=[], help="accept only this key (repeatable); default: any tml- key"
     )
     p.add_argument("--api-keys-file", default=None, help="file with one accepted API key per line ('#' comments)")
@@ -95,6 +105,9 @@ def build_runner(args: argparse.Namespace) -> tuple[Runner, ModelInfo]:
         "fsdp_size": args.fsdp_size,
         "dtype": args.dtype,
         "train_micro_batch_tokens": args.train_micro_batch_tokens,
+        "remat": args.remat,
+        "max_seq_len": args.max_seq_len,
+        "decode_rows": args.decode_rows,
     }
     runner, model_info = engine_build_runner(**options)
     return runner, model_info

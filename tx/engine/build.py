@@ -57,6 +57,7 @@ def build_runner(
     train_micro_batch_tokens: int = 8192,
     max_seq_len: int = 4096,
     decode_rows: int = 64,
+    remat: bool = False,
     **_: Any,
 ) -> tuple[JaxRunner, ModelInfo]:
     install_counter()
@@ -65,7 +66,9 @@ def build_runner(
     slots = SlotTable(max_lora_adapters, max_lora_rank)
     mesh = make_mesh(1, fsdp_size, tensor_parallel_size)
     log.info("loading %s", model_dir)
-    model, cfg = load_model(str(model_dir), dtype=dtype, lora=LoRASpec(slots.slots, max_lora_rank), mesh=mesh)
+    model, cfg = load_model(
+        str(model_dir), dtype=dtype, lora=LoRASpec(slots.slots, max_lora_rank), mesh=mesh, remat=remat
+    )
     _, lora_template, _ = nnx.split(model, LoRAParam, ...)  # type: ignore[misc]
     trainer = Trainer(model, train_micro_batch_tokens)
     tok, eos = _tokenizer(model_dir)

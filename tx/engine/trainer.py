@@ -23,23 +23,16 @@ from tx.engine import train_step as ts
 from tx.engine.losses import validate_loss
 from tx.engine.train_batch import Example, build_batch, make_example, plan_rows, scatter_outputs
 from tx.lora.params import LoRAParam
+from tx.lora.slots import targets_from_flags
 from tx.models.causal_lm import CausalLM
 from tx.protocol import AdamParams, ForwardBackwardRequest, ForwardBackwardResult, LoraConfig, RequestError
 
 log = logging.getLogger("tx.engine")
 Flat = ts.Flat
-TARGET_GROUPS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
 def lora_targets(cfg: LoraConfig) -> frozenset[str]:
-    names: list[str] = []
-    if cfg.train_attn:
-        names += TARGET_GROUPS["attn"]
-    if cfg.train_mlp:
-        names += TARGET_GROUPS["mlp"]
-    if cfg.train_unembed:
-        names.append("lm_head")
-    return frozenset(names)
+    return targets_from_flags(cfg.train_attn, cfg.train_mlp, cfg.train_unembed)
 
 
 @dataclasses.dataclass
