@@ -1,4 +1,8 @@
-"""A real SmolGym server (JAX engine + uvicorn, in-process on a free loopback port) on a tiny model."""
+"""A real SmolGym server (JAX engine + uvicorn, in-process on a free loopback port) on a tiny model.
+
+`live` is parametrized over the queue backend: SQLite always, PostgreSQL when SMOLGYM_TEST_POSTGRES_URL
+is set (`.ci/run` starts one). Session scope, so each backend starts one server for the whole suite.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +20,7 @@ import uvicorn
 
 os.environ["TINKER_TELEMETRY"] = "0"
 KEY = "tml-e2e"
+POSTGRES_URL = os.environ.get("SMOLGYM_TEST_POSTGRES_URL")
 
 
 @dataclass
@@ -72,11 +78,33 @@ def start_server(model_dir: Path, data_dir: Path, database_url: str | None = Non
     return f"http://127.0.0.1:{port}", stop
 
 
-@pytest.fixture(scope="session")
-def live(hf_models, tmp_path_factory) -> Iterator[LiveServer]:
+def postgres_schema_url() -> str:
+    """A fresh schema on the test server (SMOLGYM_TEST_POSTGRES_URL), so runs never see each other's rows."""
+    import psycopg
+
+    assert POSTGRES_URL is not None
+    schema = f"e2e_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    sep = "&" if "?" in POSTGRES_URL else "?"
+    return f"{POSTGRES_URL}{sep}options=-csearch_path%3D{schema}"
+
+
+def database_for(backend: str) -> str | None:
+    """The database URL for a backend name (None = SQLite in the data dir); skips Postgres when unset."""
+    if backend == "sqlite":
+        return None
+    if not POSTGRES_URL:
+        pytest.skip("set SMOLGYM_TEST_POSTGRES_URL to run the Postgres variant")
+    return postgres_schema_url()
+
+
+@pytest.fixture(scope="session", params=["sqlite", "postgres"])
+def live(request, hf_models, tmp_path_factory) -> Iterator[LiveServer]:
+    database_url = database_for(request.param)
     model_dir, torch_model = hf_models("qwen3", 2, False)
-    data_dir = tmp_path_factory.mktemp("e2e-data")
-    url, stop = start_server(model_dir, data_dir)
+    data_dir = tmp_path_factory.mktemp(f"e2e-data-{request.param}")
+    url, stop = start_server(model_dir, data_dir, database_url)
     yield LiveServer(url, model_dir, str(model_dir), torch_model, data_dir)
     stop()
 
