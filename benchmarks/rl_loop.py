@@ -174,6 +174,7 @@ def summarise(steps: list[dict[str, float]]) -> dict[str, Any]:
         "first_sync_s": round(first["sync_s"], 3),
         "first_sample_s": round(first["sample_s"], 3),
         "first_train_s": round(first["train_s"], 3),
+        "slowest_steady_step_s": round(max(s["step_s"] for s in steady), 3),
         "sync_s": med("sync_s"),
         "sample_s": med("sample_s"),
         "train_s": med("train_s"),
