@@ -1,0 +1,77 @@
+"""CI smoke test: every benchmark script runs at its smallest size, exits 0 and prints valid JSON.
+
+No timing is asserted: the point is that the scripts keep working as the code under them changes.
+Sizes come from `benchmarks/run_all.py` (its `--quick` arguments), so CI and `run_all --quick` agree.
+Each script runs as its own process with the test session's simulated-device XLA flag removed, as a
+developer would run it by hand.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def load_run_all() -> Any:
+    spec = importlib.util.spec_from_file_location("benchmarks_run_all", BENCHMARKS / "run_all.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+RUN_ALL = load_run_all()
+
+
+def child_env() -> dict[str, str]:
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    return {**os.environ, "XLA_FLAGS": " ".join(flags), "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1"}
+
+
+def run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def strict_json(text: str) -> list[Any]:
+    """The JSON values `text` consists of (one document or several, e.g. one per line); anything else fails."""
+    decoder, values, i = json.JSONDecoder(), [], 0
+    while (i := len(text) - len(text[i:].lstrip())) < len(text):
+        value, i = decoder.raw_decode(text, i)
+        values.append(value)
+    return values
+
+
+@pytest.mark.parametrize("name", list(RUN_ALL.SCRIPTS))
+def test_benchmark_quick(name: str) -> None:
+    proc = run([str(BENCHMARKS / f"{name}.py"), *RUN_ALL.SCRIPTS[name][1]], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    values = strict_json(proc.stdout)
+    assert values and all(isinstance(v, dict) for v in values), proc.stdout[-2000:]
+
+
+def test_run_all_writes_markdown(tmp_path: Path) -> None:
+    out = tmp_path / "results.md"
+    proc = run([str(BENCHMARKS / "run_all.py"), "--quick", "--only", "packing_waste", "--out", str(out)], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = strict_json(proc.stdout)[-1]
+    assert summary["scripts"]["packing_waste"]["returncode"] == 0
+    text = out.read_text()
+    assert text.startswith("# SmolGym benchmark results") and "**jax**" in text and "**cpu**" in text
+    assert "| datums |" in text and "## packing_waste" in text
+
+
+def test_json_values_reads_lines_and_documents() -> None:
+    text = 'progress\n{"a": 1}\n{"b": [1, 2]}\n{\n "c": {"d": 3}\n}\n'
+    assert RUN_ALL.json_values(text) == [{"a": 1}, {"b": [1, 2]}, {"c": {"d": 3}}]
+    assert strict_json(text.split("\n", 1)[1]) == RUN_ALL.json_values(text)
