@@ -135,6 +135,21 @@ def test_sample_limits(http: httpx.Client, ids: dict[str, str]) -> None:
     _assert_400(_sample(http, ids, sampling_params={"max_tokens": 2, "stop": [2000]}), "sampling_params.stop")
 
 
+def test_stability_info_and_provenance_spans_are_accepted(http: httpx.Client, ids: dict[str, str]) -> None:
+    """SDK 0.27+ `record_stability_info` and 0.26+ provenance spans (cookbook stable_reinforce) are not errors."""
+    reply = _sample(http, ids, seq_id=77, record_stability_info=True)
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["sample_sequence_ids"]) == 1
+    request = pb.ForwardBackwardRequest()
+    request.ParseFromString(proto_body(ids["model"], 78, [1, 2, 3]))
+    sequence_id = reply.json()["sample_sequence_ids"][0]
+    datum = request.data[0]
+    datum.model_input_spans.add().prompt_tokens.CopyFrom(pb.PromptProvenanceSpan(sequence_id=sequence_id, length=3))
+    datum.loss_fn_input_spans.add().sampled_tokens.CopyFrom(pb.SampledProvenanceSpan(sequence_id=sequence_id, length=3))
+    reply = _fb(http, request.SerializeToString())
+    assert reply.status_code == 200, reply.text
+
+
 def test_sdk_surfaces_validation_message(server: Server) -> None:
     with tinker.ServiceClient(base_url=server.url, api_key=KEY) as service:
         training = service.create_lora_training_client(base_model=MODEL.base_model, rank=4).result()

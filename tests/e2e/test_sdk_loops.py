@@ -107,6 +107,41 @@ def test_rl_loop_reward_rises(live, service):
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]), rewards
 
 
+def test_stable_reinforce_with_provenance(live, service):
+    """The cookbook's rl_loop step: record_stability_info sampler, provenance spans, stable_reinforce loss."""
+    client = service.create_lora_training_client(base_model=live.base_model, rank=4).result()
+    sampler = client.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    result = sampler.sample(prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=4)).result()
+    data = []
+    for seq in result.sequences:
+        assert seq.sequence_id
+        sampled, ob_len = list(seq.tokens), prompt.length - 1
+        datum = types.Datum(
+            model_input=prompt.append(types.EncodedTextChunk(tokens=sampled[:-1])),
+            loss_fn_inputs={
+                "target_tokens": np.asarray([0] * ob_len + sampled, np.int64),
+                "logprobs": np.asarray([0.0] * ob_len + list(seq.logprobs), np.float32),
+                "advantages": np.asarray([0.0] * ob_len + [1.0] * len(sampled), np.float32),
+            },
+        )
+        data.append(
+            datum.with_provenance(
+                model_input=[
+                    types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=prompt.length),
+                    types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(sampled) - 1),
+                ],
+                loss_fn_inputs=[
+                    types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=prompt.length - 1),
+                    types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(sampled)),
+                ],
+            )
+        )
+    out = client.forward_backward(data, "stable_reinforce").result()
+    assert np.isfinite(out.metrics["loss:sum"])
+    client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+
 def test_bad_input_is_a_clear_error(live, service):
     client = service.create_lora_training_client(base_model=live.base_model, rank=4).result()
     bad = datum([1, 2, 10_000])

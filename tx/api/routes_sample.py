@@ -27,8 +27,10 @@ _UNSUPPORTED = {
     "target_prompt_logprobs": lambda b: b.target_prompt_logprobs is not None,
     "prompt_alt_tokens_k": lambda b: b.prompt_alt_tokens_k > 0,
     "prompt_logprobs_last_n": lambda b: b.prompt_logprobs_last_n is not None,
-    "record_stability_info": lambda b: b.record_stability_info,
 }
+# `record_stability_info` (0.27+, set by `save_weights_and_get_sampling_client(record_stability_info=True)`
+# for stable_reinforce) is accepted and ignored: our stable_reinforce needs only the sampling logprobs,
+# which every datum carries, so there is nothing to record.
 
 
 @router.post("/create_sampling_session")
