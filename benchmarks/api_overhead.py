@@ -4,7 +4,7 @@ Each case repeats one call whose compute is negligible, after a warm-up that pay
 reports the median, p99 and minimum wall time in milliseconds:
 
 - `http_healthz`: `GET /api/v1/healthz` on one keep-alive connection (the HTTP stack alone),
-- `sdk_capabilities`: `RestClient.get_server_capabilities().result()` (SDK + HTTP, no queue),
+- `sdk_capabilities`: `get_server_capabilities()` (SDK + HTTP, no queue; `RestClient`'s where the SDK has it),
 - `sdk_forward`: `TrainingClient.forward` of one 2-token datum, `.result()` (queue row, engine wake-up,
   a tiny jitted forward, result row, long-poll `retrieve_future`),
 - `sdk_optim_step`: `optim_step` with no gradients accumulated (queue + engine, a no-op AdamW step).
@@ -79,10 +79,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         adam = types.AdamParams(learning_rate=0.0)
         rest = tinker.RestClient(base_url=url, api_key=args.api_key) if hasattr(tinker, "RestClient") else None
-        rest = rest or service.create_rest_client()  # SDKs before RestClient could be built directly
+        capabilities = getattr(rest, "get_server_capabilities", service.get_server_capabilities)  # older SDKs
         cases: dict[str, Callable[[], Any]] = {
             "http_healthz": healthz(url),
-            "sdk_capabilities": lambda: resolve(rest.get_server_capabilities()),
+            "sdk_capabilities": lambda: resolve(capabilities()),
             "sdk_forward": lambda: training.forward([datum], "cross_entropy").result(),
             "sdk_optim_step": lambda: training.optim_step(adam).result(),
         }

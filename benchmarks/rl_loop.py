@@ -111,7 +111,10 @@ def resolve(value: Any) -> Any:
     """SDK 0.38 returns futures of clients; older SDKs return the clients themselves."""
     import tinker
 
-    if isinstance(value, tinker.APIFuture) or not hasattr(value, "forward_backward") and hasattr(value, "result"):
+    future_type = getattr(tinker, "APIFuture", None)
+    if isinstance(future_type, type) and isinstance(value, future_type):
+        return value.result()  # 0.38's client futures also look like clients: test for the future first
+    if callable(getattr(value, "result", None)) and not hasattr(value, "forward_backward"):
         return value.result()
     return value
 
