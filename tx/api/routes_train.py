@@ -44,14 +44,16 @@ def create_model(body: schemas.CreateModelRequest, ctx: Ctx, owner: Owner) -> di
         user_error(f"session {body.session_id!r} is {session.status}; start a new ServiceClient")
     validate.check_base_model(body.base_model, ctx.model_info)
     lora_in = body.lora_config
-    validate.check_lora_rank(lora_in.rank, ctx.model_info)
-    if not (lora_in.train_attn or lora_in.train_mlp or lora_in.train_unembed):
-        user_error("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
     if body.optimizer_config is not None and body.optimizer_config.type != "adamw":
         user_error(f"optimizer_config.type {body.optimizer_config.type!r} is not supported (only 'adamw')")
-    lora = LoraConfig(
-        lora_in.rank, LORA_ALPHA, lora_in.train_attn, lora_in.train_mlp, lora_in.train_unembed, lora_in.seed
-    )
+    lora: LoraConfig | None = None  # rank 0 asks for full fine-tuning: every weight is trained
+    if lora_in.rank != 0:
+        validate.check_lora_rank(lora_in.rank, ctx.model_info)
+        if not (lora_in.train_attn or lora_in.train_mlp or lora_in.train_unembed):
+            user_error("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
+        lora = LoraConfig(
+            lora_in.rank, LORA_ALPHA, lora_in.train_attn, lora_in.train_mlp, lora_in.train_unembed, lora_in.seed
+        )
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
     run = new_run_row(model_id, body.session_id, owner, body.base_model, lora, body.user_metadata or {})
     payload = CreateModelRequest(body.base_model, lora, body.user_metadata or {})

@@ -92,7 +92,10 @@ def _check_targets(datum: Datum, where: str, info: ModelInfo) -> None:
 
 def check_lora_rank(rank: int, info: ModelInfo) -> None:
     if not 1 <= rank <= info.max_lora_rank:
-        raise ValidationError(f"lora_config.rank {rank} is outside [1, {info.max_lora_rank}] (server --max-lora-rank)")
+        raise ValidationError(
+            f"lora_config.rank {rank} is outside [1, {info.max_lora_rank}] "
+            "(server --max-lora-rank; rank 0 = full fine-tuning)"
+        )
 
 
 def check_base_model(base_model: str | None, info: ModelInfo) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -77,19 +79,22 @@ def build_runner(
     def decode(tokens: list[int]) -> str:
         return tok.decode(tokens) if tok is not None else ""
 
-    def state() -> nnx.State:
-        return nnx.from_flat_state(list({**trainer.base, **trainer.lora}.items()))
+    sampler_cfg = SamplerConfig(max_rows=decode_rows, max_seq_len=seq_len)
 
-    sampler = Sampler(
-        trainer.steps.graphdef,
-        state,
-        cfg,
-        SamplerConfig(max_rows=decode_rows, max_seq_len=seq_len),
-        eos,
-        decode,
-        lambda: jnp.asarray(trainer.scale),
+    def scale() -> jax.Array:
+        return jnp.asarray(trainer.scale)
+
+    def make_sampler(get_base: Callable[[], dict], programs: Any = None) -> Sampler:
+        def state() -> nnx.State:
+            return nnx.from_flat_state(list({**get_base(), **trainer.lora}.items()))
+
+        return Sampler(trainer.steps.graphdef, state, cfg, sampler_cfg, eos, decode, scale, programs)
+
+    sampler = make_sampler(lambda: trainer.base)
+    io = WeightsIO(lora_template, base_model, model_dir, mesh)
+    runner = JaxRunner(
+        trainer, sampler, slots, io, base_model, lambda get_base: make_sampler(get_base, sampler.programs)
     )
-    runner = JaxRunner(trainer, sampler, slots, WeightsIO(lora_template, base_model), base_model)
     info = ModelInfo(
         base_model=base_model,
         vocab_size=cfg.vocab_size,

@@ -11,7 +11,7 @@ sampler's continuous batch as soon as they are submitted.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -20,7 +20,7 @@ from tx.engine import checkpoints
 from tx.engine import train_step as ts
 from tx.engine.loop import Completion
 from tx.engine.sampler import Sampler
-from tx.engine.trainer import Trainer, lora_targets
+from tx.engine.trainer import Flat, Run, Trainer, lora_targets
 from tx.engine.weights_io import WeightsIO
 from tx.lora.slots import SlotsExhausted, SlotTable
 from tx.protocol import (
@@ -71,11 +71,28 @@ def plan_round(pending: Sequence[WorkItem], full_runs: set[str]) -> tuple[list[W
     return fused, control
 
 
+SamplerFactory = Callable[[Callable[[], Flat]], Sampler]
+
+
 class JaxRunner:
-    def __init__(self, trainer: Trainer, sampler: Sampler, slots: SlotTable, io: WeightsIO, base_model: str) -> None:
+    """`sampler` samples the shared base weights with any adapter slot; `make_sampler(get_base)` builds a
+    sampler over another full weight set (a full fine-tuning run's snapshot), sharing its compiled programs."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        sampler: Sampler,
+        slots: SlotTable,
+        io: WeightsIO,
+        base_model: str,
+        make_sampler: SamplerFactory | None = None,
+    ) -> None:
         self.trainer, self.sampler, self.slots, self.io = trainer, sampler, slots, io
         self.base_model = base_model
+        self.make_sampler = make_sampler
+        self.full_samplers: dict[str, Sampler] = {}  # snapshot id -> sampler over that snapshot's weights
         self.pending: list[WorkItem] = []
+        self.outbox: list[Completion] = []  # requests refused at submit, reported by the next step
 
     # ---- Runner protocol ----------------------------------------------------------------------------
 
@@ -87,10 +104,13 @@ class JaxRunner:
                 self.pending.append(item)
 
     def idle(self) -> bool:
-        return not self.pending and self.sampler.idle()
+        return not self.pending and not self.outbox and all(s.idle() for s in self._samplers())
+
+    def _samplers(self) -> list[Sampler]:
+        return [self.sampler, *self.full_samplers.values()]
 
     def step(self) -> list[Completion]:
-        done: list[Completion] = []
+        done, self.outbox = self.outbox, []
         full = {r for r, run in self.trainer.runs.items() if run.lora is None}
         fused, control = plan_round(self.pending, full)
         if fused:
@@ -99,7 +119,9 @@ class JaxRunner:
             done.append(self._control(item))
         finished = {c.future_id for c in done}
         self.pending = [i for i in self.pending if i.future_id not in finished]
-        done += [Completion(rid, out) for rid, out in self.sampler.step()]
+        for sampler in self._samplers():
+            if not sampler.idle():
+                done += [Completion(rid, out) for rid, out in sampler.step()]
         return done
 
     # ---- training ----------------------------------------------------------------------------------
@@ -192,7 +214,7 @@ class JaxRunner:
     def _save_for_sampler(self, run_id: str, p: SaveSamplerRequest) -> CheckpointResult:
         run = self._run(run_id)
         if run.lora is None:
-            raise RequestError("sampling a full fine-tuning run is not supported yet", "user")
+            return self._save_full_for_sampler(run, p)
         slot = self._sampler_slot_for(p.snapshot_id, run.lora)
         params = self.trainer.run_params(run)
         self.trainer.lora = ts.write_slot_params(self.trainer.lora, jnp.int32(slot), params)
@@ -201,6 +223,24 @@ class JaxRunner:
         if p.dest_dir:
             size = self.io.save_peft(Path(p.dest_dir), self.trainer, slot, run.lora)
         return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
+
+    def _save_full_for_sampler(self, run: Run, p: SaveSamplerRequest) -> CheckpointResult:
+        """A full fine-tuning run's sampler copy: its own weight set and a sampler over it."""
+        assert run.params is not None
+        snapshot = {path: jnp.array(v, copy=True) for path, v in run.params.items()}
+        self._add_full_sampler(p.snapshot_id, snapshot)
+        size = None
+        if p.dest_dir:
+            size = self.io.save_full(Path(p.dest_dir), snapshot, self.trainer.config)
+        return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
+
+    def _add_full_sampler(self, snapshot_id: str, weights: Flat) -> None:
+        if self.make_sampler is None:
+            raise RequestError("this server cannot sample full fine-tuning snapshots", "user")
+        old = self.full_samplers.get(snapshot_id)
+        if old is not None and not old.idle():
+            raise RequestError(f"sampler {snapshot_id!r} is busy; save under another name", "user")
+        self.full_samplers[snapshot_id] = self.make_sampler(lambda: weights)
 
     def _sampler_slot_for(self, snapshot_id: str, lora) -> int:  # noqa: ANN001
         existing = self.slots.get(snapshot_id)
@@ -226,18 +266,22 @@ class JaxRunner:
             slot = self._resolve_weights(req)
         except (RequestError, ValueError, FileNotFoundError, SlotsExhausted) as err:
             error = err if isinstance(err, RequestError) else RequestError(str(err), "user")
-            self.sampler._outbox.append((item.future_id, error))  # reported by the next step()
+            self.outbox.append(Completion(item.future_id, error))
             return
-        self.sampler.submit(item.future_id, req, slot)
+        full = self.full_samplers.get(req.weights.snapshot_id) if req.weights else None
+        (full or self.sampler).submit(item.future_id, req, 0 if full else slot)
 
     def _resolve_weights(self, req: SampleRequest) -> int:
         ref = req.weights
-        if ref is None:
+        if ref is None or ref.snapshot_id in self.full_samplers:
             return 0
         info = self.slots.get(ref.snapshot_id)
         if info is not None:
             self.slots.touch(ref.snapshot_id)
             return info.slot
+        if ref.checkpoint_dir and ref.checkpoint_type == "sampler" and self.io.is_full(Path(ref.checkpoint_dir)):
+            self._add_full_sampler(ref.snapshot_id, self.io.load_full(Path(ref.checkpoint_dir)))
+            return 0
         if ref.checkpoint_dir and ref.checkpoint_type == "sampler":
             lora = self.io.peft_lora_config(Path(ref.checkpoint_dir))
             slot = self._sampler_slot_for(ref.snapshot_id, lora)

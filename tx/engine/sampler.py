@@ -108,14 +108,17 @@ class Sampler:
         eos_token_ids: Sequence[int],
         decode: Callable[[list[int]], str],
         lora_scale: Callable[[], jax.Array] | None,
+        programs: DecodePrograms | None = None,
     ) -> None:
+        """`programs`: share another sampler's compiled programs (same graph and config), e.g. the sampler of
+        a full fine-tuning snapshot reuses the base sampler's compiles."""
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.get_state = get_state
         self.lora_scale = lora_scale
         self.eos_token_ids = tuple(eos_token_ids)
         self.decode = decode
-        self.programs = DecodePrograms(graphdef, cfg.chunk_steps, cfg.k_cap)
+        self.programs = programs or DecodePrograms(graphdef, cfg.chunk_steps, cfg.k_cap)
         self.prefill_count = 0  # prompts prefilled (one per admitted request piece with >1 prompt token)
         self._waiting: deque[Job] = deque()
         self._outbox: list[Outcome] = []

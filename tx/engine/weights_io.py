@@ -12,16 +12,21 @@ from pathlib import Path
 import numpy as np
 import psutil
 from flax import nnx
+from jax.sharding import Mesh
 
 from tx.engine.trainer import Trainer, lora_targets
 from tx.lora import adapters, peft
+from tx.models.config import ModelConfig
+from tx.models.weights import load_model, save_hf
 from tx.protocol import LoraConfig
 
 
 class WeightsIO:
-    def __init__(self, lora_template: nnx.State, base_model: str) -> None:
+    def __init__(self, lora_template: nnx.State, base_model: str, model_dir: Path, mesh: Mesh | None = None) -> None:
         self.template = list(nnx.to_flat_state(lora_template))
         self.base_model = base_model
+        self.model_dir = model_dir
+        self.mesh = mesh
 
     def _view(self, trainer: Trainer) -> nnx.State:
         pairs = []
@@ -57,6 +62,18 @@ class WeightsIO:
         state = adapters.write_slot(self._view(trainer), slot, config, weights)
         self._take_back(trainer, state)
         trainer.scale[slot] = np.where(np.arange(trainer.max_rank) < config.rank, config.scaling, 0.0)
+
+    def save_full(self, dest: Path, weights: dict, cfg: ModelConfig) -> int:
+        return save_hf(weights, cfg, self.model_dir, dest)
+
+    @staticmethod
+    def is_full(source: Path) -> bool:
+        return (source / "config.json").is_file() and not (source / peft.CONFIG_NAME).is_file()
+
+    def load_full(self, source: Path) -> dict:
+        model, _ = load_model(str(source), mesh=self.mesh, progress=False)
+        _, base = nnx.split(model, nnx.Param)  # a full checkpoint has no adapter slots
+        return {tuple(str(k) for k in p): v.get_value() for p, v in nnx.to_flat_state(base)}
 
     @staticmethod
     def check_full_finetune_fits(trainer: Trainer) -> None:

@@ -160,3 +160,36 @@ def _check_complete(expected: dict, values: dict, layers_seen: dict, cfg: ModelC
             missing = sorted(set(range(cfg.num_layers)) - layers_seen[path])
             if missing:
                 raise ValueError(f"missing tensor {path_to_hf_key(path, missing[0])!r} in the checkpoint")
+
+
+def save_hf(params: dict[Path_, jax.Array], cfg: ModelConfig, source_dir: Path, out_dir: Path) -> int:
+    """Write `params` (a full weight set, our paths) as a HF model directory that `transformers` loads.
+
+    Config, generation config and tokenizer files are copied from `source_dir`; the weights go to one
+    `model.safetensors`. Written into a temporary directory and renamed, so it appears whole or not at all.
+    Returns the bytes written.
+    """
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in source_dir.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and not f.name.endswith(".index.json"):
+            shutil.copy2(f, tmp / f.name)
+    tensors: dict[str, np.ndarray] = {}
+    for path, value in params.items():
+        host = np.asarray(jax.device_get(value))
+        linear = path[-1] == "kernel"
+        if path[:2] == ("model", "layers"):
+            for i in range(cfg.num_layers):
+                tensors[path_to_hf_key(path, i)] = np.ascontiguousarray(host[i].T if linear else host[i])
+        else:
+            tensors[path_to_hf_key(path, None)] = np.ascontiguousarray(host.T if linear else host)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out_dir)
+    return sum(f.stat().st_size for f in out_dir.iterdir())
