@@ -30,6 +30,7 @@ class LiveServer:
     base_model: str
     torch_model: object
     data_dir: Path
+    backend: str = "sqlite"
 
 
 def _free_port() -> int:
@@ -50,7 +51,7 @@ def start_server(model_dir: Path, data_dir: Path, database_url: str | None = Non
     runner, info = build_runner(
         base_model=str(model_dir),
         data_dir=data_dir,
-        max_lora_adapters=6,
+        max_lora_adapters=10,
         max_lora_rank=16,
         max_seq_len=256,
         decode_rows=16,
@@ -105,7 +106,7 @@ def live(request, hf_models, tmp_path_factory) -> Iterator[LiveServer]:
     model_dir, torch_model = hf_models("qwen3", 2, False)
     data_dir = tmp_path_factory.mktemp(f"e2e-data-{request.param}")
     url, stop = start_server(model_dir, data_dir, database_url)
-    yield LiveServer(url, model_dir, str(model_dir), torch_model, data_dir)
+    yield LiveServer(url, model_dir, str(model_dir), torch_model, data_dir, request.param)
     stop()
 
 
