@@ -28,7 +28,7 @@ def test_mesh_matches_single_device(qwen, data, fsdp, tp):
     expected, _ = jax.jit(lambda t: model(t))(tokens)
     mesh = make_mesh(data, fsdp, tp)
     sharded, _ = load_model(str(path), mesh=mesh, progress=False)
-    kernel = sharded.model.layers.mlp.gate_proj.kernel[...]
+    kernel = sharded.model.layers.mlp.gate_proj.weight[...]
     assert len(kernel.sharding.device_set) == data * fsdp * tp or fsdp * tp == 1
     got, _ = jax.jit(lambda t: sharded(t))(tokens)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5, rtol=0)

@@ -76,9 +76,9 @@ def test_sharded_bfloat16_checkpoint(hf_models, tmp_path):
     ref16.save_pretrained(tmp_path / "bf16", max_shard_size="40KB")
     assert (tmp_path / "bf16" / "model.safetensors.index.json").exists()
     model, cfg = load_model(str(tmp_path / "bf16"), progress=False)
-    assert cfg.dtype == "bfloat16" and model.model.layers.mlp.up_proj.kernel[...].dtype == np.dtype("bfloat16")
-    want = ref16.model.layers[1].mlp.up_proj.weight.detach().float().numpy().T
-    np.testing.assert_array_equal(np.asarray(model.model.layers.mlp.up_proj.kernel[...][1], np.float32), want)
+    assert cfg.dtype == "bfloat16" and model.model.layers.mlp.up_proj.weight[...].dtype == np.dtype("bfloat16")
+    want = ref16.model.layers[1].mlp.up_proj.weight.detach().float().numpy()
+    np.testing.assert_array_equal(np.asarray(model.model.layers.mlp.up_proj.weight[...][1], np.float32), want)
 
 
 def test_missing_directory_and_offline_hub():

@@ -3,7 +3,8 @@
 The model is created abstractly (shapes only); each base weight is then written once: whole tensors
 go straight to their sharded device array, and per-layer tensors are written into a preallocated
 stacked array with a donated in-place update, so host memory holds one tensor at a time and no random
-initialisation ever runs. Missing, unexpected or mis-shaped tensors raise an error naming the tensor.
+initialisation ever runs. Weights keep the checkpoint's layout ([out, in] for linear layers).
+Missing, unexpected or mis-shaped tensors raise an error naming the tensor.
 """
 
 from __future__ import annotations
@@ -57,21 +58,16 @@ def resolve_model_dir(name_or_dir: str) -> Path:
         ) from err
 
 
-def hf_key_to_path(key: str) -> tuple[Path_, int | None, bool]:
-    """HF tensor name -> (our state path, layer index or None, whether to transpose)."""
+def hf_key_to_path(key: str) -> tuple[Path_, int | None]:
+    """HF tensor name -> (our state path, layer index or None). Layouts are the checkpoint's own."""
     m = _LAYER_KEY.match(key)
     if m:
-        parts = tuple(m.group(2).split("."))
-        linear = parts[-1].endswith("_proj")
-        return ("model", "layers", *parts, "kernel" if linear else "weight"), int(m.group(1)), linear
-    if key == "lm_head.weight":
-        return ("lm_head", "kernel"), None, True
-    return tuple(key.split(".")), None, False
+        return ("model", "layers", *m.group(2).split("."), "weight"), int(m.group(1))
+    return tuple(key.split(".")), None
 
 
 def path_to_hf_key(path: Path_, layer: int | None) -> str:
     parts = list(path)
-    parts[-1] = "weight"
     if layer is not None:
         parts.insert(2, str(layer))
     return ".".join(parts)
@@ -123,16 +119,16 @@ def _stream_weights(
     for file in files:
         for key, array in iter_tensors(file):
             bar.update()
-            path, layer, transpose = hf_key_to_path(key)
-            if path == ("lm_head", "kernel") and cfg.tie_word_embeddings:
+            path, layer = hf_key_to_path(key)
+            if path == ("lm_head", "weight") and cfg.tie_word_embeddings:
                 continue  # some checkpoints store the tied copy too
             if path not in expected:
                 raise ValueError(f"unexpected tensor {key!r} in {file.name}: no such weight in a {cfg.family} model")
             var = expected[path]
             want = var.shape[1:] if layer is not None else var.shape
-            host = np.asarray(array.T if transpose else array).astype(var.dtype)
+            host = np.asarray(array).astype(var.dtype)
             if host.shape != tuple(want):
-                raise ValueError(f"tensor {key!r} has shape {array.shape}, expected {_hf_shape(want, transpose)}")
+                raise ValueError(f"tensor {key!r} has shape {array.shape}, expected {tuple(want)}")
             if layer is None:
                 values[path] = jax.device_put(host, shardings[path])
                 continue
@@ -145,10 +141,6 @@ def _stream_weights(
     bar.close()
     _check_complete(expected, values, layers_seen, cfg)
     return values
-
-
-def _hf_shape(shape: tuple[int, ...], transpose: bool) -> tuple[int, ...]:
-    return tuple(reversed(shape)) if transpose else tuple(shape)
 
 
 def _check_complete(expected: dict, values: dict, layers_seen: dict, cfg: ModelConfig) -> None:
@@ -182,12 +174,11 @@ def save_hf(params: dict[Path_, jax.Array], cfg: ModelConfig, source_dir: Path, 
     tensors: dict[str, np.ndarray] = {}
     for path, value in params.items():
         host = np.asarray(jax.device_get(value))
-        linear = path[-1] == "kernel"
         if path[:2] == ("model", "layers"):
             for i in range(cfg.num_layers):
-                tensors[path_to_hf_key(path, i)] = np.ascontiguousarray(host[i].T if linear else host[i])
+                tensors[path_to_hf_key(path, i)] = np.ascontiguousarray(host[i])
         else:
-            tensors[path_to_hf_key(path, None)] = np.ascontiguousarray(host.T if linear else host)
+            tensors[path_to_hf_key(path, None)] = host
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
