@@ -245,6 +245,10 @@ class JaxRunner:
     def _sampler_slot_for(self, snapshot_id: str, lora) -> int:  # noqa: ANN001
         existing = self.slots.get(snapshot_id)
         if existing is not None:
+            if existing.slot in self.sampler.slots_in_use():
+                raise RequestError(
+                    f"sampler weights {snapshot_id!r} are being sampled; save under another name", "user"
+                )
             self.slots.free(snapshot_id)
         self._make_room()
         info = self.slots.allocate(snapshot_id, "sampler", lora.rank, lora.alpha, lora_targets(lora))
@@ -255,7 +259,9 @@ class JaxRunner:
         """When every slot is taken, evict the least recently used sampler snapshot (runs are never evicted)."""
         if len(self.slots) < self.slots.slots - 1:
             return
-        victim = self.slots.eviction_victim()
+        busy = self.sampler.slots_in_use()
+        protect = frozenset(info.owner for info in self.slots if info.slot in busy)
+        victim = self.slots.eviction_victim(protect)
         if victim is not None:
             self.trainer.clear_slot(self.slots.free(victim).slot)
 

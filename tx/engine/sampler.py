@@ -137,6 +137,10 @@ class Sampler:
     def idle(self) -> bool:
         return not (self._waiting or self._outbox or any(self._rows))
 
+    def slots_in_use(self) -> set[int]:
+        """Adapter slots that waiting or decoding requests read: they must not be evicted or rewritten."""
+        return {job.slot for job in self._waiting} | {row.job.slot for row in self._rows if row is not None}
+
     def submit(self, request_id: str, req: SampleRequest, slot: int) -> None:
         """Queue a request sampled with the weights in adapter `slot`; errors come out of the next `step`."""
         try:
