@@ -73,10 +73,11 @@ def test_rl_loop_reward_rises(live, service):
     """Toy task: reward = fraction of sampled tokens below 128. Importance sampling should raise it."""
     client = service.create_lora_training_client(base_model=live.base_model, rank=8).result()
     prompt = types.ModelInput.from_ints([1, 2, 3, 4])
-    params = types.SamplingParams(max_tokens=8, temperature=1.0)
     rewards = []
-    for _ in range(8):
+    for step in range(8):
         sampler = client.save_weights_and_get_sampling_client().result()
+        # seeded: the same rollouts on every run and backend, so the assertion below never flakes
+        params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=1234 + step)
         result = sampler.sample(prompt, num_samples=8, sampling_params=params).result()
         assert len(result.sequences) == 8
         data, step_rewards = [], []
