@@ -99,7 +99,9 @@ def build_runner(
         base_model=base_model,
         vocab_size=cfg.vocab_size,
         max_seq_len=seq_len,
-        tokenizer_id=str(model_dir),
+        # A hub name lets a client on another machine resolve the tokenizer itself; a local directory is
+        # only meaningful to clients that share this filesystem, so it is returned as a path.
+        tokenizer_id=str(model_dir) if Path(base_model).expanduser().is_dir() else base_model,
         max_lora_rank=max_lora_rank,
         max_lora_adapters=max_lora_adapters,
         arch=cfg.family,
