@@ -4,8 +4,9 @@ All decoder layers live in one `DecoderLayer` whose weights carry a leading laye
 pass scans over it, so compile time does not grow with depth. The module tree mirrors the HF
 checkpoint (`model.embed_tokens`, `model.layers.*`, `model.norm`, `lm_head`). Callers pass positions,
 segment ids (packed rows: attention stays inside a segment, positions restart) and per-row adapter
-slots explicitly; with a `KVCache` the layer writes this call's keys/values at their positions and
-attends over the whole fixed-shape cache (prefill and decode are the same code path).
+slots explicitly; with a `KVCache`, a call's tokens occupy consecutive positions from `positions[:, 0]`:
+they attend to the cache's earlier positions and to each other, and their keys/values are written into
+the fixed-shape cache once, after the layer scan (prefill and decode are the same code path).
 """
 
 from __future__ import annotations
@@ -52,34 +53,28 @@ class DecoderLayer(nnx.Module):
         segments: jax.Array,
         inv_freq: jax.Array,
         rows: LoRARows | None,
-        cache: tuple[jax.Array, jax.Array, jax.Array] | None,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array] | None]:
-        """`cache` = (k [L, B, S, K, E], v, layer index): the whole stack, written in place at this layer."""
+        cache: tuple[jax.Array, jax.Array] | None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """With `cache` = this layer's (k, v) [B, S, K, E] (read only), returns this call's new (k, v)."""
         q, k, v = self.self_attn.project_qkv(self.input_layernorm(x), positions, inv_freq, rows)
         if cache is None:
             mask = AttentionMask(segments, segments, positions, positions)
+            x = x + self.self_attn.attend(q, k, v, mask, rows)
+            new = None
         else:
-            k_all, v_all, layer = _write_cache(cache, k, v, positions)
-            cache = (k_all, v_all, layer)
-            k, v = k_all[layer], v_all[layer]
-            B, S = k.shape[:2]
-            key_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-            mask = AttentionMask(jnp.ones_like(segments), jnp.ones_like(key_pos), positions, key_pos)
-        x = x + self.self_attn.attend(q, k, v, mask, rows)
+            x = x + self.self_attn.attend_cached(q, k, v, cache[0], cache[1], positions[:, 0], rows)
+            new = (k, v)
         x = x + self.mlp(self.post_attention_layernorm(x), rows)
-        return x, cache
+        return x, new
 
 
-def _write_cache(
-    cache: tuple[jax.Array, jax.Array, jax.Array], k: jax.Array, v: jax.Array, positions: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Scatter this call's keys/values into layer `layer` of the stacked cache (in place inside the scan);
-    positions past the cache length are dropped."""
-    k_all, v_all, layer = cache
-    row = jnp.arange(k.shape[0])[:, None]
-    k_all = k_all.at[layer, row, positions].set(k.astype(k_all.dtype), mode="drop")
-    v_all = v_all.at[layer, row, positions].set(v.astype(v_all.dtype), mode="drop")
-    return k_all, v_all, layer
+def _write_cache(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVCache:
+    """Scatter a call's new keys/values [L, B, T, K, E] into the cache at `positions` [B, T], once for all
+    layers; positions past the cache length are dropped."""
+    row = jnp.arange(k.shape[1])[:, None]
+    k_all = cache.k.at[:, row, positions].set(k.astype(cache.k.dtype), mode="drop")
+    v_all = cache.v.at[:, row, positions].set(v.astype(cache.v.dtype), mode="drop")
+    return KVCache(k_all, v_all)
 
 
 class Embedding(nnx.Module):
@@ -140,22 +135,20 @@ class CausalLM(nnx.Module):
         segments = jnp.ones_like(tokens) if segments is None else segments
         graphdef, stacked = nnx.split(self.model.layers)
 
-        def body(carry: tuple, layer_state: nnx.State) -> tuple[tuple, None]:
-            h, layer_cache = carry
+        def body(h: jax.Array, xs: tuple) -> tuple[jax.Array, tuple | None]:
+            layer_state, layer_cache = xs
             layer = nnx.merge(graphdef, layer_state)
-            h, layer_cache = layer(h, positions, segments, inv_freq, rows, layer_cache)
-            if layer_cache is not None:  # advance to the next layer of the carried cache
-                layer_cache = (layer_cache[0], layer_cache[1], layer_cache[2] + 1)
-            return (h, layer_cache), None
+            return layer(h, positions, segments, inv_freq, rows, layer_cache)
 
         if self.remat:
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
         h = self.model.embed_tokens(tokens)
-        # The cache rides in the scan carry, so each layer updates the one stacked buffer in place.
-        carried = None if cache is None else (cache.k, cache.v, jnp.int32(0))
-        (h, carried), _ = jax.lax.scan(body, (h, carried), stacked)
-        out_cache = None if carried is None else KVCache(carried[0], carried[1])
-        return self.model.norm(h), out_cache
+        # Layers read their cache slice; the call's new keys/values come out stacked and are written once.
+        xs = (stacked, None if cache is None else (cache.k, cache.v))
+        h, new = jax.lax.scan(body, h, xs)
+        if cache is not None and new is not None:
+            cache = _write_cache(cache, new[0], new[1], positions)
+        return self.model.norm(h), cache
 
     def logits(self, h: jax.Array, rows: LoRARows | None = None) -> jax.Array:
         """[B, T, D] hidden -> [B, T, V] float32 logits."""
