@@ -53,16 +53,17 @@ class DecoderLayer(nnx.Module):
         segments: jax.Array,
         inv_freq: jax.Array,
         rows: LoRARows | None,
-        cache: tuple[jax.Array, jax.Array] | None,
+        cache: tuple[jax.Array, jax.Array, jax.Array] | None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """With `cache` = this layer's (k, v) [B, S, K, E] (read only), returns this call's new (k, v)."""
+        """With `cache` = (k, v [L, B, S, K, E], this layer's index), read only: returns this call's (k, v)."""
         q, k, v = self.self_attn.project_qkv(self.input_layernorm(x), positions, inv_freq, rows)
         if cache is None:
             mask = AttentionMask(segments, segments, positions, positions)
             x = x + self.self_attn.attend(q, k, v, mask, rows)
             new = None
         else:
-            x = x + self.self_attn.attend_cached(q, k, v, cache[0], cache[1], positions[:, 0], rows)
+            k_all, v_all, layer = cache
+            x = x + self.self_attn.attend_cached(q, k, v, k_all[layer], v_all[layer], positions[:, 0], rows)
             new = (k, v)
         x = x + self.mlp(self.post_attention_layernorm(x), rows)
         return x, new
@@ -135,17 +136,18 @@ class CausalLM(nnx.Module):
         segments = jnp.ones_like(tokens) if segments is None else segments
         graphdef, stacked = nnx.split(self.model.layers)
 
-        def body(h: jax.Array, xs: tuple) -> tuple[jax.Array, tuple | None]:
-            layer_state, layer_cache = xs
-            layer = nnx.merge(graphdef, layer_state)
-            return layer(h, positions, segments, inv_freq, rows, layer_cache)
+        def body(carry: tuple, layer_state: nnx.State) -> tuple[tuple, tuple | None]:
+            h, layer = carry
+            read = None if cache is None else (cache.k, cache.v, layer)
+            h, new = nnx.merge(graphdef, layer_state)(h, positions, segments, inv_freq, rows, read)
+            return (h, layer + 1), new
 
         if self.remat:
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
         h = self.model.embed_tokens(tokens)
-        # Layers read their cache slice; the call's new keys/values come out stacked and are written once.
-        xs = (stacked, None if cache is None else (cache.k, cache.v))
-        h, new = jax.lax.scan(body, h, xs)
+        # Layers index the (loop-invariant) cache in place; the call's new keys/values come out stacked
+        # [L, B, T, K, E] and are written once, after the scan.
+        (h, _), new = jax.lax.scan(body, (h, jnp.int32(0)), stacked)
         if cache is not None and new is not None:
             cache = _write_cache(cache, new[0], new[1], positions)
         return self.model.norm(h), cache
