@@ -41,7 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--max-lora-adapters", type=int, default=8, help="LoRA adapter slots: concurrent training runs (default 8)"
     )
-    p.add_argument("--max-lora-rank", type=int, default=64, help="largest LoRA rank a run may ask for (default 64)")
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=32,
+        help="largest LoRA rank a run may ask for (default 32, the SDK's default); adapter compute runs at this rank",
+    )
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices per tensor-parallel group (default 1)")
     p.add_argument(
         "--fsdp-size", type=int, default=1, help="devices the weights are sharded over with FSDP (default 1)"
@@ -127,7 +132,10 @@ def _announce_when_ready(server: uvicorn.Server, host: str, port: int, key_hint:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
+    )
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU found" is not news
     api_keys = load_api_keys(args.api_key, args.api_keys_file)
     db = open_database(args.database_url, args.data_dir, session_timeout_s=args.session_timeout)
     failed = db.queue.recover()

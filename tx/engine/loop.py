@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from tx.protocol import RequestError, Result, WorkItem
+from tx.protocol import ForwardBackwardRequest, RequestError, Result, SampleRequest, SampleResult, WorkItem
 
 log = logging.getLogger("tx.engine")
 
@@ -83,7 +83,16 @@ class _Inflight:
 class Engine:
     """Drives a `Runner` from a `WorkQueue` in a background thread."""
 
-    def __init__(self, queue: WorkQueue, runner: Runner, *, claim_limit: int = 256, idle_wait_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        queue: WorkQueue,
+        runner: Runner,
+        *,
+        claim_limit: int = 256,
+        idle_wait_s: float = 5.0,
+        gather_s: float = 0.02,
+    ) -> None:
+        self.gather_s = gather_s
         self.queue = queue
         self.runner = runner
         self.claim_limit = claim_limit
@@ -113,13 +122,28 @@ class Engine:
 
     def run_once(self) -> None:
         """One iteration: admit new work, then step the runner or sleep until work arrives."""
-        self._admit(self.queue.claim(self.claim_limit))
+        self._admit(self._claim_burst())
         if self.runner.idle():
             if self._inflight:  # the runner says it is done but never reported these
                 self._fail_many(list(self._inflight), "the engine lost track of this request")
             self.queue.wait_for_work(self.idle_wait_s)
             return
         self._step()
+
+    def _claim_burst(self) -> list[WorkItem]:
+        """Claim pending work. When the runner was idle, keep claiming while requests keep arriving
+        (up to `gather_s`): a client's burst (eight `sample` calls, several runs' `forward_backward`)
+        lands over a few milliseconds, and starting on its first request alone would split the batch."""
+        idle = self.runner.idle()
+        items = self.queue.claim(self.claim_limit)
+        deadline = time.monotonic() + self.gather_s
+        while items and idle and time.monotonic() < deadline:
+            time.sleep(self.gather_s / 10)
+            more = self.queue.claim(self.claim_limit)
+            if not more:
+                break
+            items += more
+        return items
 
     def _admit(self, items: list[WorkItem]) -> None:
         if not items:
@@ -182,4 +206,24 @@ class Engine:
         item = entry.item
         status = "failed" if isinstance(completion.result, RequestError) else "ok"
         seconds = time.monotonic() - entry.claimed_at
-        log.info("%s %s model=%s %.3fs future=%s", status, item.kind, item.model_id, seconds, item.future_id)
+        tokens = _tokens(item, completion.result)
+        log.info(
+            "%s %s model=%s tokens=%d %.3fs future=%s",
+            status,
+            item.kind,
+            item.model_id,
+            tokens,
+            seconds,
+            item.future_id,
+        )
+
+
+def _tokens(item: WorkItem, result: object) -> int:
+    """Tokens a request processed: trained/scored tokens, or prompt + generated tokens for a sample."""
+    payload = item.payload
+    if isinstance(payload, ForwardBackwardRequest):
+        return sum(len(d.tokens) for d in payload.data)
+    if isinstance(payload, SampleRequest):
+        generated = sum(len(s.tokens) for s in result.sequences) if isinstance(result, SampleResult) else 0
+        return len(payload.prompt) + generated
+    return 0
