@@ -64,29 +64,32 @@ def main() -> None:
     if not args.base_model:
         raise SystemExit("pass --base-model or set TINKER_BASE_MODEL")
     base_url = os.environ.get("TINKER_BASE_URL", "http://localhost:8000")
-    service = tinker.ServiceClient(base_url=base_url)
-    client = service.create_lora_training_client(base_model=args.base_model, rank=args.rank).result()
-    tokenizer = load_tokenizer(client, args.base_model)
-    targets = word_token_ids(tokenizer)
-    prompt = tokenizer.encode("Say a word:", add_special_tokens=False)
-    params = types.SamplingParams(max_tokens=8, temperature=1.0)
-    adam = types.AdamParams(learning_rate=args.learning_rate)
-    for step in range(args.steps):
-        sampler = client.save_weights_and_get_sampling_client().result()
-        result = sampler.sample(
-            types.ModelInput.from_ints(prompt), num_samples=args.group_size, sampling_params=params
-        ).result()
-        rewards = [
-            float(np.mean([t in targets for t in seq.tokens])) if seq.tokens else 0.0 for seq in result.sequences
-        ]
-        mean = float(np.mean(rewards))
-        data = [
-            make_datum(prompt, seq, r - mean) for seq, r in zip(result.sequences, rewards, strict=True) if seq.tokens
-        ]
-        client.forward_backward(data, "importance_sampling").result()
-        client.optim_step(adam).result()
-        sample = tokenizer.decode(list(result.sequences[0].tokens))
-        print(f"rl step {step:3d}  mean reward {mean:.3f}  sample {sample!r}", flush=True)
+    # `with` finishes the session on exit: the server frees its adapter slot, the SDK stops its threads.
+    with tinker.ServiceClient(base_url=base_url) as service:
+        client = service.create_lora_training_client(base_model=args.base_model, rank=args.rank).result()
+        tokenizer = load_tokenizer(client, args.base_model)
+        targets = word_token_ids(tokenizer)
+        prompt = tokenizer.encode("Say a word:", add_special_tokens=False)
+        params = types.SamplingParams(max_tokens=8, temperature=1.0)
+        adam = types.AdamParams(learning_rate=args.learning_rate)
+        for step in range(args.steps):
+            sampler = client.save_weights_and_get_sampling_client().result()
+            result = sampler.sample(
+                types.ModelInput.from_ints(prompt), num_samples=args.group_size, sampling_params=params
+            ).result()
+            rewards = [
+                float(np.mean([t in targets for t in seq.tokens])) if seq.tokens else 0.0 for seq in result.sequences
+            ]
+            mean = float(np.mean(rewards))
+            data = [
+                make_datum(prompt, seq, r - mean)
+                for seq, r in zip(result.sequences, rewards, strict=True)
+                if seq.tokens
+            ]
+            client.forward_backward(data, "importance_sampling").result()
+            client.optim_step(adam).result()
+            sample = tokenizer.decode(list(result.sequences[0].tokens))
+            print(f"rl step {step:3d}  mean reward {mean:.3f}  sample {sample!r}", flush=True)
 
 
 if __name__ == "__main__":

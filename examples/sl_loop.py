@@ -58,18 +58,19 @@ def main() -> None:
     if not args.base_model:
         raise SystemExit("pass --base-model or set TINKER_BASE_MODEL")
     base_url = os.environ.get("TINKER_BASE_URL", "http://localhost:8000")
-    service = tinker.ServiceClient(base_url=base_url)
-    client = service.create_lora_training_client(base_model=args.base_model, rank=args.rank).result()
-    tokenizer = load_tokenizer(client, args.base_model)
-    batch = [make_datum(tokenizer.encode(s, add_special_tokens=False)) for s in SENTENCES]
-    n_tokens = sum(len(d.loss_fn_inputs["target_tokens"].tolist()) for d in batch)
-    adam = types.AdamParams(learning_rate=args.learning_rate)
-    for step in range(args.steps):
-        result = client.forward_backward(batch, "cross_entropy").result()
-        client.optim_step(adam).result()
-        print(f"sl step {step:3d}  loss/token {result.metrics['loss:sum'] / n_tokens:.4f}", flush=True)
-    path = client.save_weights_for_sampler("sl-final").result().path
-    print(f"saved sampler weights: {path}", flush=True)
+    # `with` finishes the session on exit: the server frees its adapter slot, the SDK stops its threads.
+    with tinker.ServiceClient(base_url=base_url) as service:
+        client = service.create_lora_training_client(base_model=args.base_model, rank=args.rank).result()
+        tokenizer = load_tokenizer(client, args.base_model)
+        batch = [make_datum(tokenizer.encode(s, add_special_tokens=False)) for s in SENTENCES]
+        n_tokens = sum(len(d.loss_fn_inputs["target_tokens"].tolist()) for d in batch)
+        adam = types.AdamParams(learning_rate=args.learning_rate)
+        for step in range(args.steps):
+            result = client.forward_backward(batch, "cross_entropy").result()
+            client.optim_step(adam).result()
+            print(f"sl step {step:3d}  loss/token {result.metrics['loss:sum'] / n_tokens:.4f}", flush=True)
+        path = client.save_weights_for_sampler("sl-final").result().path
+        print(f"saved sampler weights: {path}", flush=True)
 
 
 if __name__ == "__main__":
