@@ -18,7 +18,15 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from tx.api import routes_futures, routes_rest, routes_sample, routes_session, routes_train, routes_weights
+from tx.api import (
+    routes_admin,
+    routes_futures,
+    routes_rest,
+    routes_sample,
+    routes_session,
+    routes_train,
+    routes_weights,
+)
 from tx.api.context import AppContext, Settings, submit
 from tx.api.validate import ValidationError
 from tx.api.wire_decode import WireError
@@ -65,6 +73,14 @@ def create_app(settings: Settings, db: Database, model_info: ModelInfo) -> FastA
     app.state.ctx = ctx
     app.add_exception_handler(WireError, _bad_request)
     app.add_exception_handler(ValidationError, _bad_request)
-    for module in (routes_session, routes_train, routes_weights, routes_sample, routes_futures, routes_rest):
+    for module in (
+        routes_session,
+        routes_train,
+        routes_weights,
+        routes_sample,
+        routes_futures,
+        routes_rest,
+        routes_admin,
+    ):
         app.include_router(module.router)
     return app

@@ -137,5 +137,8 @@ def usable_run(ctx: AppContext, model_id: str, owner: str) -> TrainingRunRow:
     if run.status == "failed":
         user_error(f"model {model_id!r} failed to be created; see the create_model error")
     if run.status == "unloaded":
-        user_error(f"model {model_id!r} is unloaded (server restart or unload_model); load a checkpoint to continue")
+        user_error(
+            f"model {model_id!r} is unloaded (its session finished or expired, the server restarted, or"
+            " unload_model was called); load a checkpoint to continue"
+        )
     return run

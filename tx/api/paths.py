@@ -1,6 +1,6 @@
 """`tinker://` checkpoint paths and where their files live in the data directory.
 
-A checkpoint path is `tinker://{run_id}/{weights|sampler_weights}/{name}`; its REST id is the
+A checkpoint path is `tinker://{run_id}/{weights|sampler_weights|external_weights}/{name}`; its REST id is the
 last two parts (`weights/{name}`). Files live under `<data_dir>/checkpoints/<run>/<kind>/<name>`
 with the run id's colons replaced so the layout is portable.
 """
@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SCHEME = "tinker://"
-KIND_TO_TYPE = {"weights": "training", "sampler_weights": "sampler"}
+KIND_TO_TYPE = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
 
 @dataclass(frozen=True)
 class TinkerPath:
     run_id: str
-    kind: str  # "weights" | "sampler_weights"
+    kind: str  # "weights" | "sampler_weights" | "external_weights"
     name: str
 
     @property

@@ -1,8 +1,9 @@
-"""REST endpoints over runs and checkpoints: listing, info, delete, publish, TTL, archive download.
+"""REST endpoints over runs and checkpoints: listing, info, delete, publish, TTL, archive and file downloads.
 
 All lookups are scoped to the caller's key: another key's run or checkpoint answers 404. Checkpoint
 ids in paths contain a slash (`weights/step-10`), hence the `{kind}/{name}` route segments. The
-archive endpoint (SDK <= 0.33 download) redirects to a one-off, unauthenticated tar download URL.
+archive endpoint (SDK <= 0.33 download) redirects to a one-off, unauthenticated tar download URL;
+`external_weights_urls` (SDK 0.38 download) hands out one unauthenticated URL per exported file.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import RedirectResponse, Response
+from fastapi.responses import FileResponse, RedirectResponse, Response
 
 from tx.api.context import AppContext, Ctx, Owner, not_found, user_error
 from tx.api.paths import KIND_TO_TYPE
@@ -105,7 +106,8 @@ def list_user_checkpoints(ctx: Ctx, owner: Owner, limit: int = 100, offset: int 
 
 def _owned_checkpoint(ctx: AppContext, run_id: str, kind: str, name: str, owner: str) -> CheckpointRow:
     if kind not in KIND_TO_TYPE:
-        user_error(f"checkpoint id must start with 'weights/' or 'sampler_weights/', got {kind + '/' + name!r}")
+        kinds = ", ".join(f"'{k}/'" for k in KIND_TO_TYPE)
+        user_error(f"checkpoint id must start with one of {kinds}, got {kind + '/' + name!r}")
     row = ctx.db.records.get_checkpoint(run_id, f"{kind}/{name}", owner)
     if row is None:
         not_found(f"unknown checkpoint {kind}/{name} of training run {run_id!r}")
@@ -147,6 +149,36 @@ def checkpoint_archive(run_id: str, kind: str, name: str, request: Request, ctx:
     url = str(request.url_for("download_archive", token=token))
     expires = datetime.now(UTC) + timedelta(seconds=ctx.settings.archive_url_ttl_s)
     return RedirectResponse(url, status_code=302, headers={"Expires": expires.strftime("%a, %d %b %Y %H:%M:%S GMT")})
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
+def external_weights_urls(
+    run_id: str, kind: str, name: str, request: Request, ctx: Ctx, owner: Owner
+) -> dict[str, Any]:
+    """One unauthenticated download URL per file of an external-weights export (`tinker checkpoint download`)."""
+    row = _owned_checkpoint(ctx, run_id, kind, name, owner)
+    if row.checkpoint_type != "external":
+        user_error(f"{row.tinker_path!r} is not an external weights checkpoint (…/external_weights/<name>)")
+    directory = Path(row.directory)
+    if not directory.is_dir():
+        not_found(f"the files of {row.tinker_path!r} are gone")
+    token = ctx.issue_download(directory)
+    files = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
+    urls = {rel: str(request.url_for("download_file", token=token, file_path=rel)) for rel in files}
+    expires = datetime.now(UTC) + timedelta(seconds=ctx.settings.archive_url_ttl_s)
+    return {"urls": urls, "expires": _iso(expires)}
+
+
+@router.get("/file_downloads/{token}/{file_path:path}", name="download_file")
+def download_file(token: str, file_path: str, ctx: Ctx) -> Response:
+    entry = ctx.downloads.get(token)
+    if entry is None or entry[1] < time.time():
+        not_found("unknown or expired download link")
+    root = entry[0].resolve()
+    target = (root / file_path).resolve()
+    if not target.is_relative_to(root) or not target.is_file():
+        not_found(f"no file {file_path!r} in this checkpoint")
+    return FileResponse(target, media_type="application/octet-stream")
 
 
 @router.get("/archive_downloads/{token}", name="download_archive")

@@ -9,12 +9,22 @@ client's heartbeat loop.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, HTTPException, Response
 
-from tx.api.context import Ctx, Owner, not_found
-from tx.api.schemas import ClientConfigRequest, CreateSessionRequest, FinishSessionRequest, SessionRef
+from tx.api.context import Ctx, Owner, not_found, submit
+from tx.api.schemas import (
+    ClientConfigRequest,
+    CreateSessionRequest,
+    FinishSessionRequest,
+    ProjectRequest,
+    SessionRef,
+)
+from tx.protocol import UnloadModelRequest
+
+log = logging.getLogger("tx.api")
 
 router = APIRouter(prefix="/api/v1")
 
@@ -76,8 +86,13 @@ def session_heartbeat(body: SessionRef, ctx: Ctx, owner: Owner) -> dict[str, Any
 
 @router.post("/sessions/{session_id}/finish")
 def finish_session(session_id: str, body: FinishSessionRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
-    if not ctx.db.records.finish_session(session_id, owner, body.reason.type):
+    """Finish the session and free it like expiry does: each still-loaded run gets an unload queued."""
+    runs = ctx.db.records.finish_session(session_id, owner, body.reason.type)
+    if runs is None:
         not_found(f"unknown session_id {session_id!r}")
+    for run in runs:
+        log.info("session %s finished (%s): unloading %s", session_id, body.reason.type, run.id)
+        submit(ctx, kind="unload_model", payload=UnloadModelRequest(), owner=owner, model_id=run.id)
     return {"session_id": session_id, "status": "finished"}
 
 
@@ -93,3 +108,20 @@ def get_session(session_id: str, ctx: Ctx, owner: Owner) -> dict[str, Any]:
         not_found(f"unknown session_id {session_id!r}")
     runs, samplers = ctx.db.records.session_children(session_id)
     return {"training_run_ids": runs, "sampler_ids": samplers, "user_metadata": json.loads(row.user_metadata_json)}
+
+
+@router.put("/sessions/{session_id}/project", status_code=204)
+def assign_session_project(session_id: str, body: ProjectRequest, ctx: Ctx, owner: Owner) -> Response:
+    """Projects are not a SmolGym concept (one key = one owner); accept the call for an owned session."""
+    if ctx.db.records.get_session(session_id, owner) is None:
+        not_found(f"unknown session_id {session_id!r}")
+    log.info("session %s: project %r noted (SmolGym has no projects)", session_id, body.project_id)
+    return Response(status_code=204)
+
+
+@router.get("/sessions/{session_id}/trace_export")
+def export_session_trace(session_id: str, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    """SmolGym records no Perfetto traces: answer `failed` (the client stops polling and reports it)."""
+    if ctx.db.records.get_session(session_id, owner) is None:
+        not_found(f"unknown session_id {session_id!r}")
+    return {"status": "failed", "error": "SmolGym does not record session traces"}

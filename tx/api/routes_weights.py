@@ -99,6 +99,26 @@ def save_weights_for_sampler(body: schemas.SaveWeightsForSamplerRequest, ctx: Ct
     )  # fmt: skip
 
 
+@router.post("/save_weights_external")
+def save_weights_external(body: schemas.SaveWeightsExternalRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+    """Export the current weights as `tinker://{run}/external_weights/{name}`: a PEFT adapter (LoRA runs)
+    or a Hugging Face model directory (full fine-tuning), the same files a named sampler save writes.
+    Download them file by file through `external_weights_urls`."""
+    usable_run(ctx, body.model_id, owner)
+    if body.age_encryption_recipients:
+        user_error("SmolGym cannot encrypt exports (age_encryption_recipients); omit it")
+    path = TinkerPath(body.model_id, "external_weights", body.path)
+    dedupe = f"{body.model_id}#{body.seq_id}" if body.seq_id else None
+    if dedupe is None or ctx.db.queue.get_by_key(dedupe) is None:
+        _claim_name(ctx, path, owner, overwrite=True)
+    row = _checkpoint_row(ctx, path, owner, body.ttl_seconds, None)
+    payload = SaveSamplerRequest(str(path), "snapshot", path.name, row.directory, str(path))
+    return submit(
+        ctx, kind="save_weights_external", payload=payload, owner=owner, model_id=body.model_id,
+        seq_id=body.seq_id, dedupe_key=dedupe, rows=[row],
+    )  # fmt: skip
+
+
 def _ephemeral_rows(run: TrainingRunRow, sampler_id: str, owner: str, kind: str) -> list[SQLModel]:
     snapshot = SamplerSnapshotRow(id=sampler_id, model_id=run.id, owner=owner, kind=kind)
     sampler = SamplingSessionRow(
@@ -111,7 +131,9 @@ def _ephemeral_rows(run: TrainingRunRow, sampler_id: str, owner: str, kind: str)
 def resolve_checkpoint(ctx: AppContext, tinker_path: str, owner: str) -> tuple[TinkerPath, CheckpointRow]:
     path = parse_tinker_path(tinker_path)
     if path is None:
-        user_error(f"{tinker_path!r} is not a checkpoint path (tinker://<run>/weights|sampler_weights/<name>)")
+        user_error(
+            f"{tinker_path!r} is not a checkpoint path (tinker://<run>/weights|sampler_weights|external_weights/<name>)"
+        )
     row = ctx.db.records.get_checkpoint(path.run_id, path.checkpoint_id, owner)
     if row is None:
         not_found(f"unknown checkpoint {tinker_path!r}")
@@ -122,7 +144,7 @@ def resolve_checkpoint(ctx: AppContext, tinker_path: str, owner: str) -> tuple[T
 def load_weights(body: schemas.LoadWeightsRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
     path, ckpt = resolve_checkpoint(ctx, body.path, owner)
     if path.kind != "weights":
-        user_error(f"{body.path!r} is a sampler checkpoint; load_weights needs a training checkpoint (…/weights/…)")
+        user_error(f"{body.path!r} holds weights only; load_weights needs a training checkpoint (…/weights/…)")
     if body.model_id is not None:
         usable_run(ctx, body.model_id, owner)
         payload = LoadStateRequest(ckpt.directory, str(path), body.optimizer)

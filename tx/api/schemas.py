@@ -139,5 +139,17 @@ class RetrieveFutureRequest(BaseModel):
     allow_metadata_only: bool = False
 
 
+class ProjectRequest(BaseModel):
+    project_id: str | None = None
+
+
+class SaveWeightsExternalRequest(BaseModel):
+    model_id: str
+    path: str
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    age_encryption_recipients: list[str] | None = None
+
+
 class TtlRequest(BaseModel):
     ttl_seconds: int | None = None

@@ -86,13 +86,28 @@ class Records:
         self._update(SessionRow, session_id, last_heartbeat_at=utcnow())
         return "ok"
 
-    def finish_session(self, session_id: str, owner: str, reason: str) -> bool:
-        row = self.get_session(session_id, owner)
-        if row is None:
-            return False
-        if row.finish_reason is None:  # the first reason wins
-            self._update(SessionRow, session_id, status="finished", finish_reason=reason)
-        return True
+    def finish_session(self, session_id: str, owner: str, reason: str) -> list[TrainingRunRow] | None:
+        """Mark the session finished (the first reason wins); None when the owner has no such session.
+
+        Returns the runs to unload: the session's still-loaded runs when this call ended an active
+        session (also one already past its heartbeat timeout but not yet reaped), else none.
+        """
+        with self.write_lock.held(), self._session() as session:
+            row = session.get(SessionRow, session_id)
+            if row is None or row.owner != owner:
+                return None
+            if row.finish_reason is not None:
+                return []
+            was_active = row.status == "active"
+            row.status, row.finish_reason = "finished", reason
+            runs: list[TrainingRunRow] = []
+            if was_active:
+                query = select(TrainingRunRow).where(
+                    TrainingRunRow.session_id == session_id, TrainingRunRow.status == "ready"
+                )
+                runs = list(session.exec(query).all())
+            session.commit()
+        return runs
 
     def expire_sessions(self) -> list[TrainingRunRow]:
         """Mark sessions silent for longer than the timeout expired; returns their still-loaded runs."""
