@@ -33,3 +33,17 @@ def test_ready_announcement(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "export TINKER_API_KEY=tml-x" in out and "TINKER_BASE_URL=http://localhost:8123" in out
     assert out.strip().endswith("SmolGym ready on http://0.0.0.0:8123")
+
+
+def test_bad_base_model_is_a_one_line_error(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tx.api", "--base-model", str(tmp_path / "no" / "model"), "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "error: no model directory at" in proc.stderr and "Traceback" not in proc.stderr

@@ -114,7 +114,10 @@ def build_runner(args: argparse.Namespace) -> tuple[Runner, ModelInfo]:
         "max_seq_len": args.max_seq_len,
         "decode_rows": args.decode_rows,
     }
-    runner, model_info = engine_build_runner(**options)
+    try:
+        runner, model_info = engine_build_runner(**options)
+    except (FileNotFoundError, ValueError, MemoryError) as err:  # bad model / config: say so, no traceback
+        sys.exit(f"error: {err}")
     return runner, model_info
 
 

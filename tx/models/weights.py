@@ -41,6 +41,8 @@ def resolve_model_dir(name_or_dir: str) -> Path:
     path = Path(name_or_dir).expanduser()
     if path.is_dir():
         return path
+    if name_or_dir.startswith(("/", ".", "~")) or name_or_dir.count("/") != 1:
+        raise FileNotFoundError(f"no model directory at {name_or_dir!r} (and it is not a hub name like 'org/model')")
     from huggingface_hub import snapshot_download
 
     try:
