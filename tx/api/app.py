@@ -20,9 +20,11 @@ from fastapi.responses import JSONResponse
 
 from tx.api import (
     routes_admin,
+    routes_copy,
     routes_futures,
     routes_rest,
     routes_sample,
+    routes_search,
     routes_session,
     routes_train,
     routes_weights,
@@ -81,6 +83,8 @@ def create_app(settings: Settings, db: Database, model_info: ModelInfo) -> FastA
         routes_futures,
         routes_rest,
         routes_admin,
+        routes_copy,
+        routes_search,
     ):
         app.include_router(module.router)
     return app

@@ -136,6 +136,39 @@ class Records:
             samplers = session.exec(select(SamplingSessionRow.id).where(SamplingSessionRow.session_id == session_id))
             return list(runs), list(samplers.all())
 
+    def owner_sessions(self, owner: str) -> list[SessionRow]:
+        """All of the owner's sessions, newest first (ties by id, descending), expiry applied."""
+        query = (
+            select(SessionRow)
+            .where(SessionRow.owner == owner)
+            .order_by(col(SessionRow.created_at).desc(), col(SessionRow.id).desc())
+        )
+        with self._session() as session:
+            rows = list(session.exec(query).all())
+        now = utcnow()
+        for row in rows:
+            if row.status == "active" and now - _aware(row.last_heartbeat_at) > self.session_timeout:
+                row.status = "expired"
+        return rows
+
+    def session_checkpoint_stats(self, owner: str, session_ids: list[str]) -> dict[str, tuple[int, int]]:
+        """(ready checkpoint count, total size in bytes) per session id, over the sessions' runs."""
+        query = (
+            select(TrainingRunRow.session_id, CheckpointRow.size_bytes)
+            .join(CheckpointRow, col(CheckpointRow.run_id) == col(TrainingRunRow.id))
+            .where(
+                col(TrainingRunRow.session_id).in_(session_ids),
+                CheckpointRow.owner == owner,
+                CheckpointRow.status == "ready",
+            )
+        )
+        stats: dict[str, tuple[int, int]] = {}
+        with self._session() as session:
+            for session_id, size in session.exec(query).all():
+                count, total = stats.get(session_id, (0, 0))
+                stats[session_id] = (count + 1, total + (size or 0))
+        return stats
+
     # ---- training runs ------------------------------------------------------------------------
 
     def get_run(self, model_id: str, owner: str) -> TrainingRunRow | None:
@@ -202,6 +235,12 @@ class Records:
         with self._session() as session:
             total = session.exec(select(func.count()).select_from(CheckpointRow).where(*conds)).one()
             return list(session.exec(query.offset(offset).limit(limit)).all()), int(total)
+
+    def add_rows(self, rows: list[SQLModel]) -> None:
+        """Insert rows in one transaction (all or none); raises IntegrityError on a taken key."""
+        with self.write_lock.held(), self._session() as session:
+            session.add_all(rows)
+            session.commit()
 
     def delete_checkpoint(self, row: CheckpointRow) -> None:
         with self.write_lock.held(), self._session() as session:

@@ -1,0 +1,175 @@
+"""copy_weights (checkpoint copy into a new, untrainable run) and sessions/search (filters, cursor pages),
+each scoped to the caller's key; real SDK calls where it has a method, raw httpx for error cases."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from api.harness import KEY, OTHER_KEY, Server
+from tx.db import owner_of
+
+
+@pytest.fixture(scope="module")
+def http(server: Server) -> httpx.Client:
+    return httpx.Client(base_url=server.url + "/api/v1", headers={"X-API-Key": KEY}, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def other(server: Server) -> httpx.Client:
+    return httpx.Client(base_url=server.url + "/api/v1", headers={"X-API-Key": OTHER_KEY}, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def rest(server: Server) -> tinker.RestClient:
+    return tinker.RestClient(base_url=server.url, api_key=KEY)
+
+
+@pytest.fixture(scope="module")
+def source(training) -> str:
+    return training.save_state("copy-src").result().path
+
+
+def _assert_400(reply: httpx.Response, *fragments: str) -> None:
+    assert reply.status_code == 400, reply.text
+    for fragment in fragments:
+        assert fragment in reply.json()["detail"], reply.text
+
+
+# ---- copy_weights --------------------------------------------------------------------------------
+
+
+def test_copy_weights_with_the_sdk(source: str, rest: tinker.RestClient, server: Server, training) -> None:
+    copied = rest.copy_weights(source, "proj-archive").result()
+    assert copied.startswith("tinker://copy-") and copied.endswith(":train:0/weights/copy-src")
+    run_id = copied.removeprefix("tinker://").split("/")[0]
+    [checkpoint] = rest.list_checkpoints(run_id).result().checkpoints
+    assert (checkpoint.checkpoint_id, checkpoint.checkpoint_type, checkpoint.tinker_path) == (
+        "weights/copy-src",
+        "training",
+        copied,
+    )
+    info = rest.get_weights_info_by_tinker_path(copied).result()
+    assert info.is_lora and info.lora_rank == 8
+    files = list((server.data_dir / "checkpoints" / run_id.replace(":", "_") / "weights" / "copy-src").iterdir())
+    assert [f.name for f in files] == ["adapter_config.json"]
+    assert not [p for p in Path(files[0].parent.parent).iterdir() if p.name.startswith(".")]  # no temp dir left
+    assert rest.get_training_run(run_id).result().base_model == info.base_model
+    # The source is untouched and a second copy is a different run.
+    assert rest.copy_weights(source, "proj-archive").result() != copied
+    assert {c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints} >= {source}
+
+
+def test_copy_is_untrainable_but_loadable(source: str, http: httpx.Client, service) -> None:
+    copied = http.post("/copy_weights", json={"source_path": source, "destination_project_id": "p"}).json()
+    run_id = copied["tinker_path"].removeprefix("tinker://").split("/")[0]
+    _assert_400(http.post("/save_weights", json={"model_id": run_id, "path": "x"}), "unloaded")
+    client = service.create_training_client_from_state(copied["tinker_path"]).result()
+    assert client.save_state("from-copy").result().path == f"tinker://{client.model_id}/weights/from-copy"
+
+
+def test_copy_retries_with_one_idempotency_key_make_one_copy(source: str, http: httpx.Client) -> None:
+    body = {"source_path": source, "destination_project_id": "p", "ttl_seconds": 7200}
+    headers = {"X-Idempotency-Key": str(uuid.uuid4())}
+    first = http.post("/copy_weights", json=body, headers=headers)
+    again = http.post("/copy_weights", json=body, headers=headers)
+    assert first.status_code == again.status_code == 200, again.text
+    assert first.json() == again.json()
+    other_key = http.post("/copy_weights", json=body, headers={"X-Idempotency-Key": str(uuid.uuid4())})
+    assert other_key.json()["tinker_path"] != first.json()["tinker_path"]
+    run_id = first.json()["tinker_path"].removeprefix("tinker://").split("/")[0]
+    [checkpoint] = http.get(f"/training_runs/{run_id}/checkpoints").json()["checkpoints"]
+    assert checkpoint["expires_at"] is not None
+
+
+def test_copy_into_a_session_slot(source: str, http: httpx.Client, training) -> None:
+    session_id = http.post("/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+    body = {"source_path": source, "session_id": session_id, "model_seq_id": 7}
+    reply = http.post("/copy_weights", json=body)
+    assert reply.json() == {"tinker_path": f"tinker://{session_id}:train:7/weights/copy-src"}
+    assert http.post("/copy_weights", json=body).json() == reply.json()  # a retry finds the copy
+    assert f"{session_id}:train:7" in http.get(f"/sessions/{session_id}").json()["training_run_ids"]
+    other_source = training.save_state("copy-src-2").result().path
+    _assert_400(http.post("/copy_weights", json={**body, "source_path": other_source}), "already exists")
+    _assert_400(http.post("/copy_weights", json={"source_path": source, "session_id": session_id}), "model_seq_id")
+    missing = http.post("/copy_weights", json={**body, "session_id": "no-such-session"})
+    assert missing.status_code == 404
+
+
+def test_copy_errors(source: str, http: httpx.Client, other: httpx.Client, rest: tinker.RestClient) -> None:
+    project = {"destination_project_id": "p"}
+    assert other.post("/copy_weights", json={"source_path": source, **project}).status_code == 404
+    unknown = source.replace("copy-src", "never-saved")
+    assert http.post("/copy_weights", json={"source_path": unknown, **project}).status_code == 404
+    with pytest.raises(tinker.NotFoundError):
+        rest.copy_weights(unknown, "p").result()
+    _assert_400(http.post("/copy_weights", json=project), "source_path", "Field required")
+    _assert_400(http.post("/copy_weights", json={"source_path": 5, **project}), "source_path")
+    _assert_400(http.post("/copy_weights", json={"source_path": "tinker://x", **project}), "not a checkpoint path")
+    _assert_400(http.post("/copy_weights", json={"source_path": source}), "destination_project_id")
+    _assert_400(http.post("/copy_weights", json={"source_path": source, **project, "ttl_seconds": 5}), "ttl_seconds")
+    token = {"X-Tinker-Weights-Access-Token": "secret"}
+    _assert_400(http.post("/copy_weights", json={"source_path": source, **project}, headers=token), "access_token")
+    _assert_400(http.post("/copy_weights", json=[1]), "JSON object")
+
+
+# ---- sessions/search ---------------------------------------------------------------------------
+
+
+def _create(http: httpx.Client, meta: dict[str, str]) -> str:
+    reply = http.post("/create_session", json={"tags": [], "user_metadata": meta, "sdk_version": "0.38.0"})
+    return str(reply.json()["session_id"])
+
+
+@pytest.mark.filterwarnings("ignore::tinker.lib.public_interfaces.rest_client.ExperimentalWarning")
+def test_search_sessions_with_the_sdk(http: httpx.Client, rest: tinker.RestClient, training, source: str) -> None:
+    tag = uuid.uuid4().hex
+    ids = [_create(http, {"search": tag, "n": str(n)}) for n in range(3)]
+    http.post(f"/sessions/{ids[0]}/finish", json={"reason": {"type": "errored"}})
+    request = types.SessionSearchRequest(user_metadata={"search": tag}, limit=2)
+    first = rest.search_sessions(request).result()
+    assert [s.session_id for s in first.sessions] == ids[::-1][:2]  # newest first
+    assert first.next_cursor is not None
+    second = rest.search_sessions(request.model_copy(update={"cursor": first.next_cursor})).result()
+    assert [s.session_id for s in second.sessions] == [ids[0]] and second.next_cursor is None
+    finished = second.sessions[0]
+    assert finished.status is not None and finished.status.type == "client_finished"
+    assert finished.owner == owner_of(KEY) and finished.user_metadata == {"search": tag, "n": "0"}
+    assert first.sessions[0].status is not None and first.sessions[0].status.type == "active"
+
+    active = types.SessionSearchRequest(user_metadata={"search": tag}, statuses=[types.ActiveSessionStatusQuery()])
+    assert [s.session_id for s in rest.search_sessions(active).result().sessions] == ids[::-1][:2]
+    errored = types.ClientFinishedSessionStatusQuery(reasons=["errored"])
+    success = types.ClientFinishedSessionStatusQuery(reasons=["success"])
+    for query, expected in ((errored, [ids[0]]), (success, []), (types.FailedSessionStatusQuery(), [])):
+        found = rest.search_sessions(types.SessionSearchRequest(user_metadata={"search": tag}, statuses=[query]))
+        assert [s.session_id for s in found.result().sessions] == expected
+
+    session_id = training.model_id.split(":train:")[0]
+    [mine] = rest.search_sessions(types.SessionSearchRequest(session_id=session_id)).result().sessions
+    assert mine.checkpoints_count >= 1 and (mine.checkpoint_storage_bytes or 0) >= 8
+
+
+def test_search_sessions_scope_and_errors(http: httpx.Client, other: httpx.Client) -> None:
+    tag = uuid.uuid4().hex
+    session_id = _create(http, {"scope": tag})
+    body = {"user_metadata": {"scope": tag}}
+    assert other.post("/sessions/search", json=body).json()["sessions"] == []
+    assert other.post("/sessions/search", json={"session_id": session_id}).json()["sessions"] == []
+    found = http.post("/sessions/search", json={**body, "owner": {"type": "accessible"}}).json()
+    assert [s["session_id"] for s in found["sessions"]] == [session_id]
+    as_user = {**body, "owner": {"type": "user", "owner_urns": [owner_of(KEY)]}}
+    assert len(http.post("/sessions/search", json=as_user).json()["sessions"]) == 1
+    as_other = {**body, "owner": {"type": "user", "owner_urns": [owner_of(OTHER_KEY)]}}
+    assert http.post("/sessions/search", json=as_other).json() == {"sessions": [], "next_cursor": None}
+    _assert_400(http.post("/sessions/search", json={"project_ids": ["p"]}), "project_ids", "no projects")
+    _assert_400(http.post("/sessions/search", json={"display_name": "x"}), "display_name")
+    _assert_400(http.post("/sessions/search", json={"limit": 0}), "limit")
+    _assert_400(http.post("/sessions/search", json={"statuses": [{"type": "paused"}]}), "statuses.0")
+    naive = {"cursor": {"last_created_at": "2026-01-01T00:00:00", "last_session_id": "x"}}
+    _assert_400(http.post("/sessions/search", json=naive), "cursor.last_created_at")

@@ -1,0 +1,168 @@
+"""`POST /copy_weights` (SDK 0.27+ `RestClient.copy_weights` / `ServiceClient.copy_weights`).
+
+A copy is a new checkpoint with the source's kind and name, owned by a new training run that
+cannot be trained on (status `unloaded`; it can be loaded from, sampled, exported, downloaded).
+The destination run is `{session_id}:train:{model_seq_id}` when the caller names a session slot,
+otherwise `copy-<id>:train:0` (SmolGym has no projects, so `destination_project_id` only selects
+this form). The files are copied into a temporary directory next to the destination and renamed
+into place, then the run and checkpoint records are inserted in one transaction.
+
+Retries are safe: with an `X-Idempotency-Key` the destination run id is derived from the key, and
+a request whose destination already holds the same checkpoint returns that copy again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Header
+from pydantic import BaseModel, ConfigDict
+from pydantic import ValidationError as PydanticValidationError
+from sqlalchemy.exc import IntegrityError
+
+from tx.api.context import AppContext, Ctx, Owner, not_found, user_error
+from tx.api.paths import TinkerPath, checkpoint_dir
+from tx.api.routes_weights import MAX_TTL_S, MIN_TTL_S, resolve_checkpoint
+from tx.db.tables import CheckpointRow, TrainingRunRow, utcnow
+
+log = logging.getLogger("tx.api")
+
+router = APIRouter(prefix="/api/v1")
+
+
+class CopyWeightsRequest(BaseModel):
+    """SDK 0.38 `CopyWeightsRequest` (unknown fields are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    source_path: str
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    destination_project_id: str | None = None
+    ttl_seconds: int | None = None
+    weights_access_token: str | None = None
+
+
+def parse_body(model: type[BaseModel], body: Any) -> Any:
+    """Validate a JSON body, answering 400 with a detail that names each offending field."""
+    if not isinstance(body, dict):
+        user_error("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except PydanticValidationError as exc:
+        problems = [
+            f"{'.'.join(str(part) for part in error['loc']) or 'body'}: {error['msg']}" for error in exc.errors()
+        ]
+        user_error("invalid request body: " + "; ".join(problems))
+
+
+@router.post("/copy_weights")
+def copy_weights(
+    ctx: Ctx,
+    owner: Owner,
+    body: Annotated[Any, Body()] = None,
+    x_idempotency_key: Annotated[str | None, Header()] = None,
+    x_tinker_weights_access_token: Annotated[str | None, Header()] = None,
+) -> dict[str, Any]:
+    request: CopyWeightsRequest = parse_body(CopyWeightsRequest, body)
+    if request.weights_access_token or x_tinker_weights_access_token:
+        user_error(
+            "weights_access_token: SmolGym has no weights access tokens (one API key = one owner);"
+            " copy a checkpoint of your own key and omit the token"
+        )
+    ttl = request.ttl_seconds
+    if ttl is not None and not MIN_TTL_S <= ttl <= MAX_TTL_S:
+        user_error(f"ttl_seconds: {ttl} is outside [{MIN_TTL_S}, {MAX_TTL_S}]")
+    source_path, source = resolve_checkpoint(ctx, request.source_path, owner)
+    source_run = ctx.db.records.get_run(source_path.run_id, owner)
+    if source_run is None:
+        not_found(f"the training run of {request.source_path!r} no longer exists")
+    session_id, run_id = _destination(ctx, request, owner, x_idempotency_key)
+    dest = TinkerPath(run_id, source_path.kind, source_path.name)
+
+    existing = ctx.db.records.get_run(run_id, owner)
+    if existing is not None:
+        return _existing_copy(ctx, existing, dest, owner)
+
+    directory = checkpoint_dir(ctx.settings.data_dir, dest)
+    _copy_tree(Path(source.directory), directory, request.source_path)
+    run = TrainingRunRow(
+        id=run_id, session_id=session_id, owner=owner, base_model=source_run.base_model,
+        lora_rank=source_run.lora_rank, lora_alpha=source_run.lora_alpha, train_attn=source_run.train_attn,
+        train_mlp=source_run.train_mlp, train_unembed=source_run.train_unembed, status="unloaded",
+        user_metadata_json=json.dumps({}),
+    )  # fmt: skip
+    checkpoint = CheckpointRow(
+        run_id=run_id, checkpoint_id=dest.checkpoint_id, checkpoint_type=dest.checkpoint_type,
+        tinker_path=str(dest), owner=owner, directory=str(directory), status="ready", size_bytes=source.size_bytes,
+        expires_at=utcnow() + timedelta(seconds=ttl) if ttl else None, user_metadata_json=source.user_metadata_json,
+    )  # fmt: skip
+    try:
+        ctx.db.records.add_rows([run, checkpoint])
+    except IntegrityError:
+        # A concurrent retry of the same request inserted the copy first: answer with its result.
+        winner = ctx.db.records.get_run(run_id, owner)
+        if winner is None:
+            raise
+        return _existing_copy(ctx, winner, dest, owner)
+    except Exception:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    log.info("copied %s to %s", request.source_path, dest)
+    return {"tinker_path": str(dest)}
+
+
+def _destination(
+    ctx: AppContext, request: CopyWeightsRequest, owner: str, idempotency_key: str | None
+) -> tuple[str, str]:
+    """(session id, run id) of the run that will own the copy."""
+    if request.session_id is not None or request.model_seq_id is not None:
+        if request.session_id is None:
+            user_error("session_id: required together with model_seq_id")
+        if request.model_seq_id is None:
+            user_error("model_seq_id: required together with session_id")
+        if request.model_seq_id < 0:
+            user_error(f"model_seq_id: {request.model_seq_id} is negative")
+        if ctx.db.records.get_session(request.session_id, owner) is None:
+            not_found(f"unknown session_id {request.session_id!r}")
+        return request.session_id, f"{request.session_id}:train:{request.model_seq_id}"
+    if request.destination_project_id is None:
+        user_error("destination_project_id: required unless session_id and model_seq_id are given")
+    if idempotency_key:
+        digest = hashlib.sha256(f"{owner}\0{idempotency_key}".encode()).hexdigest()[:32]
+        copy_id = f"copy-{uuid.UUID(digest)}"
+    else:
+        copy_id = f"copy-{uuid.uuid4()}"
+    return copy_id, f"{copy_id}:train:0"
+
+
+def _existing_copy(ctx: AppContext, run: TrainingRunRow, dest: TinkerPath, owner: str) -> dict[str, Any]:
+    """A retried copy finds its earlier result; any other use of a taken destination is refused."""
+    done = ctx.db.records.get_checkpoint(dest.run_id, dest.checkpoint_id, owner)
+    if run.status == "unloaded" and done is not None:
+        return {"tinker_path": str(dest)}
+    user_error(f"the destination training run {run.id!r} already exists; pick an unused model_seq_id")
+
+
+def _copy_tree(source: Path, dest: Path, source_path: str) -> None:
+    """Copy `source` to `dest` atomically: into a sibling temporary directory, then one rename."""
+    if not source.is_dir():
+        not_found(f"the files of {source_path!r} are missing on the server")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.exists():  # left by a copy that died before its records were written (no record owns it)
+        shutil.rmtree(dest)
+    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex}"
+    try:
+        shutil.copytree(source, tmp)
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
