@@ -18,7 +18,6 @@ from tx.engine.sampler import Sampler, SamplerConfig
 from tx.engine.trainer import Trainer
 from tx.engine.weights_io import WeightsIO
 from tx.lora.layers import LoRASpec
-from tx.lora.params import LoRAParam
 from tx.lora.slots import SlotTable
 from tx.models.sharding import make_mesh
 from tx.models.weights import load_model, resolve_model_dir
@@ -71,7 +70,6 @@ def build_runner(
     model, cfg = load_model(
         str(model_dir), dtype=dtype, lora=LoRASpec(slots.slots, max_lora_rank), mesh=mesh, remat=remat
     )
-    _, lora_template, _ = nnx.split(model, LoRAParam, ...)  # type: ignore[misc]
     trainer = Trainer(model, train_micro_batch_tokens)
     tok, eos = _tokenizer(model_dir)
     seq_len = min(max_seq_len, cfg.max_position_embeddings)
@@ -91,7 +89,7 @@ def build_runner(
         return Sampler(trainer.steps.graphdef, state, cfg, sampler_cfg, eos, decode, scale, programs)
 
     sampler = make_sampler(lambda: trainer.base)
-    io = WeightsIO(lora_template, base_model, model_dir, mesh)
+    io = WeightsIO(base_model, model_dir, mesh)
     runner = JaxRunner(
         trainer, sampler, slots, io, base_model, lambda get_base: make_sampler(get_base, sampler.programs)
     )

@@ -14,7 +14,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -22,6 +21,7 @@ from flax import nnx
 from tx.engine import train_step as ts
 from tx.engine.losses import validate_loss
 from tx.engine.train_batch import Example, build_batch, make_example, plan_rows, scatter_outputs
+from tx.lora import adapters
 from tx.lora.params import LoRAParam
 from tx.lora.slots import targets_from_flags
 from tx.models.causal_lm import CausalLM
@@ -56,6 +56,7 @@ class Trainer:
         self.steps = ts.StepFunctions(graphdef)
         # The trainer updates LoRA slots in place (donated buffers), so it owns a copy of them.
         self.lora = {p: jnp.array(v, copy=True) for p, v in ts.flat(lora).items()}
+        self._lora_vars = [(tuple(str(k) for k in path), var) for path, var in nnx.to_flat_state(lora)]
         self.base = ts.flat(base)
         self.config = model.config
         self.micro_batch_tokens = micro_batch_tokens
@@ -75,20 +76,16 @@ class Trainer:
     # ---- runs -------------------------------------------------------------------------------------
 
     def create_lora_run(self, run_id: str, cfg: LoraConfig, slot: int, seed: int = 0) -> Run:
+        """A fresh adapter in `slot`, initialised as PEFT does (so training starts at the base model)."""
         targets = lora_targets(cfg)
-        paths = [p for p in self.lora if p[-2] in targets]
-        key = jax.random.key(seed if cfg.seed is None else cfg.seed)
-        params: Flat = {}
-        for i, p in enumerate(sorted(paths)):
-            shape = ts.take_slot(self.lora[p], jnp.int32(slot), cfg.rank, ts.is_lora_a(p)).shape
-            if ts.is_lora_a(p):  # PEFT's default: kaiming-uniform A, zero B, so training starts at the base
-                bound = 1.0 / np.sqrt(shape[-2])
-                params[p] = jax.random.uniform(jax.random.fold_in(key, i), shape, jnp.float32, -bound, bound)
-            else:
-                params[p] = jnp.zeros(shape, jnp.float32)
-        self.clear_slot(slot)
-        self.lora = ts.write_slot_params(self.lora, jnp.int32(slot), params)
+        self.take_lora(
+            adapters.init_slot(self.lora_view(), slot, cfg.rank, targets, seed if cfg.seed is None else cfg.seed)
+        )
         self.scale[slot] = np.where(np.arange(self.max_rank) < cfg.rank, cfg.alpha / cfg.rank, 0.0)
+        slot_ = jnp.int32(slot)
+        params = {
+            p: ts.take_slot(v, slot_, cfg.rank, ts.is_lora_a(p)) for p, v in self.lora.items() if p[-2] in targets
+        }
         run = Run(run_id, slot, cfg, _zeros(params), ts.make_optimizer().init(params))
         self.runs[run_id] = run
         return run
@@ -100,12 +97,17 @@ class Trainer:
         return run
 
     def clear_slot(self, slot: int) -> None:
-        zero = {
-            p: jnp.zeros_like(ts.take_slot(v, jnp.int32(slot), self.max_rank, ts.is_lora_a(p)))
-            for p, v in self.lora.items()
-        }
-        self.lora = ts.write_slot_params(self.lora, jnp.int32(slot), zero)
+        self.take_lora(adapters.clear_slot(self.lora_view(), slot))
         self.scale[slot] = 0.0
+
+    def lora_view(self) -> nnx.State:
+        """The adapter weights as a typed nnx State (logical-axis metadata) for `tx.lora.adapters`."""
+        return nnx.from_flat_state([(path, var.replace(self.lora[path])) for path, var in self._lora_vars])
+
+    def take_lora(self, state: nnx.State) -> None:
+        """Adopt the arrays of a State returned by `tx.lora.adapters` (which consumed the previous ones)."""
+        for path, var in nnx.to_flat_state(state):
+            self.lora[tuple(str(k) for k in path)] = var.get_value()
 
     def drop_run(self, run_id: str) -> Run:
         run = self.runs.pop(run_id)

@@ -1,9 +1,5 @@
-"""Moving adapter slots to and from disk (PEFT format), and the full fine-tuning memory check.
-
-The trainer keeps LoRA weights as plain arrays; the slot functions of `tx.lora.adapters` want the
-typed nnx view (they read the logical axes), so this module rebuilds that view around the current
-arrays and hands the updated arrays back to the trainer.
-"""
+"""Moving adapter slots to and from disk (PEFT format), full weight sets too, and the full fine-tuning
+memory check. Adapter slots are read and written through the trainer's typed view (`lora_view`)."""
 
 from __future__ import annotations
 
@@ -22,26 +18,14 @@ from tx.protocol import LoraConfig
 
 
 class WeightsIO:
-    def __init__(self, lora_template: nnx.State, base_model: str, model_dir: Path, mesh: Mesh | None = None) -> None:
-        self.template = list(nnx.to_flat_state(lora_template))
+    def __init__(self, base_model: str, model_dir: Path, mesh: Mesh | None = None) -> None:
         self.base_model = base_model
         self.model_dir = model_dir
         self.mesh = mesh
 
-    def _view(self, trainer: Trainer) -> nnx.State:
-        pairs = []
-        for path, var in self.template:
-            key = tuple(str(k) for k in path)
-            pairs.append((path, var.replace(trainer.lora[key])))
-        return nnx.from_flat_state(pairs)
-
-    def _take_back(self, trainer: Trainer, state: nnx.State) -> None:
-        for path, var in nnx.to_flat_state(state):
-            trainer.lora[tuple(str(k) for k in path)] = var.get_value()
-
     def save_peft(self, dest: Path, trainer: Trainer, slot: int, lora: LoraConfig) -> int:
         targets = lora_targets(lora)
-        weights = adapters.read_slot(self._view(trainer), slot, lora.rank, targets)
+        weights = adapters.read_slot(trainer.lora_view(), slot, lora.rank, targets)
         config = peft.AdapterConfig(lora.rank, lora.alpha, tuple(sorted(targets)), self.base_model)
         peft.save_peft(dest, config, weights)
         return sum(f.stat().st_size for f in dest.iterdir() if f.is_file())
@@ -59,8 +43,7 @@ class WeightsIO:
 
     def load_peft(self, source: Path, trainer: Trainer, slot: int) -> None:
         config, weights = peft.load_peft(source)
-        state = adapters.write_slot(self._view(trainer), slot, config, weights)
-        self._take_back(trainer, state)
+        trainer.take_lora(adapters.write_slot(trainer.lora_view(), slot, config, weights))
         trainer.scale[slot] = np.where(np.arange(trainer.max_rank) < config.rank, config.scaling, 0.0)
 
     def save_full(self, dest: Path, weights: dict, cfg: ModelConfig) -> int:
