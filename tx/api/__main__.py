@@ -75,7 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--api-keys-file", default=None, help="file with one accepted API key per line ('#' comments)")
     p.add_argument(
-        "--session-timeout", type=float, default=600.0, help="seconds without heartbeat before a session expires"
+        "--session-timeout",
+        type=float,
+        default=180.0,
+        help="seconds without a heartbeat (the SDK sends one every 10 s) before a session expires and its runs "
+        "are unloaded, giving their adapter slots back (default 180)",
     )
     p.add_argument("--log-level", default="info", help="logging level (default info)")
     return p.parse_args(argv)
