@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+import httpx
 import pytest
+import tinker
 
 from api.fake_runner import FakeRunner
-from api.harness import KEY, MODEL, Server, running_server
+from api.harness import KEY, MODEL, OTHER_KEY, Server, running_server
 
 os.environ["TINKER_TELEMETRY"] = "0"
 
@@ -37,3 +39,19 @@ def service(server: Server):
 @pytest.fixture(scope="session")
 def training(service):
     return service.create_lora_training_client(base_model=MODEL.base_model, rank=8).result()
+
+
+# Clients shared by the API test modules (module-scoped: each module gets its own connections).
+@pytest.fixture(scope="module")
+def http(server: Server) -> httpx.Client:
+    return httpx.Client(base_url=server.url + "/api/v1", headers={"X-API-Key": KEY}, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def other(server: Server) -> httpx.Client:
+    return httpx.Client(base_url=server.url + "/api/v1", headers={"X-API-Key": OTHER_KEY}, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def rest(server: Server) -> tinker.RestClient:
+    return tinker.RestClient(base_url=server.url, api_key=KEY)

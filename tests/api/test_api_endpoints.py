@@ -14,21 +14,6 @@ from api.harness import KEY, MODEL, OTHER_KEY, PROTO, Server, proto_body
 from tx.db import owner_of
 
 
-@pytest.fixture(scope="module")
-def http(server: Server) -> httpx.Client:
-    return httpx.Client(base_url=server.url + "/api/v1", headers={"X-API-Key": KEY}, timeout=30)
-
-
-@pytest.fixture(scope="module")
-def other(server: Server) -> httpx.Client:
-    return httpx.Client(base_url=server.url + "/api/v1", headers={"X-API-Key": OTHER_KEY}, timeout=30)
-
-
-@pytest.fixture(scope="module")
-def rest(server: Server) -> tinker.RestClient:
-    return tinker.RestClient(base_url=server.url, api_key=KEY)
-
-
 def test_flag_gated_endpoints_stay_off(http: httpx.Client) -> None:
     config = http.post("/client/config", json={"sdk_version": "0.38.0"}).json()
     for flag in ("sample_use_retrieve_futures", "custom_loss_server_side", "sample_join_sampling_session"):

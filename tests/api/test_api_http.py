@@ -20,11 +20,6 @@ from tx.db.tables import SessionRow, utcnow
 
 
 @pytest.fixture(scope="module")
-def http(server: Server) -> httpx.Client:
-    return httpx.Client(base_url=server.url + "/api/v1", headers={"X-API-Key": KEY}, timeout=30)
-
-
-@pytest.fixture(scope="module")
 def model_id(http: httpx.Client) -> str:
     session_id = http.post("/create_session", json={"tags": []}).json()["session_id"]
     body = {"session_id": session_id, "model_seq_id": 0, "base_model": MODEL.base_model, "lora_config": {"rank": 4}}

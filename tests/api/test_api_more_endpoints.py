@@ -16,21 +16,6 @@ from tx.db import owner_of
 
 
 @pytest.fixture(scope="module")
-def http(server: Server) -> httpx.Client:
-    return httpx.Client(base_url=server.url + "/api/v1", headers={"X-API-Key": KEY}, timeout=30)
-
-
-@pytest.fixture(scope="module")
-def other(server: Server) -> httpx.Client:
-    return httpx.Client(base_url=server.url + "/api/v1", headers={"X-API-Key": OTHER_KEY}, timeout=30)
-
-
-@pytest.fixture(scope="module")
-def rest(server: Server) -> tinker.RestClient:
-    return tinker.RestClient(base_url=server.url, api_key=KEY)
-
-
-@pytest.fixture(scope="module")
 def source(training) -> str:
     return training.save_state("copy-src").result().path
 

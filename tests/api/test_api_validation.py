@@ -15,11 +15,6 @@ from api.harness import KEY, MODEL, PROTO, Server, proto_body
 
 
 @pytest.fixture(scope="module")
-def http(server: Server) -> httpx.Client:
-    return httpx.Client(base_url=server.url + "/api/v1", headers={"X-API-Key": KEY}, timeout=30)
-
-
-@pytest.fixture(scope="module")
 def ids(http: httpx.Client) -> dict[str, str]:
     session_id = http.post("/create_session", json={}).json()["session_id"]
     body = {"session_id": session_id, "model_seq_id": 0, "base_model": MODEL.base_model, "lora_config": {"rank": 4}}
