@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from tx.protocol import AdamParams
+
 
 class ClientConfigRequest(BaseModel):
     sdk_version: str | None = None
@@ -59,13 +61,16 @@ class ModelRef(BaseModel):
     model_id: str
 
 
+_ADAM = AdamParams()  # the defaults live once, on the protocol type
+
+
 class AdamParamsIn(BaseModel):
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+    learning_rate: float = _ADAM.learning_rate
+    beta1: float = _ADAM.beta1
+    beta2: float = _ADAM.beta2
+    eps: float = _ADAM.eps
+    weight_decay: float = _ADAM.weight_decay
+    grad_clip_norm: float = _ADAM.grad_clip_norm
 
 
 class OptimStepRequest(BaseModel):
