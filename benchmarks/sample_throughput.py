@@ -3,7 +3,8 @@
 For each batch size B, B independent requests (prompt P random tokens, T new tokens, temperature 1, no
 early stop) are submitted at once and stepped until done; prefill is included, as in HF `generate`. The
 first run of a shape pays its compiles; `compile_s` is that run's wall time minus the steady run's.
-Variants: `base` (a model without adapters) and `lora` (rank-8 adapter slots, every row on slot 1).
+Variants: `base` (a model without adapters) and `lora` (the server's 9 slots of max rank 32, every row on
+a rank-8 adapter in slot 1).
 
     python benchmarks/sample_throughput.py                 # small shape, B = 1, 8, 32
     python benchmarks/sample_throughput.py --full          # ... and B = 128
@@ -43,6 +44,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 HEAD_DIM = {"small": 64, "qwen3-0.6b": 128}
 LORA_RANK = 8
+LORA_SLOTS, MAX_RANK = 9, 32  # the server defaults (--max-lora-adapters 8, --max-lora-rank 32)
 
 
 def model_config(shape: str) -> ModelConfig:
@@ -71,13 +73,14 @@ def random_state(cfg: ModelConfig, lora: LoRASpec | None, seed: int = 0) -> tupl
 
 
 def make_sampler(cfg: ModelConfig, lora: bool, max_rows: int, max_seq_len: int) -> Sampler:
-    spec = LoRASpec(slots=2, max_rank=LORA_RANK) if lora else None
+    """`lora`: the server's default stack (8 adapter slots + the zero slot, max rank 32) holding one
+    rank-8 adapter in slot 1."""
+    spec = LoRASpec(slots=LORA_SLOTS, max_rank=MAX_RANK) if lora else None
     graphdef, state = random_state(cfg, spec)
-    scale = jax.numpy.stack([jax.numpy.zeros(LORA_RANK), slot_scale(LORA_RANK, 16.0, LORA_RANK)]) if lora else None
+    scale = np.zeros((LORA_SLOTS, MAX_RANK), np.float32)
+    scale[1] = np.asarray(slot_scale(LORA_RANK, 32.0, MAX_RANK))
     sampler_cfg = SamplerConfig(max_rows=max_rows, max_seq_len=max_seq_len, chunk_steps=16)
-    return Sampler(
-        graphdef, lambda: state, cfg, sampler_cfg, [], lambda ids: "", None if scale is None else lambda: scale
-    )
+    return Sampler(graphdef, lambda: state, cfg, sampler_cfg, [], lambda ids: "", (lambda: scale) if lora else None)
 
 
 def run_batch(sampler: Sampler, batch: int, prompt_len: int, new_tokens: int, vocab: int, slot: int) -> float:
@@ -146,6 +149,8 @@ def main() -> None:
         new_tokens=args.new_tokens,
         chunk_steps=16,
         lora_rank=LORA_RANK,
+        lora_slots=LORA_SLOTS,
+        max_lora_rank=MAX_RANK,
         jax=jax.__version__,
         backend=jax.default_backend(),
         machine=platform.machine(),

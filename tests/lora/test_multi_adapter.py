@@ -23,6 +23,7 @@ from tx.lora.layers import LoRASpec  # noqa: E402
 from tx.lora.merge import merge_to_hf  # noqa: E402
 from tx.lora.params import LoRAParam, LoRARows  # noqa: E402
 from tx.lora.peft import SUPPORTED_TARGETS, AdapterConfig, load_peft, save_peft  # noqa: E402
+from tx.lora.select import select, take_adapters_state  # noqa: E402
 from tx.lora.slots import SlotTable  # noqa: E402
 from tx.models.sharding import make_mesh  # noqa: E402
 from tx.models.weights import load_model  # noqa: E402
@@ -98,6 +99,19 @@ def test_mixed_batch_rows_equal_each_row_alone(served):
     np.testing.assert_allclose(got[[1, 3]], np.asarray(base)[[1, 3]], atol=1e-6, rtol=0)
     for r, slot in enumerate(mixed):
         np.testing.assert_allclose(got[r], served.logits([slot] * 4)[r], atol=1e-5, rtol=0)
+
+
+def test_selected_slots_equal_the_full_stack(served):
+    """What the engine runs: the stack cut to the slots a batch uses (G=1, G=2, none) gives the same logits."""
+    one, two = served.adapters["one"][0], served.adapters["two"][0]
+    state = nnx.state(served.model)
+    for slots in ([one] * 4, [one, 0, two, 0], [0] * 4):
+        sel = select(slots, served.table.scale_table())
+        if sel is None:
+            got = served.forward(state, TOKENS, None)
+        else:
+            got = served.forward(take_adapters_state(state, sel), TOKENS, sel.rows)
+        np.testing.assert_allclose(np.asarray(got), served.logits(slots), atol=1e-5, rtol=0)
 
 
 def test_read_slot_exports_to_peft_and_merge(served, tmp_path):

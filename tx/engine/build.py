@@ -8,8 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from tx.engine.compiles import enable_persistent_cache, install_counter
@@ -79,8 +78,8 @@ def build_runner(
 
     sampler_cfg = SamplerConfig(max_rows=decode_rows, max_seq_len=seq_len)
 
-    def scale() -> jax.Array:
-        return jnp.asarray(trainer.scale)
+    def scale() -> np.ndarray:
+        return trainer.scale
 
     def make_sampler(get_base: Callable[[], dict], programs: Any = None) -> Sampler:
         def state() -> nnx.State:

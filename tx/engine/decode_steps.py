@@ -20,6 +20,7 @@ from flax import nnx
 
 from tx.engine.sampling import row_keys, select_tokens
 from tx.lora.params import LoRARows
+from tx.lora.select import Selection, take_adapters_state
 from tx.models.causal_lm import KVCache
 
 
@@ -35,7 +36,6 @@ class DecodeRows:
     temperature: jax.Array  # float32, 0 = greedy
     top_k: jax.Array  # int32, <= 0 = off
     top_p: jax.Array  # float32, 1 = off
-    slot: jax.Array  # int32 adapter slot (0 = base)
 
 
 @jax.tree_util.register_dataclass
@@ -46,7 +46,6 @@ class PrefillBatch:
     tokens: jax.Array  # [N, P] int32
     positions: jax.Array  # [N, P] int32; P on padding, so its writes are dropped
     targets: jax.Array  # [N, P] int32: the next prompt token, scored when prompt logprobs are wanted
-    slot: jax.Array  # [N] int32
 
 
 @jax.tree_util.register_dataclass
@@ -73,11 +72,13 @@ class DecodePrograms:
         self.resize = jax.jit(self._resize, static_argnames="length")
 
     def _decode(
-        self, state: nnx.State, scale: jax.Array | None, cache: KVCache, rows: DecodeRows
+        self, state: nnx.State, adapters: Selection | None, cache: KVCache, rows: DecodeRows
     ) -> tuple[KVCache, jax.Array, jax.Array]:
-        """`chunk_steps` decode steps -> (cache, sampled tokens [B, C], their raw logprobs [B, C])."""
+        """`chunk_steps` decode steps -> (cache, sampled tokens [B, C], their raw logprobs [B, C]).
+
+        `adapters` selects the adapter slots the rows read (None: no row has one), see `tx.lora.select`."""
         self.compile_count += 1  # runs only while tracing
-        lora = None if scale is None else LoRARows(rows.slot, scale)
+        state, lora = _select(state, adapters)
 
         def one_step(carry: tuple, _: None) -> tuple[tuple, tuple[jax.Array, jax.Array]]:
             cache, token, position, step = carry
@@ -94,16 +95,16 @@ class DecodePrograms:
         return cache, tokens_CB.T, logprobs_CB.T
 
     def _prefill(
-        self, state: nnx.State, scale: jax.Array | None, batch: PrefillBatch, *, scores: bool, topk: int
+        self, state: nnx.State, adapters: Selection | None, batch: PrefillBatch, *, scores: bool, topk: int
     ) -> tuple[KVCache, PromptScores | None]:
         """The prompts' own cache [L, N, P, K, E], and their scores when `scores`.
 
         Kept apart from `insert` so that this, the expensive compile, does not depend on the decode shape.
         """
         self.compile_count += 1
+        state, lora = _select(state, adapters)
         model = nnx.merge(self.graphdef, state)
         N, P = batch.tokens.shape
-        lora = None if scale is None else LoRARows(batch.slot, scale)
         h_NPD, fresh = model.hidden(batch.tokens, batch.positions, rows=lora, cache=KVCache.zeros(model.config, N, P))
         assert fresh is not None
         if not scores:
@@ -123,6 +124,12 @@ class DecodePrograms:
         """Decode rows `index` [B'] of `cache`, cut or zero-padded to `length` positions."""
         self.compile_count += 1
         return KVCache(_take_rows(cache.k, index, length), _take_rows(cache.v, index, length))
+
+
+def _select(state: nnx.State, adapters: Selection | None) -> tuple[nnx.State, LoRARows | None]:
+    if adapters is None:
+        return state, None
+    return take_adapters_state(state, adapters), adapters.rows
 
 
 def _copy_rows(dst_LBSKE: jax.Array, src_LNPKE: jax.Array, source_B: jax.Array) -> jax.Array:

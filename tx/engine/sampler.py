@@ -21,14 +21,14 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 
-import jax
 import numpy as np
 from flax import nnx
 
 from tx.engine.batching import bucket_size
 from tx.engine.decode_steps import DecodePrograms
-from tx.engine.sampler_rows import Job, Row, decode_rows, prefill_batch, prompt_results
+from tx.engine.sampler_rows import Job, Row, decode_rows, prefill_batch, prompt_results, row_slots
 from tx.engine.sampling import StopChecker, resolve_seed, sample_seeds
+from tx.lora.select import Selection, select
 from tx.models.causal_lm import KVCache
 from tx.models.config import ModelConfig
 from tx.protocol import RequestError, SampleRequest, SampleResult
@@ -107,11 +107,12 @@ class Sampler:
         cfg: SamplerConfig,
         eos_token_ids: Sequence[int],
         decode: Callable[[list[int]], str],
-        lora_scale: Callable[[], jax.Array] | None,
+        lora_scale: Callable[[], np.ndarray] | None,
         programs: DecodePrograms | None = None,
     ) -> None:
-        """`programs`: share another sampler's compiled programs (same graph and config), e.g. the sampler of
-        a full fine-tuning snapshot reuses the base sampler's compiles."""
+        """`lora_scale()`: the [S, R] scale table of the adapter slots (host memory), None for a model
+        without adapters. `programs`: share another sampler's compiled programs (same graph and config),
+        e.g. the sampler of a full fine-tuning snapshot reuses the base sampler's compiles."""
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.get_state = get_state
@@ -242,12 +243,12 @@ class Sampler:
         planned = prefill_batch(self._rows, new_rows, self.cfg.row_buckets, self.cfg.length_buckets)
         if planned is None:
             return
-        batch, source, pieces = planned
+        batch, slots, source, pieces = planned
         scored = [job for job in pieces if job.wants_prompt_scores()]
         topk = max((job.req.topk_prompt_logprobs for job in scored), default=0)
         topk = min(bucket_size(topk), self.model_cfg.vocab_size) if topk else 0
-        scale = None if self.lora_scale is None else self.lora_scale()
-        fresh, scores = self.programs.prefill(self.get_state(), scale, batch, scores=bool(scored), topk=topk)
+        adapters = self._adapters(slots)
+        fresh, scores = self.programs.prefill(self.get_state(), adapters, batch, scores=bool(scored), topk=topk)
         self._cache = self.programs.insert(self._cache, fresh, source)
         self.prefill_count += len(pieces)
         if scores is not None:
@@ -257,9 +258,9 @@ class Sampler:
 
     def _decode_chunk(self) -> list[Outcome]:
         assert self._cache is not None
-        scale = None if self.lora_scale is None else self.lora_scale()
         rows = decode_rows(self._rows, self._cache.k.shape[2])
-        self._cache, tokens_BC, logprobs_BC = self.programs.decode(self.get_state(), scale, self._cache, rows)
+        adapters = self._adapters(row_slots(self._rows))
+        self._cache, tokens_BC, logprobs_BC = self.programs.decode(self.get_state(), adapters, self._cache, rows)
         tokens_BC, logprobs_BC = np.asarray(tokens_BC), np.asarray(logprobs_BC)
         out: list[Outcome] = []
         for index, row in enumerate(self._rows):
@@ -270,6 +271,9 @@ class Sampler:
                 if row.job.done():
                     out.append((row.job.request_id, row.job.result()))
         return out
+
+    def _adapters(self, slots: np.ndarray) -> Selection | None:
+        return None if self.lora_scale is None else select(slots, np.asarray(self.lora_scale()))
 
     def _fail_active(self, message: str) -> list[Outcome]:
         """Fail every request with a row in the cache (the cache is gone)."""

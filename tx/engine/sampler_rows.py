@@ -90,23 +90,28 @@ def decode_rows(table: Sequence[Row | None], length: int) -> DecodeRows:
     """The decode chunk's per-row inputs; empty rows sit at position `length`, where writes drop."""
     B = len(table)
     token, position, step = np.zeros(B, np.int32), np.full(B, length, np.int32), np.zeros(B, np.int32)
-    seed, slot, top_k = np.zeros(B, np.uint32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+    seed, top_k = np.zeros(B, np.uint32), np.zeros(B, np.int32)
     temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)
     for i, row in enumerate(table):
         if row is None:
             continue
         p = row.job.req.params
         token[i], position[i], step[i] = row.token, row.position, len(row.tokens)
-        seed[i], slot[i] = row.job.seeds[row.sample], row.job.slot
+        seed[i] = row.job.seeds[row.sample]
         temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
-    return DecodeRows(token, position, step, seed, temperature, top_k, top_p, slot)  # type: ignore[arg-type]
+    return DecodeRows(token, position, step, seed, temperature, top_k, top_p)  # type: ignore[arg-type]
+
+
+def row_slots(table: Sequence[Row | None]) -> np.ndarray:
+    """The adapter slot of every decode row (0 for empty rows)."""
+    return np.array([0 if row is None else row.job.slot for row in table], np.int32)
 
 
 def prefill_batch(
     table: Sequence[Row | None], new_rows: Sequence[Row], row_buckets: Sequence[int], length_buckets: Sequence[int]
-) -> tuple[PrefillBatch, np.ndarray, list[Job]] | None:
-    """One prefill row per newly admitted job with a prompt of 2+ tokens, and the prefill row each decode
-    row copies (-1: none): every new row of a job receives its job's row."""
+) -> tuple[PrefillBatch, np.ndarray, np.ndarray, list[Job]] | None:
+    """One prefill row per newly admitted job with a prompt of 2+ tokens, the adapter slot of each prefill
+    row, and the prefill row each decode row copies (-1: none): every new row of a job receives its job's row."""
     jobs = list({id(row.job): row.job for row in new_rows if len(row.job.req.prompt) > 1}.values())
     if not jobs:
         return None
@@ -124,7 +129,7 @@ def prefill_batch(
     source = np.array(
         [piece.get(id(row.job), -1) if row is not None and id(row) in fresh else -1 for row in table], np.int32
     )
-    return PrefillBatch(tokens, positions, targets, slot), source, jobs  # type: ignore[arg-type]
+    return PrefillBatch(tokens, positions, targets), slot, source, jobs  # type: ignore[arg-type]
 
 
 def prompt_results(jobs: Sequence[Job], scores: PromptScores) -> None:

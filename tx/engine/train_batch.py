@@ -26,7 +26,7 @@ from tx.engine.batching import (
 )
 from tx.engine.losses import LossInputs
 from tx.engine.train_step import TrainBatch
-from tx.lora.params import LoRARows
+from tx.lora.select import select
 from tx.protocol import Datum
 
 
@@ -123,8 +123,8 @@ def build_batch(examples: Sequence[Example], batch: PackedBatch, scale: np.ndarr
         kind=dev(kind),
         config=dev(config),
     )
-    rows = LoRARows(dev(slot), dev(scale))
-    out = TrainBatch(dev(tokens), dev(batch.positions), dev(batch.segment_ids), dev(targets), rows, loss)
+    adapters = select(slot, scale)
+    out = TrainBatch(dev(tokens), dev(batch.positions), dev(batch.segment_ids), dev(targets), adapters, loss)
     return out, datums
 
 

@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 
 from tx.engine.losses import LossInputs, token_losses
-from tx.lora.params import LoRARows
+from tx.lora.select import Selection, take_adapters
 
 Flat = dict[tuple[str, ...], jax.Array]
 
@@ -31,7 +31,7 @@ class TrainBatch:
     positions: jax.Array  # [R, T] int32, restarting per packed segment
     segments: jax.Array  # [R, T] int32, 0 = padding
     targets: jax.Array  # [R, T, K] int32
-    rows: LoRARows
+    adapters: Selection | None  # the slots the rows read (None: no row has an adapter)
     loss: LossInputs  # over the N = R*T flattened tokens
 
 
@@ -43,8 +43,9 @@ class StepOutputs:
 
 
 def _outputs(model: Any, batch: TrainBatch) -> tuple[jax.Array, StepOutputs]:
-    h, _ = model.hidden(batch.tokens, batch.positions, batch.segments, batch.rows)
-    logp = jax.nn.log_softmax(model.logits(h, batch.rows), axis=-1)  # [R, T, V]
+    rows = None if batch.adapters is None else batch.adapters.rows
+    h, _ = model.hidden(batch.tokens, batch.positions, batch.segments, rows)
+    logp = jax.nn.log_softmax(model.logits(h, rows), axis=-1)  # [R, T, V]
     target_lp = jnp.take_along_axis(logp, batch.targets, axis=-1)  # [R, T, K]
     R, T, K = batch.targets.shape
     target_lp = target_lp.reshape(R * T, K)
@@ -62,7 +63,12 @@ def as_state(weights: Flat) -> nnx.State:
 
 
 class StepFunctions:
-    """The compiled programs for one model graph; `lora` is the trainable split when True."""
+    """The compiled programs for one model graph; `lora` is the trainable split when True.
+
+    Every program first cuts the stacked adapters to the batch's selection (`tx.lora.select`), so a
+    LoRA gradient comes back over the compact stack: [..., G, in, R'] / [..., G, R', out], indexed
+    like `batch.adapters.active`.
+    """
 
     def __init__(self, graphdef: nnx.GraphDef) -> None:
         self.graphdef = graphdef
@@ -74,15 +80,21 @@ class StepFunctions:
         return nnx.merge(self.graphdef, as_state(lora), as_state(base))
 
     def _forward(self, lora: Flat, base: Flat, batch: TrainBatch) -> StepOutputs:
-        return _outputs(self.model(lora, base), batch)[1]
+        return _outputs(self.model(_compact(lora, batch), base), batch)[1]
 
     def _grad(self, lora: Flat, base: Flat, batch: TrainBatch, *, train_lora: bool) -> tuple[Flat, StepOutputs]:
+        lora = _compact(lora, batch)
+
         def loss_fn(trainable: Flat, frozen: Flat) -> tuple[jax.Array, StepOutputs]:
             pair = (trainable, frozen) if train_lora else (frozen, trainable)
             return _outputs(self.model(*pair), batch)
 
         grads, out = jax.grad(loss_fn, has_aux=True)(*((lora, base) if train_lora else (base, lora)))
         return grads, out
+
+
+def _compact(lora: Flat, batch: TrainBatch) -> Flat:
+    return lora if batch.adapters is None else take_adapters(lora, batch.adapters)
 
 
 # ---- per-run slices of the stacked adapter slots -------------------------------------------------
@@ -108,7 +120,8 @@ def put_slot(x: jax.Array, slot: jax.Array, value: jax.Array, a: bool) -> jax.Ar
 
 @functools.partial(jax.jit, static_argnames=("ranks",), donate_argnums=0)
 def accumulate_slot(acc: Flat, grads: Flat, slot: jax.Array, ranks: tuple) -> Flat:
-    """acc[path] += the slot's slice of grads[path] (LoRA runs; `ranks` is static, one per path)."""
+    """acc[path] += slice `slot` of grads[path] (LoRA runs: the run's index in the compact stack the
+    gradient was taken over; `ranks` is static, one per path)."""
     rank = dict(ranks)
     return {p: acc[p] + take_slot(grads[p], slot, rank[p], is_lora_a(p)) for p in acc}
 

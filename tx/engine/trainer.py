@@ -167,9 +167,12 @@ class Trainer:
             full[0].grads = ts.accumulate_full(full[0].grads, grads)
             return out
         grads, out = self.steps.lora_grad(self.lora, base, inputs)
+        assert inputs.adapters is not None  # a LoRA run's rows always carry its slot
+        active = [int(s) for s in np.asarray(inputs.adapters.active)]
         for run_id in sorted(needs_grad):
             run = self.runs[run_id]
-            run.grads = ts.accumulate_slot(run.grads, grads, jnp.int32(run.slot), run.ranks)
+            index = jnp.int32(active.index(run.slot))  # the run's place in the compact stack
+            run.grads = ts.accumulate_slot(run.grads, grads, index, run.ranks)
         return out
 
     def _results(self, work, examples, owner, outputs) -> list[ForwardBackwardResult]:

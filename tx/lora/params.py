@@ -23,7 +23,8 @@ class LoRAParam(nnx.Param):
 class LoRARows:
     """Which adapter each batch row uses, and how each slot's rank columns are scaled.
 
-    slot:  [B] int32, the adapter slot of every row (0 = base model only).
+    slot:  [B] int32, the adapter slot of every row in the stack the layers hold (0 = the zero slot of
+           the full stack, -1 = no adapter term at all; see `tx.lora.select` for compacted stacks).
     scale: [S, R] float32, `alpha / rank` on the slot's first `rank` columns and 0 elsewhere, so a
            run whose rank is below the stacked maximum is masked rather than reshaped (and slot 0,
            all zeros, reproduces the base model exactly).

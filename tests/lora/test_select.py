@@ -1,0 +1,90 @@
+"""Adapter selection: a program that compacts the stacked slots to the ones its rows use (and their rank
+bucket) computes the same adapter terms, and the same gradients, as the full stack."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tx.lora.kernels import lora_delta
+from tx.lora.params import LoRARows, slot_scale
+from tx.lora.select import Selection, rank_bucket, select, take_adapters
+
+S, I, O, R = 6, 24, 20, 32
+RANKS = {1: 4, 2: 8, 3: 16, 4: 32, 5: 2}  # slot -> rank; slot 0 is the zero slot
+
+
+@pytest.fixture(scope="module")
+def stack():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((S, I, R)).astype(np.float32)
+    b = rng.standard_normal((S, R, O)).astype(np.float32)
+    a[0], b[0] = 0.0, 0.0
+    scale = np.zeros((S, R), np.float32)
+    for slot, rank in RANKS.items():
+        scale[slot] = np.asarray(slot_scale(rank, 2.0 * rank + 1, R))
+        # Columns past the slot's rank hold junk: masking, not zeros, must keep them out.
+        a[slot, :, rank:] = 7.0
+    x = rng.standard_normal((5, 3, I)).astype(np.float32)
+    return x, a, b, scale
+
+
+def test_rank_bucket():
+    assert [rank_bucket(r, 32) for r in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
+    assert rank_bucket(4, 4) == 4 and rank_bucket(20, 24) == 24
+
+
+def test_select_lists_used_slots_padded():
+    scale = np.zeros((S, R), np.float32)
+    scale[1, :4] = 1.0
+    scale[3, :16] = 2.0
+    assert select([0, 0, 0], scale) is None
+    sel = select([3, 0, 1, 3, 0], scale)
+    assert sel is not None
+    np.testing.assert_array_equal(sel.active, [1, 3])
+    np.testing.assert_array_equal(sel.rows.slot, [1, -1, 0, 1, -1])
+    assert sel.rank == 16 and sel.rows.scale.shape == (2, 16)
+    three = select([1, 3, 5], scale)
+    assert three is not None
+    np.testing.assert_array_equal(three.active, [1, 3, 5, 0])  # padded to a power of two with slot 0
+    assert not np.any(three.rows.scale[3])
+    with pytest.raises(ValueError, match="outside the 6 slots"):
+        select([S], scale)
+
+
+@pytest.mark.parametrize("kernel", ["gather", "grouped"])
+@pytest.mark.parametrize("slots", [[1, 1, 1, 1, 1], [2, 0, 2, 0, 0], [0, 4, 1, 0, 5], [3, 1, 2, 5, 4]])
+def test_compact_equals_full_stack(stack, kernel, slots):
+    x, a, b, scale = stack
+    full = lora_delta(jnp.asarray(x), LoRARows(jnp.asarray(slots, jnp.int32), jnp.asarray(scale)), a, b, kernel)
+    sel = select(slots, scale)
+    assert sel is not None
+    cut = take_adapters({("p", "lora_a"): jnp.asarray(a), ("p", "lora_b"): jnp.asarray(b)}, sel)
+    got = lora_delta(jnp.asarray(x), sel.rows, cut[("p", "lora_a")], cut[("p", "lora_b")], kernel)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(full), rtol=1e-5, atol=1e-4)
+    for r, slot in enumerate(slots):
+        if slot == 0:
+            assert not np.any(np.asarray(got[r]))  # rows without an adapter get exactly nothing
+
+
+def test_compact_gradient_is_the_slot_slice_of_the_full_gradient(stack):
+    x, a, b, scale = stack
+    slots = [2, 0, 4, 2, 0]
+
+    def loss_full(a_, b_):
+        rows = LoRARows(jnp.asarray(slots, jnp.int32), jnp.asarray(scale))
+        return jnp.sum(jnp.sin(lora_delta(jnp.asarray(x), rows, a_, b_)))
+
+    sel = select(slots, scale)
+    assert isinstance(sel, Selection)
+
+    def loss_compact(a_, b_):
+        return jnp.sum(jnp.sin(lora_delta(jnp.asarray(x), sel.rows, a_, b_)))
+
+    ga, gb = jax.grad(loss_full, argnums=(0, 1))(jnp.asarray(a), jnp.asarray(b))
+    cut = take_adapters({("p", "lora_a"): jnp.asarray(a), ("p", "lora_b"): jnp.asarray(b)}, sel)
+    ca, cb = jax.grad(loss_compact, argnums=(0, 1))(cut[("p", "lora_a")], cut[("p", "lora_b")])
+    for index, slot in enumerate(np.asarray(sel.active)[:2]):
+        rank = RANKS[int(slot)]
+        np.testing.assert_allclose(ca[index][:, :rank], ga[slot][:, :rank], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(cb[index][:rank], gb[slot][:rank], rtol=1e-5, atol=1e-5)

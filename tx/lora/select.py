@@ -1,0 +1,103 @@
+"""Only the adapters a batch uses: a program compacts the stacked slots before it runs the model.
+
+The model holds every slot (A `[..., S, in, R]`, B `[..., S, R, out]`), but a batch usually reads one or
+two of them, often at a rank below the stacked maximum. Running the kernel over all S slots at rank R
+costs memory traffic in S*R for every projection: at decode, where a step is bound by weight reads, the
+server's default 9 slots of rank 32 doubled the step time of a rank-8 adapter. So the host lists the
+slots its rows use (`select`: padded to a power of two with slot 0, whose scale is zero) and the rank
+bucket covering them; the jitted program takes those slices first (`take_adapters`, before the layer
+scan, so no layer reads a slot it does not need) and runs the model on a stack of G slots at rank R'
+with each row pointing into it. Rows without an adapter point at -1 and get no adapter term; a batch
+with no adapter rows gets no selection at all, and its program has no adapter work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tx.lora.params import LoRARows
+
+A_NAME, B_NAME = "lora_a", "lora_b"  # the attribute names of the stacked pair on every LoRA layer
+MIN_RANK_BUCKET = 8  # ranks 1..8 share one compiled shape; the extra columns cost next to nothing
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The slots a batch reads, `active` [G] (indices into the full stack), and its rows over them:
+    `rows.slot` [B] indexes `active` (-1 = no adapter) and `rows.scale` is [G, R'] for the compact stack."""
+
+    active: jax.Array
+    rows: LoRARows
+
+    @property
+    def rank(self) -> int:
+        return int(self.rows.scale.shape[-1])
+
+
+def rank_bucket(rank: int, max_rank: int) -> int:
+    """The compiled rank for a batch whose widest adapter has `rank`: a power of two >= 8, at most `max_rank`."""
+    bucket = MIN_RANK_BUCKET
+    while bucket < rank:
+        bucket *= 2
+    return min(bucket, max_rank)
+
+
+def select(slots: Sequence[int] | np.ndarray, scale: np.ndarray) -> Selection | None:
+    """The selection for rows on adapter `slots` [B] (0 = base) given the full scale table `scale` [S, R];
+    None when no row uses an adapter. G is a power of two (padded with slot 0), so shapes stay few."""
+    slots = np.asarray(slots, np.int32)
+    used = sorted({int(s) for s in slots} - {0})
+    if not used:
+        return None
+    S, R = scale.shape
+    if used[-1] >= S or used[0] < 0:
+        raise ValueError(f"adapter slot {used[-1] if used[-1] >= S else used[0]} is outside the {S} slots")
+    G = 1
+    while G < len(used):
+        G *= 2
+    G = min(G, S)
+    active = np.zeros(G, np.int32)
+    active[: len(used)] = used
+    rank = rank_bucket(max(int(np.count_nonzero(scale[s])) for s in used), R)
+    local = {s: i for i, s in enumerate(used)}
+    rows = np.array([local.get(int(s), -1) for s in slots], np.int32)
+    compact = np.array(scale[active, :rank], np.float32)
+    compact[len(used) :] = 0.0
+    return Selection(active, LoRARows(rows, compact))  # type: ignore[arg-type]
+
+
+def _take(path: tuple, x: jax.Array, active: jax.Array, rank: int) -> jax.Array | None:
+    name = str(path[-1])
+    if name == A_NAME:
+        return jnp.take(x, active, axis=x.ndim - 3)[..., :rank]
+    if name == B_NAME:
+        return jnp.take(x, active, axis=x.ndim - 3)[..., :rank, :]
+    return None
+
+
+def take_adapters(weights: Mapping[tuple, jax.Array], selection: Selection) -> dict[tuple, jax.Array]:
+    """{path: array} with every stacked adapter cut to the selected slots and rank (other entries as they are)."""
+    out = {}
+    for path, x in weights.items():
+        cut = _take(path, x, selection.active, selection.rank)
+        out[path] = x if cut is None else cut
+    return out
+
+
+def take_adapters_state(state: nnx.State, selection: Selection) -> nnx.State:
+    """`take_adapters` over an nnx State (leaves may be Variables or plain arrays)."""
+    items = []
+    for path, leaf in nnx.to_flat_state(state):
+        value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+        cut = _take(path, value, selection.active, selection.rank)
+        if cut is not None:
+            leaf = leaf.replace(cut) if isinstance(leaf, nnx.Variable) else cut
+        items.append((path, leaf))
+    return nnx.from_flat_state(items)
