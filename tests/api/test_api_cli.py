@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from tx.api import __main__ as cli
+from tx.engine.build import resolve_dtype
 
 
 def test_help_lists_every_option() -> None:
@@ -22,7 +23,9 @@ def test_help_lists_every_option() -> None:
 
 def test_defaults_and_repeatable_keys(tmp_path: Path) -> None:
     args = cli.parse_args(["--base-model", "Qwen/Qwen3-0.6B", "--api-key", "tml-a", "--api-key", "tml-b"])
-    assert (args.port, args.data_dir, args.host) == (8000, "./smolgym-data", "127.0.0.1")
+    assert (args.port, args.data_dir, args.host, args.dtype) == (8000, "./smolgym-data", "127.0.0.1", "auto")
+    # auto: float32 on CPU (no bfloat16 arithmetic there), bfloat16 on accelerators; None keeps the checkpoint's
+    assert (resolve_dtype("auto"), resolve_dtype(None), resolve_dtype("bfloat16")) == ("float32", None, "bfloat16")
     keys_file = tmp_path / "keys"
     keys_file.write_text("tml-c  # laptop\n\n# comment\ntml-d\n")
     assert cli.load_api_keys(args.api_key, str(keys_file)) == {"tml-a", "tml-b", "tml-c", "tml-d"}

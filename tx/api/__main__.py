@@ -52,7 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fsdp-size", type=int, default=1, help="devices the weights are sharded over with FSDP (default 1)"
     )
     p.add_argument(
-        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype (default bfloat16)"
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="weight and compute dtype of the base model; auto (default) = bfloat16 on GPU/TPU, float32 on CPU, "
+        "where bfloat16 has no hardware support and runs several times slower",
     )
     p.add_argument(
         "--train-micro-batch-tokens",

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -46,6 +47,14 @@ def _tokenizer(model_dir: Path) -> tuple[Any, list[int]]:
     return tok, eos
 
 
+def resolve_dtype(dtype: str | None) -> str | None:
+    """ "auto" -> bfloat16 on an accelerator, float32 on CPU (no bf16 arithmetic there: emulated, several
+    times slower than fp32); None keeps the checkpoint's own dtype; anything else as given."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
 def build_runner(
     base_model: str,
     data_dir: Path,
@@ -63,9 +72,10 @@ def build_runner(
     install_counter()
     enable_persistent_cache(Path(data_dir) / "compile-cache")
     model_dir = resolve_model_dir(base_model)
+    dtype = resolve_dtype(dtype)
     slots = SlotTable(max_lora_adapters, max_lora_rank)
     mesh = make_mesh(1, fsdp_size, tensor_parallel_size)
-    log.info("loading %s", model_dir)
+    log.info("loading %s (%s)", model_dir, dtype or "checkpoint dtype")
     model, cfg = load_model(
         str(model_dir), dtype=dtype, lora=LoRASpec(slots.slots, max_lora_rank), mesh=mesh, remat=remat
     )

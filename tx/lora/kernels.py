@@ -40,14 +40,10 @@ def _gather(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array) -> jax.Arr
     # Rows pick their adapter with a one-hot matmul rather than an index: the backward pass is then a
     # dense [B, S] x [B, I, R] product instead of a scatter-add, which XLA CPU runs element by element
     # (measured: the indexed form cost +20-30% over the base matmul per projection, this one ~0%).
-    # A row on slot -1 (no adapter) has an all-zero one-hot row, so its term is exactly zero.
+    # A row on slot -1 (no adapter) has an all-zero one-hot row, so its term is exactly zero. (A plain
+    # x @ A[0] path for a one-slot stack measured slower here: 1.8 vs 1.0 s per small training step.)
     pick = jax.nn.one_hot(rows.slot, a.shape[0], dtype=x.dtype)  # [B, S]
     coef = (pick @ rows.scale.astype(x.dtype))[:, None, :]  # [B, 1, R]: scale, 0 on rows without adapter
-    if a.shape[0] == 1:
-        # One adapter (the common case once a batch is compacted to its slots): plain matmuls over all
-        # tokens, no per-row copies of A and B, and the weight gradients are single GEMMs.
-        xa = jnp.einsum("bti,ir->btr", x, a[0].astype(x.dtype)) * coef
-        return jnp.einsum("btr,ro->bto", xa, b[0].astype(x.dtype))
     a_rows = jnp.einsum("bs,sir->bir", pick, a.astype(x.dtype))
     b_rows = jnp.einsum("bs,sro->bro", pick, b.astype(x.dtype))
     xa = jnp.einsum("bti,bir->btr", x, a_rows) * coef
