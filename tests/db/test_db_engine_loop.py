@@ -100,3 +100,30 @@ def test_unattributable_exception_fails_inflight_and_loop_survives(sqlite_db: Da
     later = _submit(sqlite_db, 2)
     engine.run_once()
     assert sqlite_db.queue.get(later).status == "done"  # type: ignore[union-attr]
+
+
+class BatchRecorder(ScriptedRunner):
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[int] = []
+
+    def submit(self, items: Sequence[WorkItem]) -> None:
+        self.batches.append(len(items))
+        super().submit(items)
+
+
+def test_burst_waits_for_a_request_still_being_written(sqlite_db: Database) -> None:
+    """A client's burst lands over several commits; the engine starts only once none is in flight."""
+    runner = BatchRecorder()
+    engine = Engine(sqlite_db.queue, runner, gather_s=1.0)
+    engine.start()
+    try:
+        sqlite_db.queue.notifier.submission_started()  # another API thread is writing its request
+        first = _submit(sqlite_db, 0)
+        time.sleep(0.1)  # far past the quiet gap that would otherwise end the burst
+        second = _submit(sqlite_db, 1)
+        sqlite_db.queue.notifier.submission_ended()
+        assert _wait_status(sqlite_db, first) == "done" and _wait_status(sqlite_db, second) == "done"
+    finally:
+        engine.stop()
+    assert runner.batches == [2]

@@ -26,9 +26,22 @@ class Notifier:
         self._work = threading.Event()
         self._lock = threading.Lock()
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]] = defaultdict(list)
+        self._submitting = 0
 
     def work_submitted(self) -> None:
         self._work.set()
+
+    def submission_started(self) -> None:
+        with self._lock:
+            self._submitting += 1
+
+    def submission_ended(self) -> None:
+        with self._lock:
+            self._submitting -= 1
+
+    def submitting(self) -> bool:
+        """True while an API thread of this process is writing a request into the queue."""
+        return self._submitting > 0
 
     def take_work_flag(self) -> bool:
         """Clear the 'new work' flag; True if it was set (call before looking for work)."""

@@ -69,13 +69,17 @@ class SqlQueue:
         rows: Sequence[SQLModel] = (),
     ) -> Submitted:
         """Queue one request; returns the existing future for a repeated `dedupe_key`."""
-        blob = codec.encode(payload)
-        digest = hashlib.blake2b(blob, digest_size=20).hexdigest()
-        request = NewRequest(kind, blob, digest, owner, model_id, seq_id, dedupe_key, list(sequence_ids), rows)
-        submitted = self._group.submit(request)
-        if not submitted.duplicate:
-            self.notifier.work_submitted()
-        return submitted
+        self.notifier.submission_started()  # the engine's burst gathering waits for requests in flight
+        try:
+            blob = codec.encode(payload)
+            digest = hashlib.blake2b(blob, digest_size=20).hexdigest()
+            request = NewRequest(kind, blob, digest, owner, model_id, seq_id, dedupe_key, list(sequence_ids), rows)
+            submitted = self._group.submit(request)
+            if not submitted.duplicate:
+                self.notifier.work_submitted()
+            return submitted
+        finally:
+            self.notifier.submission_ended()
 
     def get_by_key(self, dedupe_key: str) -> FutureRow | None:
         with Session(self.engine, expire_on_commit=False) as session:
@@ -106,6 +110,10 @@ class SqlQueue:
 
     def wait_for_work(self, timeout_s: float) -> None:
         self.notifier.wait_for_work(timeout_s)
+
+    def submitting(self) -> bool:
+        """A request is being written by this process's API right now (more work is about to arrive)."""
+        return self.notifier.submitting()
 
     def wake(self) -> None:
         self.notifier.work_submitted()

@@ -53,6 +53,8 @@ class WorkQueue(Protocol):
         """Make a pending `wait_for_work` return now (used to stop the engine promptly)."""
         ...
 
+    # Optional: `submitting() -> bool`, True while the API is writing a request (the burst is not over).
+
     def complete(self, future_id: str, result: Result) -> None: ...
 
     def fail(self, future_id: str, error: RequestError) -> None: ...
@@ -90,9 +92,11 @@ class Engine:
         *,
         claim_limit: int = 256,
         idle_wait_s: float = 5.0,
-        gather_s: float = 0.02,
+        gather_s: float = 0.05,
+        gather_quiet_s: float = 0.01,
     ) -> None:
         self.gather_s = gather_s
+        self.gather_quiet_s = gather_quiet_s
         self.queue = queue
         self.runner = runner
         self.claim_limit = claim_limit
@@ -131,19 +135,29 @@ class Engine:
         self._step()
 
     def _claim_burst(self) -> list[WorkItem]:
-        """Claim pending work. When the runner was idle, keep claiming while requests keep arriving
-        (up to `gather_s`): a client's burst (eight `sample` calls, several runs' `forward_backward`)
-        lands over a few milliseconds, and starting on its first request alone would split the batch."""
-        idle = self.runner.idle()
+        """Claim pending work. When the runner was idle, keep claiming while requests keep arriving: a
+        client's burst (eight `sample` calls, several runs' `forward_backward`) lands over a few
+        milliseconds, and starting on its first request alone would split the batch (a second prefill,
+        and rows that finish a chunk later). The burst ends after a quiet gap with no new request
+        (`gather_quiet_s` once a sample request is among them, whose decode dwarfs the wait; 2 ms for
+        training alone) while no request is still being written by the API, or after `gather_s` in all.
+        Arrivals wake the wait at once; nothing polls."""
         items = self.queue.claim(self.claim_limit)
+        if not items or not self.runner.idle():
+            return items
         deadline = time.monotonic() + self.gather_s
-        while items and idle and time.monotonic() < deadline:
-            time.sleep(self.gather_s / 10)
+        while (left := deadline - time.monotonic()) > 0:
+            sampling = any(item.kind == "sample" for item in items)
+            self.queue.wait_for_work(min(self.gather_quiet_s if sampling else 0.002, left))
             more = self.queue.claim(self.claim_limit)
-            if not more:
+            if not more and not self._submitting():
                 break
             items += more
         return items
+
+    def _submitting(self) -> bool:
+        submitting = getattr(self.queue, "submitting", None)
+        return bool(submitting()) if submitting is not None else False
 
     def _admit(self, items: list[WorkItem]) -> None:
         if not items:
