@@ -33,10 +33,6 @@ class LoRARows:
     slot: jax.Array
     scale: jax.Array
 
-    @staticmethod
-    def base_only(batch: int, slots: int, max_rank: int) -> LoRARows:
-        return LoRARows(jnp.zeros((batch,), jnp.int32), jnp.zeros((slots, max_rank), jnp.float32))
-
 
 def slot_scale(rank: int, alpha: float, max_rank: int, rslora: bool = False) -> jax.Array:
     """One row of `LoRARows.scale`: PEFT's `alpha / rank` (or `alpha / sqrt(rank)`) on the live columns."""
