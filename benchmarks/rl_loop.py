@@ -23,7 +23,6 @@ import collections
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,12 +36,6 @@ from typing import Any
 
 READY = "SmolGym ready on "
 API_KEY = "tml-bench"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def tiny_model(root: Path) -> Path:
@@ -75,7 +68,9 @@ def wait_ready(server: subprocess.Popen[str], timeout: float) -> None:
 @contextmanager
 def spawn_server(base_model: Path, data_dir: Path, dtype: str, timeout: float = 300.0) -> Iterator[str]:
     """Run `python -m tx.api` on a free loopback port; yield its URL once it printed its ready line."""
-    port = free_port()
+    from tx.demo import pick_port, stop  # only here: with --url this script imports nothing from tx
+
+    port = pick_port(0)
     cmd = [sys.executable, "-m", "tx.api", "--base-model", str(base_model), "--port", str(port)]
     cmd += ["--data-dir", str(data_dir), "--dtype", dtype, "--log-level", "warning", "--api-key", API_KEY]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -84,12 +79,7 @@ def spawn_server(base_model: Path, data_dir: Path, dtype: str, timeout: float = 
         wait_ready(server, timeout)
         yield f"http://127.0.0.1:{port}"
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop(server)
 
 
 @contextmanager
