@@ -243,6 +243,48 @@ def test_num_samples_share_one_prefill(qwen):
     assert tokens_of(again["n"]) == samples
 
 
+def test_requests_with_one_prompt_share_its_prefill(qwen):
+    """A GRPO group sent as separate calls: one prefill per distinct (prompt, weights), same tokens as alone."""
+    sampler = qwen.sampler
+    alone = {
+        seed: tokens_of(run(sampler, {"a": (make_req(PROMPTS[3], 8, temperature=1.0, seed=seed), LORA_SLOT)})[0]["a"])
+        for seed in (1, 2)
+    }
+    before = sampler.prefill_count
+    group = {f"s{seed}": (make_req(PROMPTS[3], 8, temperature=1.0, seed=seed), LORA_SLOT) for seed in (1, 2)}
+    group["base"] = (make_req(PROMPTS[3], 8, temperature=1.0, seed=1), 0)  # other weights: its own prefill
+    results, _ = run(sampler, group)
+    assert sampler.prefill_count - before == 2
+    assert tokens_of(results["s1"]) == alone[1] and tokens_of(results["s2"]) == alone[2]
+    assert tokens_of(results["base"]) != alone[1]
+
+
+def test_prompt_cache_reuses_a_prefill_until_the_weights_change(qwen):
+    scale = [qwen.scale]
+
+    def sampler_over(version: bool) -> Sampler:
+        return Sampler(
+            qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, lambda: scale[0],
+            qwen.sampler.programs, (lambda: np.asarray(scale[0]).tobytes()) if version else None,
+        )  # fmt: skip
+
+    cached, reference = sampler_over(True), sampler_over(False)
+
+    def req(seed: int) -> SampleRequest:
+        return make_req(PROMPTS[2], 8, temperature=1.0, seed=seed)
+
+    first, _ = run(cached, {"a": (req(3), LORA_SLOT)})
+    again, _ = run(cached, {"b": (req(3), LORA_SLOT), "c": (req(5), LORA_SLOT)})
+    assert cached.prefill_count == 1  # the second round copied the prompt's cache
+    assert tokens_of(again["b"]) == tokens_of(first["a"])
+    assert tokens_of(again["c"]) == tokens_of(run(reference, {"c": (req(5), LORA_SLOT)})[0]["c"])
+    scale[0] = qwen.scale * 3  # new adapter scaling: a new weights version
+    changed, _ = run(cached, {"d": (req(3), LORA_SLOT)})
+    assert cached.prefill_count == 2
+    assert tokens_of(changed["d"]) == tokens_of(run(reference, {"d": (req(3), LORA_SLOT)})[0]["d"])
+    assert tokens_of(changed["d"]) != tokens_of(first["a"])
+
+
 def test_more_samples_than_rows(qwen):
     sampler = qwen.sampler
     before = sampler.prefill_count

@@ -95,7 +95,10 @@ def build_runner(
         def state() -> nnx.State:
             return nnx.from_flat_state(list({**get_base(), **trainer.lora}.items()))
 
-        return Sampler(trainer.steps.graphdef, state, cfg, sampler_cfg, eos, decode, scale, programs)
+        def version() -> tuple[int, bytes]:  # adapter weights and scales: all a prompt's cache depends on
+            return trainer.version, trainer.scale.tobytes()
+
+        return Sampler(trainer.steps.graphdef, state, cfg, sampler_cfg, eos, decode, scale, programs, version)
 
     sampler = make_sampler(lambda: trainer.base)
     io = WeightsIO(base_model, model_dir, mesh)

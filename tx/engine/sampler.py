@@ -19,14 +19,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 from flax import nnx
 
 from tx.engine.batching import bucket_size
 from tx.engine.decode_steps import DecodePrograms
-from tx.engine.sampler_rows import Job, Row, decode_rows, prefill_batch, prompt_results, row_slots
+from tx.engine.prompt_cache import Key, PromptCache
+from tx.engine.sampler_rows import Job, Row, copy_sources, decode_rows, prefill_batch, prompt_results, row_slots
 from tx.engine.sampling import StopChecker, resolve_seed, sample_seeds
 from tx.lora.select import Selection, select
 from tx.models.causal_lm import KVCache
@@ -57,6 +58,7 @@ class SamplerConfig:
     chunk_steps: int = 16  # decode steps per jitted call
     k_cap: int = 64  # widest top-k served without a full-vocabulary sort
     max_prefill_tokens: int = 8192  # prompt tokens prefilled per step (the first request always goes)
+    prompt_cache_bytes: int = 256 << 20  # prefilled prompts kept for reuse (0 = off)
     row_buckets: tuple[int, ...] = ()  # decode (and prefill) row counts
     length_buckets: tuple[int, ...] = ()  # cache lengths and prompt lengths
 
@@ -109,10 +111,13 @@ class Sampler:
         decode: Callable[[list[int]], str],
         lora_scale: Callable[[], np.ndarray] | None,
         programs: DecodePrograms | None = None,
+        weights_version: Callable[[], Hashable] | None = None,
     ) -> None:
         """`lora_scale()`: the [S, R] scale table of the adapter slots (host memory), None for a model
         without adapters. `programs`: share another sampler's compiled programs (same graph and config),
-        e.g. the sampler of a full fine-tuning snapshot reuses the base sampler's compiles."""
+        e.g. the sampler of a full fine-tuning snapshot reuses the base sampler's compiles.
+        `weights_version()`: a value that changes whenever any weight or adapter scale `get_state` and
+        `lora_scale` return changes; with it, prefilled prompts are kept for reuse (`PromptCache`)."""
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.get_state = get_state
@@ -120,7 +125,9 @@ class Sampler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.decode = decode
         self.programs = programs or DecodePrograms(graphdef, cfg.chunk_steps, cfg.k_cap)
-        self.prefill_count = 0  # prompts prefilled (one per admitted request piece with >1 prompt token)
+        self.weights_version = weights_version
+        self.prefill_count = 0  # prompts prefilled (one per distinct prompt of an admission, cache misses only)
+        self._prompt_cache = PromptCache(cfg.prompt_cache_bytes)
         self._waiting: deque[Job] = deque()
         self._outbox: list[Outcome] = []
         self._rows: list[Row | None] = []  # one entry per cache row
@@ -238,12 +245,42 @@ class Sampler:
             self._rows[index] = row
 
     def _prefill(self, new_rows: list[Row]) -> None:
-        """Prefill each admitted request piece's prompt once, then fill in its prompt logprobs."""
+        """Give every admitted row its prompt's cache: each distinct prompt is prefilled once (rows of one
+        request, and requests with the same prompt and weights, share it), or copied from the prompt cache."""
         assert self._cache is not None
-        planned = prefill_batch(self._rows, new_rows, self.cfg.row_buckets, self.cfg.length_buckets)
-        if planned is None:
+        jobs = list({id(row.job): row.job for row in new_rows if len(row.job.req.prompt) > 1}.values())
+        if not jobs:
             return
-        batch, slots, source, pieces = planned
+        pieces: list[Job] = []  # one prefill row each
+        piece_of: dict[int, int] = {}  # id(job) -> its prefill row
+        first_of: dict[Key, int] = {}
+        hits: dict[Key, tuple[KVCache, list[Job]]] = {}
+        for job in jobs:
+            key = self._prompt_key(job)
+            if key is not None and key in first_of:  # the same prompt and weights earlier in this admission
+                piece_of[id(job)] = first_of[key]
+                continue
+            if key is not None and key in hits:
+                hits[key][1].append(job)
+                continue
+            entry = None if key is None or self.weights_version is None else self._prompt_cache.get(key)
+            if key is not None and entry is not None:
+                hits[key] = (entry, [job])
+                continue
+            if key is not None:
+                first_of[key] = len(pieces)
+            piece_of[id(job)] = len(pieces)
+            pieces.append(job)
+        if pieces:
+            keep = first_of if self.weights_version is not None else {}
+            self._prefill_pieces(pieces, copy_sources(self._rows, new_rows, piece_of), keep)
+        for entry, sharing in hits.values():
+            source = copy_sources(self._rows, new_rows, {id(job): 0 for job in sharing})
+            self._cache = self.programs.insert(self._cache, entry, source)
+
+    def _prefill_pieces(self, pieces: list[Job], source: np.ndarray, keys: dict[Key, int]) -> None:
+        assert self._cache is not None
+        batch, slots = prefill_batch(pieces, self.cfg.row_buckets, self.cfg.length_buckets)
         scored = [job for job in pieces if job.wants_prompt_scores()]
         topk = max((job.req.topk_prompt_logprobs for job in scored), default=0)
         topk = min(bucket_size(topk), self.model_cfg.vocab_size) if topk else 0
@@ -251,8 +288,21 @@ class Sampler:
         fresh, scores = self.programs.prefill(self.get_state(), adapters, batch, scores=bool(scored), topk=topk)
         self._cache = self.programs.insert(self._cache, fresh, source)
         self.prefill_count += len(pieces)
+        for key, index in keys.items():  # keep each prompt's own length bucket of its rows
+            length = bucket_size(len(pieces[index].req.prompt) - 1, self.cfg.length_buckets)
+            part = slice(index, index + 1)
+            self._prompt_cache.put(key, KVCache(fresh.k[:, part, :length], fresh.v[:, part, :length]))
         if scores is not None:
             prompt_results(pieces, scores)
+
+    def _prompt_key(self, job: Job) -> Key | None:
+        """What a prompt's cache depends on (the weights version is None when the sampler has none: such
+        keys only match within one admission); None when the prompt must be computed for itself because
+        its scores were asked for."""
+        if job.wants_prompt_scores():
+            return None
+        version = None if self.weights_version is None else self.weights_version()
+        return (version, job.slot, tuple(job.req.prompt[:-1]))
 
     # ---- decoding -------------------------------------------------------------------------------
 

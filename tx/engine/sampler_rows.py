@@ -108,13 +108,9 @@ def row_slots(table: Sequence[Row | None]) -> np.ndarray:
 
 
 def prefill_batch(
-    table: Sequence[Row | None], new_rows: Sequence[Row], row_buckets: Sequence[int], length_buckets: Sequence[int]
-) -> tuple[PrefillBatch, np.ndarray, np.ndarray, list[Job]] | None:
-    """One prefill row per newly admitted job with a prompt of 2+ tokens, the adapter slot of each prefill
-    row, and the prefill row each decode row copies (-1: none): every new row of a job receives its job's row."""
-    jobs = list({id(row.job): row.job for row in new_rows if len(row.job.req.prompt) > 1}.values())
-    if not jobs:
-        return None
+    jobs: Sequence[Job], row_buckets: Sequence[int], length_buckets: Sequence[int]
+) -> tuple[PrefillBatch, np.ndarray]:
+    """One prefill row per job (each with a prompt of 2+ tokens), and the adapter slot of each row."""
     N = bucket_size(len(jobs), row_buckets)
     P = bucket_size(max(len(job.req.prompt) - 1 for job in jobs), length_buckets)
     tokens, targets = np.zeros((N, P), np.int32), np.zeros((N, P), np.int32)
@@ -124,12 +120,16 @@ def prefill_batch(
         n = len(prompt) - 1
         tokens[i, :n], targets[i, :n], positions[i, :n] = prompt[:-1], prompt[1:], np.arange(n)
         slot[i] = job.slot
-    piece = {id(job): i for i, job in enumerate(jobs)}
+    return PrefillBatch(tokens, positions, targets), slot  # type: ignore[arg-type]
+
+
+def copy_sources(table: Sequence[Row | None], new_rows: Sequence[Row], piece_of: dict[int, int]) -> np.ndarray:
+    """For every decode row, the prefill row (piece) it copies its prompt cache from; -1: none.
+    `piece_of` maps id(job) -> piece index; only newly admitted rows copy."""
     fresh = {id(row) for row in new_rows}
-    source = np.array(
-        [piece.get(id(row.job), -1) if row is not None and id(row) in fresh else -1 for row in table], np.int32
+    return np.array(
+        [piece_of.get(id(row.job), -1) if row is not None and id(row) in fresh else -1 for row in table], np.int32
     )
-    return PrefillBatch(tokens, positions, targets), slot, source, jobs  # type: ignore[arg-type]
 
 
 def prompt_results(jobs: Sequence[Job], scores: PromptScores) -> None:

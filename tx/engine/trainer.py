@@ -55,6 +55,7 @@ class Trainer:
         graphdef, lora, base = nnx.split(model, LoRAParam, ...)  # type: ignore[misc]
         self.steps = ts.StepFunctions(graphdef)
         # The trainer updates LoRA slots in place (donated buffers), so it owns a copy of them.
+        self.version = 0  # bumped on every adapter write: what samplers key their prompt caches on
         self.lora = {p: jnp.array(v, copy=True) for p, v in ts.flat(lora).items()}
         self._lora_vars = [(tuple(str(k) for k in path), var) for path, var in nnx.to_flat_state(lora)]
         self.base = ts.flat(base)
@@ -62,6 +63,16 @@ class Trainer:
         self.micro_batch_tokens = micro_batch_tokens
         self.runs: dict[str, Run] = {}
         self.scale = np.zeros(self._lora_shape(), np.float32)  # [S, R] per-slot alpha/rank on live columns
+
+    @property
+    def lora(self) -> Flat:
+        """The stacked adapter weights {path: [..., S, in, R] / [..., S, R, out]}; assign to replace them."""
+        return self._lora
+
+    @lora.setter
+    def lora(self, value: Flat) -> None:
+        self._lora = value
+        self.version += 1
 
     def _lora_shape(self) -> tuple[int, int]:
         a = self.lora.get(("lm_head", "lora_a"))
@@ -107,7 +118,8 @@ class Trainer:
     def take_lora(self, state: nnx.State) -> None:
         """Adopt the arrays of a State returned by `tx.lora.adapters` (which consumed the previous ones)."""
         for path, var in nnx.to_flat_state(state):
-            self.lora[tuple(str(k) for k in path)] = var.get_value()
+            self._lora[tuple(str(k) for k in path)] = var.get_value()
+        self.version += 1
 
     def drop_run(self, run_id: str) -> Run:
         run = self.runs.pop(run_id)

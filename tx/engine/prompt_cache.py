@@ -1,0 +1,51 @@
+"""Prefilled prompts kept for reuse: the KV cache of a prompt, keyed by the weights that computed it.
+
+A sampling request whose prompt (all tokens but the last, which the first decode step feeds) was prefilled
+recently with the same weights copies that prompt's cache into its decode rows instead of running the model
+over it again: repeated evaluation prompts, a GRPO group sent as separate `sample` calls, a client that
+retries. The key is (weights version, adapter slot, prompt tokens); the owner of the weights bumps the
+version whenever any adapter weight or scale changes, so an entry never outlives the weights it was
+computed with. Entries are on-device arrays [L, 1, P, K, E] cut to the prompt's own length bucket, held in
+LRU order within a byte budget.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+
+from tx.models.causal_lm import KVCache
+
+Key = tuple[Hashable, int, tuple[int, ...]]
+
+
+class PromptCache:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = 0
+        self._entries: OrderedDict[Key, KVCache] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Key) -> KVCache | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            self.hits += 1
+        return entry
+
+    def put(self, key: Key, entry: KVCache) -> None:
+        size = int(entry.k.nbytes + entry.v.nbytes)
+        if size > self.max_bytes or key in self._entries:
+            return
+        self._entries[key] = entry
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, old = self._entries.popitem(last=False)
+            self.bytes -= int(old.k.nbytes + old.v.nbytes)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
