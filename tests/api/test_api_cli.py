@@ -17,7 +17,7 @@ def test_help_lists_every_option() -> None:
     out = subprocess.run([sys.executable, "-m", "tx.api", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--base-model", "--host", "--port", "--data-dir", "--database-url", "--max-lora-adapters",
                  "--max-lora-rank", "--tensor-parallel-size", "--fsdp-size", "--dtype", "--train-micro-batch-tokens",
-                 "--api-key", "--api-keys-file"):  # fmt: skip
+                 "--api-key", "--api-keys-file", "--prompt-cache-mb"):  # fmt: skip
         assert flag in out
 
 
@@ -26,6 +26,9 @@ def test_defaults_and_repeatable_keys(tmp_path: Path) -> None:
     assert (args.port, args.data_dir, args.host, args.dtype) == (8000, "./smolgym-data", "127.0.0.1", "auto")
     # auto: float32 on CPU (no bfloat16 arithmetic there), bfloat16 on accelerators; None keeps the checkpoint's
     assert (resolve_dtype("auto"), resolve_dtype(None), resolve_dtype("bfloat16")) == ("float32", None, "bfloat16")
+    assert args.prompt_cache_mb == 256
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--base-model", "m", "--prompt-cache-mb", "-1"])
     keys_file = tmp_path / "keys"
     keys_file.write_text("tml-c  # laptop\n\n# comment\ntml-d\n")
     assert cli.load_api_keys(args.api_key, str(keys_file)) == {"tml-a", "tml-b", "tml-c", "tml-d"}

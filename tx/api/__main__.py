@@ -75,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--decode-rows", type=int, default=64, help="sampling rows decoded together at most (default 64)")
     p.add_argument(
+        "--prompt-cache-mb",
+        type=int,
+        default=256,
+        help="MiB for prefilled prompts kept for later requests with the same prompt (default 256; 0 = off)",
+    )
+    p.add_argument(
         "--api-key", action="append", default=[], help="accept only this key (repeatable); default: any tml- key"
     )
     p.add_argument("--api-keys-file", default=None, help="file with one accepted API key per line ('#' comments)")
@@ -86,7 +92,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "are unloaded, giving their adapter slots back (default 180)",
     )
     p.add_argument("--log-level", default="info", help="logging level (default info)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.prompt_cache_mb < 0:
+        p.error(f"--prompt-cache-mb must be >= 0, got {args.prompt_cache_mb}")
+    return args
 
 
 def load_api_keys(keys: list[str], keys_file: str | None) -> frozenset[str]:
@@ -121,6 +130,7 @@ def build_runner(args: argparse.Namespace) -> tuple[Runner, ModelInfo]:
         "remat": args.remat,
         "max_seq_len": args.max_seq_len,
         "decode_rows": args.decode_rows,
+        "prompt_cache_mb": args.prompt_cache_mb,
     }
     try:
         runner, model_info = engine_build_runner(**options)

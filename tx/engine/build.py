@@ -66,6 +66,7 @@ def build_runner(
     train_micro_batch_tokens: int = 8192,
     max_seq_len: int = 4096,
     decode_rows: int = 64,
+    prompt_cache_mb: int = 256,
     remat: bool = False,
     **_: Any,
 ) -> tuple[JaxRunner, ModelInfo]:
@@ -86,7 +87,7 @@ def build_runner(
     def decode(tokens: list[int]) -> str:
         return tok.decode(tokens) if tok is not None else ""
 
-    sampler_cfg = SamplerConfig(max_rows=decode_rows, max_seq_len=seq_len)
+    sampler_cfg = SamplerConfig(max_rows=decode_rows, max_seq_len=seq_len, prompt_cache_bytes=prompt_cache_mb << 20)
 
     def scale() -> np.ndarray:
         return trainer.scale

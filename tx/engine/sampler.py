@@ -66,6 +66,8 @@ class SamplerConfig:
         for name in ("max_rows", "max_seq_len", "chunk_steps", "k_cap", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SamplerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.prompt_cache_bytes < 0:
+            raise ValueError(f"SamplerConfig.prompt_cache_bytes must be >= 0, got {self.prompt_cache_bytes}")
         if not self.row_buckets:
             object.__setattr__(self, "row_buckets", powers_of_two(1, self.max_rows))
         if not self.length_buckets:
