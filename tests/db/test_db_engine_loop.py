@@ -127,3 +127,25 @@ def test_burst_waits_for_a_request_still_being_written(sqlite_db: Database) -> N
     finally:
         engine.stop()
     assert runner.batches == [2]
+
+
+class ResultsOfOneStep(ScriptedRunner):
+    """Finishes everything in one step; the second result cannot be stored (not a protocol type)."""
+
+    def step(self) -> list[Completion]:
+        items, self.items = self.items, []
+        results: list = [OptimStepResult(), object()]
+        return [Completion(item.future_id, results[i % 2]) for i, item in enumerate(items)]
+
+
+def test_step_results_recorded_together_and_a_bad_one_fails_alone(sqlite_db: Database) -> None:
+    good, bad = _submit(sqlite_db, 0), _submit(sqlite_db, 1)  # queued before the engine starts: one step
+    engine = Engine(sqlite_db.queue, ResultsOfOneStep())
+    engine.start()
+    try:
+        assert _wait_status(sqlite_db, good) == "done"
+        assert _wait_status(sqlite_db, bad) == "failed"
+    finally:
+        engine.stop()
+    row = sqlite_db.queue.get(bad)
+    assert row is not None and "could not store the result" in (row.error or "")

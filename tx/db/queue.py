@@ -149,38 +149,46 @@ class SqlQueue:
         return items
 
     def complete(self, future_id: str, result: Result) -> None:
-        blob = codec.encode(result)
-        with self.write_lock.held(), Session(self.engine) as session:
-            row = session.get(FutureRow, int(future_id))
-            if row is None:
-                return
-            row.status, row.result, row.payload, row.completed_at = "done", blob, None, time.time()
-            self._mark_linked(session, future_id, "ready", result)
-            if row.kind == "unload_model":
-                run = update(TrainingRunRow).where(col(TrainingRunRow.id) == row.model_id)
-                session.execute(run.values(status="unloaded"))
-            self._record_metrics(session, row, result)
-            if row.model_id is not None and row.kind not in ("sample", "forward", "forward_backward"):
-                session.execute(
-                    update(TrainingRunRow)
-                    .where(col(TrainingRunRow.id) == row.model_id)
-                    .values(last_request_at=utcnow())
-                )
-            self._pg_notify(session, DONE_CHANNEL, future_id)
-            session.commit()
-        self.notifier.result_ready(future_id)
+        self.finish_many([(future_id, result)])
 
     def fail(self, future_id: str, error: RequestError) -> None:
+        self.finish_many([(future_id, error)])
+
+    def finish_many(self, outcomes: Sequence[tuple[str, Result | RequestError]]) -> None:
+        """Record results and failures in one transaction (a decode chunk finishes many requests at once),
+        then wake their long polls. All or nothing: on an error none is recorded."""
+        blobs = [None if isinstance(out, RequestError) else codec.encode(out) for _, out in outcomes]
         with self.write_lock.held(), Session(self.engine) as session:
-            row = session.get(FutureRow, int(future_id))
-            if row is None:
-                return
-            row.status, row.payload, row.completed_at = "failed", None, time.time()
-            row.error, row.error_category = error.message, error.category
-            self._mark_linked(session, future_id, "failed", None)
-            self._pg_notify(session, DONE_CHANNEL, future_id)
+            for (future_id, outcome), blob in zip(outcomes, blobs, strict=True):
+                row = session.get(FutureRow, int(future_id))
+                if row is None:
+                    continue
+                if isinstance(outcome, RequestError):
+                    self._fail_row(session, row, outcome)
+                else:
+                    self._complete_row(session, row, outcome, blob)
+                self._pg_notify(session, DONE_CHANNEL, future_id)
             session.commit()
-        self.notifier.result_ready(future_id)
+        for future_id, _ in outcomes:
+            self.notifier.result_ready(future_id)
+
+    def _complete_row(self, session: Session, row: FutureRow, result: Result, blob: bytes | None) -> None:
+        future_id = str(row.id)
+        row.status, row.result, row.payload, row.completed_at = "done", blob, None, time.time()
+        self._mark_linked(session, future_id, "ready", result)
+        if row.kind == "unload_model":
+            run = update(TrainingRunRow).where(col(TrainingRunRow.id) == row.model_id)
+            session.execute(run.values(status="unloaded"))
+        self._record_metrics(session, row, result)
+        if row.model_id is not None and row.kind not in ("sample", "forward", "forward_backward"):
+            session.execute(
+                update(TrainingRunRow).where(col(TrainingRunRow.id) == row.model_id).values(last_request_at=utcnow())
+            )
+
+    def _fail_row(self, session: Session, row: FutureRow, error: RequestError) -> None:
+        row.status, row.payload, row.completed_at = "failed", None, time.time()
+        row.error, row.error_category = error.message, error.category
+        self._mark_linked(session, str(row.id), "failed", None)
 
     def recover(self) -> int:
         """Fail work left unfinished by a previous server process; its in-memory state is gone."""

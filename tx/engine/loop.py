@@ -59,6 +59,8 @@ class WorkQueue(Protocol):
 
     def fail(self, future_id: str, error: RequestError) -> None: ...
 
+    # Optional: `finish_many([(future_id, result or RequestError), ...])`, all in one transaction.
+
 
 class Runner(Protocol):
     """Executes work items in bounded steps (one training batch or one decode chunk per `step`)."""
@@ -192,8 +194,25 @@ class Engine:
             log.exception("runner step failed; failing %d in-flight requests", len(self._inflight))
             self._fail_many(list(self._inflight), f"internal error while executing the request: {exc}")
             return
+        self._finish_all(completions)
+
+    def _finish_all(self, completions: list[Completion]) -> None:
+        """Record a step's completions in one queue transaction when the queue can (`finish_many`); if that
+        fails, record them one by one so that only a result that cannot be stored fails."""
+        finish_many = getattr(self.queue, "finish_many", None)
+        if finish_many is None or len(completions) < 2:
+            for completion in completions:
+                self._finish(completion)
+            return
+        try:
+            finish_many([(c.future_id, c.result) for c in completions])
+        except Exception:
+            log.exception("recording %d results together failed; recording them one by one", len(completions))
+            for completion in completions:
+                self._finish(completion)
+            return
         for completion in completions:
-            self._finish(completion)
+            self._log_done(completion, self._inflight.pop(completion.future_id, None))
 
     def _finish(self, completion: Completion) -> None:
         entry = self._inflight.pop(completion.future_id, None)
