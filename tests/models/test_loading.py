@@ -78,9 +78,30 @@ def test_sharded_bfloat16_checkpoint(hf_models, tmp_path):
     model, cfg = load_model(str(tmp_path / "bf16"), progress=False)
     assert cfg.dtype == "bfloat16" and model.model.layers.mlp.up_proj.weight[...].dtype == np.dtype("bfloat16")
     want = ref16.model.layers[1].mlp.up_proj.weight.detach().float().numpy()
-    np.testing.assert_array_equal(np.asarray(model.model.layers.mlp.up_proj.weight[...][1], np.float32), want)
+    # linear weights are kept [in, out]: the transpose of the checkpoint's tensor
+    np.testing.assert_array_equal(np.asarray(model.model.layers.mlp.up_proj.weight[...][1], np.float32).T, want)
 
 
 def test_missing_directory_and_offline_hub():
     with pytest.raises(FileNotFoundError, match="local"):
         load_model("no-such-org/no-such-model", progress=False)
+
+
+def test_save_hf_writes_the_checkpoint_layout_back(hf_models, tmp_path):
+    """Linear weights live [in, out] in memory; `save_hf` must give every tensor back exactly as HF stores it
+    (untied lm_head included), so exported full fine-tuning weights load in transformers."""
+    from flax import nnx
+
+    from tx.models.weights import save_hf
+
+    path, _ = hf_models("llama", 2, False)
+    model, cfg = load_model(str(path), progress=False)
+    params = {tuple(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
+    save_hf(params, cfg, path, tmp_path / "out")
+    original, written = (
+        load_file(str(path / "model.safetensors")),
+        load_file(str(tmp_path / "out" / "model.safetensors")),
+    )
+    assert set(written) == set(original) and "lm_head.weight" in written
+    for key, value in original.items():
+        np.testing.assert_array_equal(written[key], value, err_msg=key)
