@@ -149,6 +149,19 @@ def make_optimizer() -> optax.GradientTransformation:
     return optax.inject_hyperparams(optax.adamw)(learning_rate=1e-4, b1=0.9, b2=0.95, eps=1e-12, weight_decay=0.0)
 
 
+@jax.jit
+def copy_weights(weights: Flat) -> Flat:
+    """A full fine-tuning run's own copy of the base weights (a compiled copy: placed like step outputs)."""
+    return {p: jnp.copy(v) for p, v in weights.items()}
+
+
+@functools.partial(jax.jit, static_argnames="grad_dtype")
+def fresh_state(params: Flat, grad_dtype: Any = None) -> tuple[Flat, Any]:
+    """Zero gradient accumulators (in `grad_dtype`, default the params') and a new AdamW state for `params`."""
+    grads = {p: jnp.zeros(v.shape, grad_dtype or v.dtype) for p, v in params.items()}
+    return grads, make_optimizer().init(params)
+
+
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
 def adam_step(params: Flat, opt_state: Any, grads: Flat, hp: dict[str, jax.Array]) -> tuple[Flat, Any, Flat, jax.Array]:
     """One AdamW step; returns new params, optimizer state, zeroed grads and the pre-clip grad norm."""
