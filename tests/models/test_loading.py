@@ -78,8 +78,7 @@ def test_sharded_bfloat16_checkpoint(hf_models, tmp_path):
     model, cfg = load_model(str(tmp_path / "bf16"), progress=False)
     assert cfg.dtype == "bfloat16" and model.model.layers.mlp.up_proj.weight[...].dtype == np.dtype("bfloat16")
     want = ref16.model.layers[1].mlp.up_proj.weight.detach().float().numpy()
-    # linear weights are kept [in, out]: the transpose of the checkpoint's tensor
-    np.testing.assert_array_equal(np.asarray(model.model.layers.mlp.up_proj.weight[...][1], np.float32).T, want)
+    np.testing.assert_array_equal(np.asarray(model.model.layers.mlp.up_proj.weight[...][1], np.float32), want)
 
 
 def test_missing_directory_and_offline_hub():
@@ -87,9 +86,9 @@ def test_missing_directory_and_offline_hub():
         load_model("no-such-org/no-such-model", progress=False)
 
 
-def test_save_hf_writes_the_checkpoint_layout_back(hf_models, tmp_path):
-    """Linear weights live [in, out] in memory; `save_hf` must give every tensor back exactly as HF stores it
-    (untied lm_head included), so exported full fine-tuning weights load in transformers."""
+def test_save_hf_writes_the_checkpoint_back(hf_models, tmp_path):
+    """`save_hf` gives every tensor back exactly as the checkpoint stores it (untied lm_head included), so
+    exported full fine-tuning weights load in transformers."""
     from flax import nnx
 
     from tx.models.weights import save_hf

@@ -97,21 +97,19 @@ class Model(nnx.Module):
 
 
 class LMHead(nnx.Module):
-    """The unembedding: its own [D, V] weight, or the [V, D] embedding matrix when tied; an adapter either way."""
+    """The unembedding: its own [V, D] weight, or the embedding matrix when tied; an adapter either way."""
 
     def __init__(self, cfg: ModelConfig, lora: LoRASpec | None) -> None:
-        if not cfg.tie_word_embeddings:  # [D, V] like every linear weight here (see LoRALinear)
-            shape = (cfg.hidden_size, cfg.vocab_size)
-            self.weight = nnx.Param(jnp.zeros(shape, cfg.dtype), logical_axes=("embed", "vocab"))
+        if not cfg.tie_word_embeddings:
+            shape = (cfg.vocab_size, cfg.hidden_size)
+            self.weight = nnx.Param(jnp.zeros(shape, cfg.dtype), logical_axes=("vocab", "embed"))
         if lora is not None:
             self.lora_a, self.lora_b = lora_pair(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), lora, ())
             self.kernel_form = lora.kernel
 
     def __call__(self, h: jax.Array, embedding: jax.Array, rows: LoRARows | None) -> jax.Array:
-        if hasattr(self, "weight"):
-            logits = jnp.einsum("btd,dv->btv", h, self.weight[...], preferred_element_type=jnp.float32)
-        else:  # tied: the [V, D] embedding itself
-            logits = jnp.einsum("btd,vd->btv", h, embedding, preferred_element_type=jnp.float32)
+        weight = self.weight[...] if hasattr(self, "weight") else embedding  # tied: the [V, D] embedding itself
+        logits = jnp.einsum("btd,vd->btv", h, weight, preferred_element_type=jnp.float32)
         if rows is not None and hasattr(self, "lora_a"):
             logits = logits + lora_delta(h, rows, self.lora_a[...], self.lora_b[...], self.kernel_form)
         return logits

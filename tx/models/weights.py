@@ -3,8 +3,7 @@
 The model is created abstractly (shapes only); each base weight is then written once: whole tensors
 go straight to their sharded device array, and per-layer tensors are written into a preallocated
 stacked array with a donated in-place update, so host memory holds one tensor at a time and no random
-initialisation ever runs. Linear weights are transposed to [in, out] on the way in (and back in
-`save_hf`); the rest keeps the checkpoint's layout.
+initialisation ever runs. Weights keep the checkpoint's layout ([out, in] for linear layers).
 Missing, unexpected or mis-shaped tensors raise an error naming the tensor.
 """
 
@@ -69,15 +68,6 @@ def hf_key_to_path(key: str) -> tuple[Path_, int | None]:
     return tuple(key.split(".")), None
 
 
-LINEAR = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
-
-
-def hf_transposed(path: Path_) -> bool:
-    """Whether our tensor at `path` is the transpose of the checkpoint's: linear weights (and an untied
-    lm_head) are kept [in, out], HF stores them [out, in]. Embeddings and norms match."""
-    return path[-1] == "weight" and (path[-2] in LINEAR or path == ("lm_head", "weight"))
-
-
 def path_to_hf_key(path: Path_, layer: int | None) -> str:
     parts = list(path)
     if layer is not None:
@@ -137,15 +127,10 @@ def _stream_weights(
             if path not in expected:
                 raise ValueError(f"unexpected tensor {key!r} in {file.name}: no such weight in a {cfg.family} model")
             var = expected[path]
-            want = tuple(var.shape[1:] if layer is not None else var.shape)
-            flip = hf_transposed(path)
-            if flip:
-                want = want[::-1]  # the checkpoint's [out, in]
+            want = var.shape[1:] if layer is not None else var.shape
             host = np.asarray(array).astype(var.dtype)
-            if host.shape != want:
-                raise ValueError(f"tensor {key!r} has shape {array.shape}, expected {want}")
-            if flip:
-                host = np.ascontiguousarray(host.T)
+            if host.shape != tuple(want):
+                raise ValueError(f"tensor {key!r} has shape {array.shape}, expected {tuple(want)}")
             if layer is None:
                 values[path] = jax.device_put(host, shardings[path])
                 continue
@@ -191,13 +176,11 @@ def save_hf(params: dict[Path_, jax.Array], cfg: ModelConfig, source_dir: Path, 
     tensors: dict[str, np.ndarray] = {}
     for path, value in params.items():
         host = np.asarray(jax.device_get(value))
-        if hf_transposed(path):
-            host = np.swapaxes(host, -1, -2)
         if path[:2] == ("model", "layers"):
             for i in range(cfg.num_layers):
                 tensors[path_to_hf_key(path, i)] = np.ascontiguousarray(host[i])
         else:
-            tensors[path_to_hf_key(path, None)] = np.ascontiguousarray(host)
+            tensors[path_to_hf_key(path, None)] = host
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
