@@ -41,3 +41,22 @@ def test_full_finetune_trains_samples_and_exports(live, service):
     targets = torch.tensor(batch[0].loss_fn_inputs["target_tokens"].tolist())
     ref = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0].numpy()
     np.testing.assert_allclose(ours, ref, atol=1e-4)
+
+
+def test_full_snapshots_are_bounded_and_named_ones_reload(live, service):
+    """Each full fine-tuning snapshot is a whole copy of the weights: the server keeps the two most recently
+    used; an evicted ephemeral one is reported as gone, an evicted named one reloads from its checkpoint."""
+    client = service.create_lora_training_client(base_model=live.base_model, rank=0).result()
+    prompt = types.ModelInput.from_ints(sl_batch(3)[0].model_input.to_ints()[:5])
+    greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
+    ephemeral = client.save_weights_and_get_sampling_client().result()
+    first = ephemeral.sample(prompt, 1, greedy).result().sequences[0].tokens
+    path = client.save_weights_for_sampler("keep-me").result().path  # written to disk
+    named = service.create_sampling_client(model_path=path)
+    for _ in range(2):  # two newer snapshots push both older ones out
+        client.forward_backward(sl_batch(3), "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+        client.save_weights_and_get_sampling_client().result().sample(prompt, 1, greedy).result()
+    with pytest.raises(Exception, match="not available"):
+        ephemeral.sample(prompt, 1, greedy).result()
+    assert named.sample(prompt, 1, greedy).result().sequences[0].tokens == first  # reloaded from disk

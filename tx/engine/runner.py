@@ -76,7 +76,8 @@ SamplerFactory = Callable[[Callable[[], Flat]], Sampler]
 
 class JaxRunner:
     """`sampler` samples the shared base weights with any adapter slot; `make_sampler(get_base)` builds a
-    sampler over another full weight set (a full fine-tuning run's snapshot), sharing its compiled programs."""
+    sampler over another full weight set (a full fine-tuning run's snapshot), sharing its compiled programs;
+    at most `max_full_snapshots` of those stay in memory (least recently used go first, busy ones never)."""
 
     def __init__(
         self,
@@ -86,11 +87,13 @@ class JaxRunner:
         io: WeightsIO,
         base_model: str,
         make_sampler: SamplerFactory | None = None,
+        max_full_snapshots: int = 2,
     ) -> None:
         self.trainer, self.sampler, self.slots, self.io = trainer, sampler, slots, io
         self.base_model = base_model
         self.make_sampler = make_sampler
-        self.full_samplers: dict[str, Sampler] = {}  # snapshot id -> sampler over that snapshot's weights
+        self.full_samplers: dict[str, Sampler] = {}  # snapshot id -> sampler over its weights, LRU order
+        self.max_full_snapshots = max_full_snapshots
         self.pending: list[WorkItem] = []
         self.outbox: list[Completion] = []  # requests refused at submit, reported by the next step
 
@@ -237,10 +240,16 @@ class JaxRunner:
     def _add_full_sampler(self, snapshot_id: str, weights: Flat) -> None:
         if self.make_sampler is None:
             raise RequestError("this server cannot sample full fine-tuning snapshots", "user")
-        old = self.full_samplers.get(snapshot_id)
+        old = self.full_samplers.pop(snapshot_id, None)
         if old is not None and not old.idle():
+            self.full_samplers[snapshot_id] = old
             raise RequestError(f"sampler {snapshot_id!r} is busy; save under another name", "user")
         self.full_samplers[snapshot_id] = self.make_sampler(lambda: weights)
+        # Each holds a whole copy of the weights: keep the most recently used few, never one being sampled.
+        # A named snapshot reloads from its checkpoint on its next use; an ephemeral one is gone.
+        idle = [sid for sid, sampler in self.full_samplers.items() if sid != snapshot_id and sampler.idle()]
+        for sid in idle[: max(len(self.full_samplers) - self.max_full_snapshots, 0)]:
+            del self.full_samplers[sid]
 
     def _sampler_slot_for(self, snapshot_id: str, lora) -> int:  # noqa: ANN001
         existing = self.slots.get(snapshot_id)
@@ -274,7 +283,10 @@ class JaxRunner:
             error = err if isinstance(err, RequestError) else RequestError(str(err), "user")
             self.outbox.append(Completion(item.future_id, error))
             return
-        full = self.full_samplers.get(req.weights.snapshot_id) if req.weights else None
+        snapshot = req.weights.snapshot_id if req.weights else None
+        full = self.full_samplers.pop(snapshot, None) if snapshot else None
+        if snapshot and full is not None:
+            self.full_samplers[snapshot] = full  # most recently used last
         (full or self.sampler).submit(item.future_id, req, 0 if full else slot)
 
     def _resolve_weights(self, req: SampleRequest) -> int:
