@@ -29,9 +29,10 @@ import numpy as np
 from flax import nnx
 
 from tx.engine.sampler import Sampler, SamplerConfig
+from tx.engine.train_step import flat
 from tx.lora.layers import LoRASpec
 from tx.lora.params import slot_scale
-from tx.models.causal_lm import abstract_model
+from tx.models.causal_lm import abstract_model, split_layers
 from tx.models.config import ModelConfig
 from tx.protocol import SampleRequest, SamplingParams
 
@@ -80,7 +81,8 @@ def make_sampler(cfg: ModelConfig, lora: bool, max_rows: int, max_seq_len: int) 
     scale = np.zeros((LORA_SLOTS, MAX_RANK), np.float32)
     scale[1] = np.asarray(slot_scale(LORA_RANK, 32.0, MAX_RANK))
     sampler_cfg = SamplerConfig(max_rows=max_rows, max_seq_len=max_seq_len, chunk_steps=16)
-    return Sampler(graphdef, lambda: state, cfg, sampler_cfg, [], lambda ids: "", (lambda: scale) if lora else None)
+    weights = split_layers(flat(state))  # the engine's form: one buffer per decoder layer
+    return Sampler(graphdef, lambda: weights, cfg, sampler_cfg, [], lambda ids: "", (lambda: scale) if lora else None)
 
 
 def run_batch(sampler: Sampler, batch: int, prompt_len: int, new_tokens: int, vocab: int, slot: int) -> float:

@@ -16,9 +16,12 @@ import torch
 from conftest import build_hf_model
 from flax import nnx
 
+from tx.engine.decode_steps import DecodeRows
 from tx.engine.sampler import Sampler, SamplerConfig, plan_admission
+from tx.engine.train_step import flat
 from tx.lora.layers import LoRASpec
 from tx.lora.params import LoRAParam, LoRARows, slot_scale
+from tx.models.causal_lm import KVCache, split_layers, stack_layers
 from tx.models.weights import load_model
 from tx.protocol import RequestError, SampleRequest, SampleResult, SamplingParams
 
@@ -48,6 +51,9 @@ class Setup:
             one = slot_scale(4, 8.0, 4)
             self.scale = jnp.stack([jnp.zeros_like(one), one, one])
         self.graphdef, self.state = nnx.split(self.model)
+        # The engine's form: decoder weights split into per-layer buffers (the stacked `state` is the
+        # reference the teacher-forced checks run on).
+        self.weights = split_layers(flat(self.state))
         # EOS is a token that greedy decoding of PROMPTS[0] reaches (tests not about EOS switch it off).
         greedy = self.hf_greedy(PROMPTS[0], 16)
         self.eos_index = first_new_index(greedy, 2)
@@ -67,7 +73,13 @@ class Setup:
     def new_sampler(self, eos: tuple[int, ...] = ()) -> Sampler:
         scale = self.scale
         return Sampler(
-            self.graphdef, lambda: self.state, self.cfg, CFG, eos, char_decode, None if scale is None else lambda: scale
+            self.graphdef,
+            lambda: self.weights,
+            self.cfg,
+            CFG,
+            eos,
+            char_decode,
+            None if scale is None else lambda: scale,
         )
 
     def logprobs(self, tokens: list[int], slot: int = 0) -> np.ndarray:
@@ -264,7 +276,7 @@ def test_prompt_cache_reuses_a_prefill_until_the_weights_change(qwen):
 
     def sampler_over(version: bool) -> Sampler:
         return Sampler(
-            qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, lambda: scale[0],
+            qwen.graphdef, lambda: qwen.weights, qwen.cfg, CFG, (), char_decode, lambda: scale[0],
             qwen.sampler.programs, (lambda: np.asarray(scale[0]).tobytes()) if version else None,
         )  # fmt: skip
 
@@ -332,6 +344,58 @@ def test_replayed_workload_compiles_nothing_new(qwen):
     compiled = qwen.sampler.compile_count
     assert tokens_of(workload()["b"]) == tokens_of(first["b"])
     assert qwen.sampler.compile_count == compiled
+
+
+def test_stacked_weights_sample_like_split_ones(qwen):
+    """The scanned program over stacked weights and the unrolled one over per-layer buffers (another
+    attention form, another cache layout) give the same tokens and logprobs for a mixed batch."""
+    stacked = Sampler(
+        qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, lambda: qwen.scale
+    )  # fmt: skip
+
+    def workload() -> dict:
+        scored = make_req(PROMPTS[3], 10, n=2, temperature=1.0, seed=4)
+        scored.prompt_logprobs = True
+        return {"s": (scored, LORA_SLOT), "g": (make_req(PROMPTS[2], 12, temperature=0.0), 0)}
+
+    split_results, _ = run(qwen.sampler, workload())
+    stacked_results, _ = run(stacked, workload())
+    for key in ("s", "g"):
+        assert tokens_of(split_results[key]) == tokens_of(stacked_results[key])
+        for a, b in zip(split_results[key].sequences, stacked_results[key].sequences, strict=True):
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    np.testing.assert_allclose(
+        split_results["s"].prompt_logprobs[1:], stacked_results["s"].prompt_logprobs[1:], atol=1e-4
+    )
+
+
+def test_split_layers_round_trip(qwen):
+    weights = flat(qwen.state)
+    split = split_layers(weights)
+    layers = qwen.cfg.num_layers
+    assert ("model", "layers", str(layers - 1), "mlp", "down_proj", "weight") in split
+    assert ("model", "layers", "self_attn", "q_proj", "lora_a") in split  # adapters stay stacked
+    back = stack_layers(split)
+    assert back.keys() == weights.keys()
+    for path, value in weights.items():
+        np.testing.assert_array_equal(np.asarray(back[path]), np.asarray(value))
+
+
+def test_decode_updates_the_cache_in_place(qwen):
+    """The compiled decode chunk never copies a layer's cache buffer (a read-then-write order made XLA
+    copy every layer's cache twice per step, which cost more than the attention itself at batch 32)."""
+    B, S = 8, 64
+    cache = KVCache.zeros(qwen.cfg, B, S)
+    rows = DecodeRows(
+        *(jnp.zeros(B, jnp.int32) for _ in range(3)), jnp.zeros(B, jnp.uint32),
+        jnp.ones(B, jnp.float32), jnp.zeros(B, jnp.int32), jnp.ones(B, jnp.float32),
+    )  # fmt: skip
+    text = qwen.sampler.programs.decode.lower(qwen.weights, None, cache, rows).compile().as_text()
+    K, E = qwen.cfg.num_kv_heads, qwen.cfg.head_dim
+    for shape in (f"[{B},{K},{E},{S}]", f"[{B},{K},{S},{E}]"):
+        assert shape in text  # the per-layer buffers are there
+        copies = [line for line in text.splitlines() if shape in line and " copy(" in line]
+        assert not copies, copies[:2]
 
 
 def test_plan_admission_is_fifo_and_bounded():

@@ -10,7 +10,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 from tx.engine.compiles import enable_persistent_cache, install_counter
 from tx.engine.runner import JaxRunner
@@ -93,8 +92,8 @@ def build_runner(
         return trainer.scale
 
     def make_sampler(get_base: Callable[[], dict], programs: Any = None) -> Sampler:
-        def state() -> nnx.State:
-            return nnx.from_flat_state(list({**get_base(), **trainer.lora}.items()))
+        def state() -> dict:
+            return {**get_base(), **trainer.lora}
 
         def version() -> tuple[int, bytes]:  # adapter weights and scales: all a prompt's cache depends on
             return trainer.version, trainer.scale.tobytes()

@@ -20,8 +20,12 @@ from flax import nnx
 
 from tx.engine.sampling import row_keys, select_tokens
 from tx.lora.params import LoRARows
-from tx.lora.select import Selection, take_adapters_state
-from tx.models.causal_lm import KVCache
+from tx.lora.select import Selection, take_adapters
+from tx.models.causal_lm import KVCache, per_layer
+
+# The weights a program reads: an nnx State, or {path: array} whose decoder base weights may be split
+# into per-layer buffers (`tx.models.causal_lm.split_layers`), which decodes about twice as fast on CPU.
+Weights = nnx.State | dict
 
 
 @jax.tree_util.register_dataclass
@@ -72,40 +76,47 @@ class DecodePrograms:
         self.resize = jax.jit(self._resize, static_argnames="length")
 
     def _decode(
-        self, state: nnx.State, adapters: Selection | None, cache: KVCache, rows: DecodeRows
+        self, state: Weights, adapters: Selection | None, cache: KVCache, rows: DecodeRows
     ) -> tuple[KVCache, jax.Array, jax.Array]:
         """`chunk_steps` decode steps -> (cache, sampled tokens [B, C], their raw logprobs [B, C]).
 
         `adapters` selects the adapter slots the rows read (None: no row has one), see `tx.lora.select`."""
         self.compile_count += 1  # runs only while tracing
-        state, lora = _select(state, adapters)
+        state, layers, lora = _select(state, adapters)
 
         def one_step(carry: tuple, _: None) -> tuple[tuple, tuple[jax.Array, jax.Array]]:
             cache, token, position, step = carry
             model = nnx.merge(self.graphdef, state)
-            logits, cache = model(token[:, None], position[:, None], rows=lora, cache=cache)
+            logits, cache = model(token[:, None], position[:, None], rows=lora, cache=cache, layers=layers)
             keys = row_keys(rows.seed, step)
             token, logprob = select_tokens(
                 logits[:, 0], keys, rows.temperature, rows.top_k, rows.top_p, k_cap=self.k_cap
             )
             return (cache, token, position + 1, step + 1), (token, logprob)
 
-        carry: tuple = (cache, rows.token, rows.position, rows.step)
-        (cache, *_), (tokens_CB, logprobs_CB) = jax.lax.scan(one_step, carry, length=self.chunk_steps)
-        return cache, tokens_CB.T, logprobs_CB.T
+        # With per-layer weights, the steps carry one cache buffer per layer (two copies per chunk; a
+        # stacked cache read by unrolled layers would be sliced, i.e. copied, at every step).
+        carry: tuple = (cache if layers is None else cache.per_layer(), rows.token, rows.position, rows.step)
+        (out, *_), (tokens_CB, logprobs_CB) = jax.lax.scan(one_step, carry, length=self.chunk_steps)
+        return out if isinstance(out, KVCache) else out.stacked(), tokens_CB.T, logprobs_CB.T
 
     def _prefill(
-        self, state: nnx.State, adapters: Selection | None, batch: PrefillBatch, *, scores: bool, topk: int
+        self, state: Weights, adapters: Selection | None, batch: PrefillBatch, *, scores: bool, topk: int
     ) -> tuple[KVCache, PromptScores | None]:
         """The prompts' own cache [L, N, P, K, E], and their scores when `scores`.
 
         Kept apart from `insert` so that this, the expensive compile, does not depend on the decode shape.
         """
         self.compile_count += 1
-        state, lora = _select(state, adapters)
+        state, layers, lora = _select(state, adapters)
         model = nnx.merge(self.graphdef, state)
         N, P = batch.tokens.shape
-        h_NPD, fresh = model.hidden(batch.tokens, batch.positions, rows=lora, cache=KVCache.zeros(model.config, N, P))
+        empty = KVCache.zeros(model.config, N, P)
+        if layers is None:
+            h_NPD, fresh = model.hidden(batch.tokens, batch.positions, rows=lora, cache=empty)
+        else:
+            h_NPD, own = model.hidden(batch.tokens, batch.positions, rows=lora, cache=empty.per_layer(), layers=layers)
+            fresh = None if own is None else own.stacked()
         assert fresh is not None
         if not scores:
             return fresh, None
@@ -126,10 +137,15 @@ class DecodePrograms:
         return KVCache(_take_rows(cache.k, index, length), _take_rows(cache.v, index, length))
 
 
-def _select(state: nnx.State, adapters: Selection | None) -> tuple[nnx.State, LoRARows | None]:
-    if adapters is None:
-        return state, None
-    return take_adapters_state(state, adapters), adapters.rows
+def _select(weights: Weights, adapters: Selection | None) -> tuple[nnx.State, list | None, LoRARows | None]:
+    """(the model's state, its decoder layers' own buffers when the weights come split, the rows' adapters)."""
+    if isinstance(weights, nnx.State):
+        weights = {tuple(str(k) for k in path): leaf for path, leaf in nnx.to_flat_state(weights)}
+    flat = {p: v.get_value() if isinstance(v, nnx.Variable) else v for p, v in weights.items()}
+    if adapters is not None:
+        flat = take_adapters(flat, adapters)
+    rest, layers = per_layer(flat)
+    return nnx.from_flat_state(list(rest.items())), layers, None if adapters is None else adapters.rows
 
 
 def _copy_rows(dst_LBSKE: jax.Array, src_LNPKE: jax.Array, source_B: jax.Array) -> jax.Array:

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from tx.engine.batching import bucket_size
-from tx.engine.decode_steps import DecodePrograms
+from tx.engine.decode_steps import DecodePrograms, Weights
 from tx.engine.prompt_cache import Key, PromptCache
 from tx.engine.sampler_rows import Job, Row, copy_sources, decode_rows, prefill_batch, prompt_results, row_slots
 from tx.engine.sampling import StopChecker, resolve_seed, sample_seeds
@@ -106,7 +106,7 @@ class Sampler:
     def __init__(
         self,
         graphdef: nnx.GraphDef,
-        get_state: Callable[[], nnx.State],
+        get_state: Callable[[], Weights],
         model_cfg: ModelConfig,
         cfg: SamplerConfig,
         eos_token_ids: Sequence[int],

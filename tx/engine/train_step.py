@@ -20,6 +20,7 @@ from flax import nnx
 
 from tx.engine.losses import LossInputs, token_losses
 from tx.lora.select import Selection, take_adapters
+from tx.models.causal_lm import stack_layers
 
 Flat = dict[tuple[str, ...], jax.Array]
 
@@ -77,7 +78,8 @@ class StepFunctions:
         self.full_grad = jax.jit(functools.partial(self._grad, train_lora=False))
 
     def model(self, lora: Flat, base: Flat) -> Any:
-        return nnx.merge(self.graphdef, as_state(lora), as_state(base))
+        """The model over `base` given stacked or split per layer (`split_layers`: stacked here, one copy)."""
+        return nnx.merge(self.graphdef, as_state(lora), as_state(stack_layers(base)))
 
     def _forward(self, lora: Flat, base: Flat, batch: TrainBatch) -> StepOutputs:
         return _outputs(self.model(_compact(lora, batch), base), batch)[1]

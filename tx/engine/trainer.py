@@ -26,7 +26,7 @@ from tx.engine.train_batch import Example, build_batch, make_example, plan_rows,
 from tx.lora import adapters
 from tx.lora.params import LoRAParam
 from tx.lora.slots import targets_from_flags
-from tx.models.causal_lm import CausalLM
+from tx.models.causal_lm import CausalLM, split_layers
 from tx.protocol import AdamParams, ForwardBackwardRequest, ForwardBackwardResult, LoraConfig, RequestError
 
 log = logging.getLogger("tx.engine")
@@ -60,7 +60,9 @@ class Trainer:
         self.version = 0  # bumped on every adapter write: what samplers key their prompt caches on
         self.lora = {p: jnp.array(v, copy=True) for p, v in ts.flat(lora).items()}
         self._lora_vars = [(tuple(str(k) for k in path), var) for path, var in nnx.to_flat_state(lora)]
-        self.base = ts.flat(base)
+        # Decoder weights as one buffer per layer: decoding reads them ~2x faster (see `split_layers`);
+        # the training programs stack them back inside the program.
+        self.base = split_layers(ts.flat(base))
         sharding = next(iter(self.base.values())).sharding
         mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
         self._replicated = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None

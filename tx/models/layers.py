@@ -118,6 +118,28 @@ class Attention(nnx.Module):
         out = jnp.einsum("bkgts,bske->btkge", probs, v).reshape(B, T, H * E)
         return self.o_proj(out, rows)
 
+    def attend_written(
+        self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, rows: LoRARows | None
+    ) -> jax.Array:
+        """Attention over a cache that already holds this call's keys: q [B, T, H, E] at `positions` [B, T]
+        sees cache positions <= its own (keys [B, K, E, S], values [B, K, S, E]; later positions are stale)."""
+        B, T, H, E = q.shape
+        K = self.kv_heads
+        qg = (q.reshape(B, T, K, H // K, E) / math.sqrt(E)).astype(jnp.float32)
+        seen = jnp.arange(k_cache.shape[-1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        if T == 1:  # decode: multiply-and-sum streams the cache (XLA CPU's tiny batched GEMMs are slower)
+            s = jnp.sum(qg[:, 0, :, :, :, None] * k_cache[:, :, None], axis=-2)  # [B, K, G, S]
+            s = jnp.where(seen[:, 0, None, None, :], s, jnp.finfo(jnp.float32).min)
+            p = jnp.exp(s - s.max(-1, keepdims=True))
+            num = jnp.sum(p[..., None] * v_cache[:, :, None], axis=-2)  # [B, K, G, E]
+            out = (num / p.sum(-1)[..., None]).astype(v_cache.dtype).reshape(B, 1, H * E)
+            return self.o_proj(out, rows)
+        s = jnp.einsum("btkge,bkes->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
+        s = jnp.where(seen[:, None, None], s, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(s, axis=-1).astype(v_cache.dtype)
+        out = jnp.einsum("bkgts,bkse->btkge", probs, v_cache).reshape(B, T, H * E)
+        return self.o_proj(out, rows)
+
     def attend_cached(
         self,
         q: jax.Array,

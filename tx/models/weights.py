@@ -176,7 +176,9 @@ def save_hf(params: dict[Path_, jax.Array], cfg: ModelConfig, source_dir: Path, 
     tensors: dict[str, np.ndarray] = {}
     for path, value in params.items():
         host = np.asarray(jax.device_get(value))
-        if path[:2] == ("model", "layers"):
+        if path[:2] == ("model", "layers") and path[2].isdigit():  # one layer's own buffer (split_layers)
+            tensors[path_to_hf_key((*path[:2], *path[3:]), int(path[2]))] = host
+        elif path[:2] == ("model", "layers"):
             for i in range(cfg.num_layers):
                 tensors[path_to_hf_key(path, i)] = np.ascontiguousarray(host[i])
         else:
