@@ -1,5 +1,9 @@
 """Training engine against an independent torch + peft reference, and its isolation guarantees."""
 
+import logging
+import re
+
+import jax
 import numpy as np
 import pytest
 import torch
@@ -186,20 +190,31 @@ def test_micro_batches_equal_one_batch(setup):
 
 
 @pytest.mark.parametrize("full", [False, True])
-def test_sft_lowers_loss_and_replays_without_compiles(setup, full):
+def test_sft_lowers_loss_and_replays_without_compiles(setup, full, caplog):
     _, _, model, cfg = setup
     trainer = Trainer(model)
     if full:
         trainer.create_full_run("a")
     else:
         trainer.create_lora_run("a", LoraConfig(rank=8), slot=1)
+    trainer.await_warm_up()  # the run's small programs were compiled ahead, beside the first step
     req = sft_batch(cfg, 9)
     losses = []
     for step in range(20):
-        losses.append(trainer.forward_backward([("a", req)])[0].metrics["loss:sum"])
-        trainer.optim_step("a", AdamParams(learning_rate=1e-2 if not full else 5e-3))
-        if step == 0:  # the first step compiles; none after it (not even for new array placements)
+        with jax.log_compiles(step == 0), caplog.at_level(logging.WARNING):
+            losses.append(trainer.forward_backward([("a", req)])[0].metrics["loss:sum"])
+            trainer.optim_step("a", AdamParams(learning_rate=1e-2 if not full else 5e-3))
+        if step == 0:  # the first step compiles the gradient program, not the warmed-up ones; none after it
             compiles = compile_count()
+            compiled = re.findall(r"Finished XLA compilation of jit\((\w+)\)", caplog.text)
+            assert "_grad" in compiled
+            assert not {
+                "accumulate_slot",
+                "accumulate_full",
+                "adam_step",
+                "read_slot_params",
+                "write_slot_params",
+            } & set(compiled), compiled
     assert compile_count() == compiles, "replaying the same workload compiled again"
     assert losses[-1] < 0.5 * losses[0], losses
 

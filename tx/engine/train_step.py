@@ -18,11 +18,13 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from tx.engine.compiles import TRAIN_COMPILER_OPTIONS
 from tx.engine.losses import LossInputs, token_losses
 from tx.lora.select import Selection, take_adapters
 from tx.models.causal_lm import stack_layers
 
 Flat = dict[tuple[str, ...], jax.Array]
+_jit = functools.partial(jax.jit, compiler_options=TRAIN_COMPILER_OPTIONS)
 
 
 @jax.tree_util.register_dataclass
@@ -73,9 +75,9 @@ class StepFunctions:
 
     def __init__(self, graphdef: nnx.GraphDef) -> None:
         self.graphdef = graphdef
-        self.forward = jax.jit(self._forward)
-        self.lora_grad = jax.jit(functools.partial(self._grad, train_lora=True))
-        self.full_grad = jax.jit(functools.partial(self._grad, train_lora=False))
+        self.forward = _jit(self._forward)
+        self.lora_grad = _jit(functools.partial(self._grad, train_lora=True))
+        self.full_grad = _jit(functools.partial(self._grad, train_lora=False))
 
     def model(self, lora: Flat, base: Flat) -> Any:
         """The model over `base` given stacked or split per layer (`split_layers`: stacked here, one copy)."""
@@ -120,7 +122,7 @@ def put_slot(x: jax.Array, slot: jax.Array, value: jax.Array, a: bool) -> jax.Ar
     return jax.lax.dynamic_update_index_in_dim(x, full, slot, x.ndim - 3)
 
 
-@functools.partial(jax.jit, static_argnames=("ranks",), donate_argnums=0)
+@functools.partial(_jit, static_argnames=("ranks",), donate_argnums=0)
 def accumulate_slot(acc: Flat, grads: Flat, slot: jax.Array, ranks: tuple) -> Flat:
     """acc[path] += slice `slot` of grads[path] (LoRA runs: the run's index in the compact stack the
     gradient was taken over; `ranks` is static, one per path)."""
@@ -128,17 +130,17 @@ def accumulate_slot(acc: Flat, grads: Flat, slot: jax.Array, ranks: tuple) -> Fl
     return {p: acc[p] + take_slot(grads[p], slot, rank[p], is_lora_a(p)) for p in acc}
 
 
-@functools.partial(jax.jit, donate_argnums=0)
+@functools.partial(_jit, donate_argnums=0)
 def accumulate_full(acc: Flat, grads: Flat) -> Flat:
     return {p: acc[p] + grads[p].astype(acc[p].dtype) for p in acc}
 
 
-@jax.jit
+@_jit
 def read_slot_params(lora: Flat, slot: jax.Array, like: Flat) -> Flat:
     return {p: take_slot(lora[p], slot, like[p].shape[-1 if is_lora_a(p) else -2], is_lora_a(p)) for p in like}
 
 
-@functools.partial(jax.jit, donate_argnums=0)
+@functools.partial(_jit, donate_argnums=0)
 def write_slot_params(lora: Flat, slot: jax.Array, params: Flat) -> Flat:
     return {p: put_slot(v, slot, params[p], is_lora_a(p)) if p in params else v for p, v in lora.items()}
 
@@ -151,20 +153,20 @@ def make_optimizer() -> optax.GradientTransformation:
     return optax.inject_hyperparams(optax.adamw)(learning_rate=1e-4, b1=0.9, b2=0.95, eps=1e-12, weight_decay=0.0)
 
 
-@jax.jit
+@_jit
 def copy_weights(weights: Flat) -> Flat:
     """A full fine-tuning run's own copy of the base weights (a compiled copy: placed like step outputs)."""
     return {p: jnp.copy(v) for p, v in weights.items()}
 
 
-@functools.partial(jax.jit, static_argnames="grad_dtype")
+@functools.partial(_jit, static_argnames="grad_dtype")
 def fresh_state(params: Flat, grad_dtype: Any = None) -> tuple[Flat, Any]:
     """Zero gradient accumulators (in `grad_dtype`, default the params') and a new AdamW state for `params`."""
     grads = {p: jnp.zeros(v.shape, grad_dtype or v.dtype) for p, v in params.items()}
     return grads, make_optimizer().init(params)
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+@functools.partial(_jit, donate_argnums=(0, 1, 2))
 def adam_step(params: Flat, opt_state: Any, grads: Flat, hp: dict[str, jax.Array]) -> tuple[Flat, Any, Flat, jax.Array]:
     """One AdamW step; returns new params, optimizer state, zeroed grads and the pre-clip grad norm."""
     norm = optax.global_norm(grads)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,12 +26,24 @@ from tx.engine.losses import validate_loss
 from tx.engine.train_batch import Example, build_batch, make_example, plan_rows, scatter_outputs
 from tx.lora import adapters
 from tx.lora.params import LoRAParam
+from tx.lora.select import rank_bucket
 from tx.lora.slots import targets_from_flags
 from tx.models.causal_lm import CausalLM, split_layers
 from tx.protocol import AdamParams, ForwardBackwardRequest, ForwardBackwardResult, LoraConfig, RequestError
 
 log = logging.getLogger("tx.engine")
 Flat = ts.Flat
+HYPER_PARAMS = ("learning_rate", "b1", "b2", "eps", "weight_decay", "grad_clip_norm")  # adam_step's inputs
+
+
+def _zero_hyper_params() -> dict[str, jax.Array]:
+    return {name: jnp.asarray(0.0, jnp.float32) for name in HYPER_PARAMS}
+
+
+def _compact_shape(path: tuple[str, ...], shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
+    """A stacked adapter's shape cut to one slot at `rank` ([..., S, I, R] -> [..., 1, I, rank], B alike)."""
+    lead, (_, a, b) = shape[:-3], shape[-3:]
+    return (*lead, 1, a, rank) if ts.is_lora_a(path) else (*lead, 1, rank, b)
 
 
 def lora_targets(cfg: LoraConfig) -> frozenset[str]:
@@ -58,18 +71,23 @@ class Trainer:
         self.steps = ts.StepFunctions(graphdef)
         # The trainer updates LoRA slots in place (donated buffers), so it owns a copy of them.
         self.version = 0  # bumped on every adapter write: what samplers key their prompt caches on
-        self.lora = {p: jnp.array(v, copy=True) for p, v in ts.flat(lora).items()}
+        # Committed to their placement, as every program output is: an uncommitted input is another
+        # compile key, so the second step would compile its programs again.
+        self.lora = {p: jax.device_put(jnp.array(v, copy=True), v.sharding) for p, v in ts.flat(lora).items()}
         self._lora_vars = [(tuple(str(k) for k in path), var) for path, var in nnx.to_flat_state(lora)]
         # Decoder weights as one buffer per layer: decoding reads them ~2x faster (see `split_layers`);
         # the training programs stack them back inside the program.
-        self.base = split_layers(ts.flat(base))
+        self.base = {p: jax.device_put(v, v.sharding) for p, v in split_layers(ts.flat(base)).items()}
         sharding = next(iter(self.base.values())).sharding
         mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
-        self._replicated = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+        # Where run state lives when no mesh is given: committed to the weights' device, as program
+        # outputs are (an uncommitted input is another compile key: one more compile per program).
+        self._replicated = NamedSharding(mesh, PartitionSpec()) if mesh is not None else sharding
         self.config = model.config
         self.micro_batch_tokens = micro_batch_tokens
         self.runs: dict[str, Run] = {}
         self.scale = np.zeros(self._lora_shape(), np.float32)  # [S, R] per-slot alpha/rank on live columns
+        self._warm_up_thread: threading.Thread | None = None
 
     @property
     def lora(self) -> Flat:
@@ -109,13 +127,59 @@ class Trainer:
         grads, opt_state = self._placed_like(ts.fresh_state(params), {})
         run = Run(run_id, slot, cfg, grads, opt_state)
         self.runs[run_id] = run
+        lora, slot_, ranks = dict(self.lora), jnp.int32(slot), run.ranks
+        bucket = rank_bucket(cfg.rank, self.max_rank)
+        # A gradient over a one-slot compact stack, as `lora_grad` returns for a batch of this run alone.
+        compact = {
+            p: self._placed_like(jnp.zeros(_compact_shape(p, v.shape, bucket), v.dtype), {}) for p, v in lora.items()
+        }
+        self._warm_up(
+            [
+                (ts.accumulate_slot, (run.grads, compact, jnp.int32(0), ranks)),
+                (ts.read_slot_params, (lora, slot_, run.grads)),
+                (ts.adam_step, (params, run.opt_state, run.grads, _zero_hyper_params())),
+                (ts.write_slot_params, (lora, slot_, params)),
+            ]
+        )
         return run
+
+    def _warm_up(self, programs: list[tuple[Any, tuple]]) -> None:
+        """Compile, on another thread, the small programs a new run's first step needs besides the
+        gradient (for a LoRA run: accumulating its slice of a one-adapter gradient, reading its adapter,
+        AdamW, writing it back; 0.8 s of compiles on `small`). Their shapes are known at creation, and the
+        first forward_backward spends its first seconds compiling the gradient program on one core.
+        Lowering reads only shapes and placements (arrays donated meanwhile are fine) and fills the same
+        cache a call with these arguments would."""
+        self.await_warm_up()
+
+        def compile_all() -> None:
+            for program, args in programs:
+                try:
+                    program.lower(*args).compile()
+                except Exception as err:  # only a head start: the real call compiles what this missed
+                    log.debug("warm-up compile failed: %s", err)
+
+        self._warm_up_thread = threading.Thread(target=compile_all, name="tx-warm-up", daemon=True)
+        self._warm_up_thread.start()
+
+    def await_warm_up(self) -> None:
+        """Wait for a pending warm-up compile (before a program it compiles runs, so nothing compiles twice)."""
+        thread, self._warm_up_thread = self._warm_up_thread, None
+        if thread is not None:
+            thread.join()
 
     def create_full_run(self, run_id: str) -> Run:
         params = ts.copy_weights(self.base)
         grads, opt_state = self._placed_like(ts.fresh_state(params, jnp.float32), params)
         run = Run(run_id, 0, None, grads, opt_state, params)
         self.runs[run_id] = run
+        # `params` stands in for the gradient `full_grad` returns (same shapes, dtypes and placement).
+        self._warm_up(
+            [
+                (ts.accumulate_full, (grads, params)),
+                (ts.adam_step, (params, opt_state, grads, _zero_hyper_params())),
+            ]
+        )
         return run
 
     def _placed_like(self, state: Any, params: Flat) -> Any:
@@ -123,8 +187,6 @@ class Trainer:
         like its weight in `params`, everything else (LoRA runs, counters) replicated over the mesh.
         Otherwise the second step recompiles `accumulate_*` and `adam_step` for the new placement
         (measured +0.6 s on `small`)."""
-        if self._replicated is None:
-            return state
         shardings = {p: v.sharding for p, v in params.items()}
 
         def put(path: tuple, leaf: jax.Array) -> jax.Array:
@@ -202,9 +264,11 @@ class Trainer:
             return self.steps.forward(self.lora, base, inputs)
         if full:  # a full fine-tuning run is alone in its batch
             grads, out = self.steps.full_grad(self.lora, base, inputs)
+            self.await_warm_up()
             full[0].grads = ts.accumulate_full(full[0].grads, grads)
             return out
         grads, out = self.steps.lora_grad(self.lora, base, inputs)
+        self.await_warm_up()
         assert inputs.adapters is not None  # a LoRA run's rows always carry its slot
         active = [int(s) for s in np.asarray(inputs.adapters.active)]
         for run_id in sorted(needs_grad):
@@ -232,6 +296,7 @@ class Trainer:
 
     def optim_step(self, run_id: str, adam: AdamParams) -> dict[str, float]:
         run = self._run(run_id)
+        self.await_warm_up()
         hp = {
             "learning_rate": adam.learning_rate,
             "b1": adam.beta1,
@@ -240,6 +305,7 @@ class Trainer:
             "weight_decay": adam.weight_decay,
             "grad_clip_norm": adam.grad_clip_norm,
         }
+        assert tuple(hp) == HYPER_PARAMS
         hp_arrays = {k: jnp.asarray(v, jnp.float32) for k, v in hp.items()}
         params, run.opt_state, run.grads, norm = ts.adam_step(self.run_params(run), run.opt_state, run.grads, hp_arrays)
         self.set_run_params(run, params)
