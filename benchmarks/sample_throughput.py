@@ -129,6 +129,39 @@ def measure(args: argparse.Namespace, shape: str, batches: list[int], variants: 
     return rows
 
 
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Stream-read bandwidth in bytes/s: a jitted sum over a `megabytes` fp32 array (far larger than the
+    caches), using every core as XLA does; the median of `repeats` runs after a warm-up."""
+    x = jax.numpy.ones((megabytes << 18,), jax.numpy.float32)
+    total = jax.jit(lambda a: a.sum())
+    total(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return x.nbytes / statistics.median(times)
+
+
+def weight_bytes(shape: str) -> int:
+    """Bytes of weights a decode step reads: every linear layer and the (tied) unembedding, fp32."""
+    s = SHAPES[shape]
+    D, F, L, V = s["hidden_size"], s["intermediate_size"], s["num_layers"], s["vocab_size"]
+    HE, KE = s["num_heads"] * HEAD_DIM[shape], s["num_kv_heads"] * HEAD_DIM[shape]
+    per_layer = D * HE * 2 + D * KE * 2 + 3 * D * F
+    return 4 * (L * per_layer + V * D)
+
+
+def add_ceiling(results: list[dict], bandwidth: float) -> None:
+    """Batch-1 points: the decode ceiling (bandwidth / weight bytes per step) and the fraction reached
+    (prefill included in the measured rate, so the fraction is a lower bound for decode alone)."""
+    for point in results:
+        if point["batch"] == 1:
+            ceiling = bandwidth / weight_bytes(point["shape"])
+            point["ceiling_tokens_per_s"] = round(ceiling, 1)
+            point["fraction_of_ceiling"] = round(point["tokens_per_s"] / ceiling, 3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="also batch 128")
@@ -145,8 +178,11 @@ def main() -> None:
     results = measure(args, "small", batches, ["base", "lora"])
     if args.qwen:
         results += measure(args, "qwen3-0.6b", batches, ["base", "lora"])
+    bandwidth = read_bandwidth(64 if args.quick else 512)
+    add_ceiling(results, bandwidth)
     doc = dict(
         benchmark="sample_throughput",
+        read_bandwidth_gb_s=round(bandwidth / 1e9, 2),
         prompt_tokens=args.prompt,
         new_tokens=args.new_tokens,
         chunk_steps=16,
