@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from tx.engine.compiles import TRAIN_COMPILER_OPTIONS
+from tx.engine.compiles import train_jit
 from tx.engine.losses import LossInputs, token_losses
 from tx.lora.select import Selection, take_adapters
 from tx.models.causal_lm import stack_layers
 
 Flat = dict[tuple[str, ...], jax.Array]
-_jit = functools.partial(jax.jit, compiler_options=TRAIN_COMPILER_OPTIONS)
+_jit = train_jit
 
 
 @jax.tree_util.register_dataclass
