@@ -88,3 +88,21 @@ def test_compact_gradient_is_the_slot_slice_of_the_full_gradient(stack):
         rank = RANKS[int(slot)]
         np.testing.assert_allclose(ca[index][:, :rank], ga[slot][:, :rank], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(cb[index][:rank], gb[slot][:rank], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("slots", [[1, 1, 1, 1, 1], [2, 0, 2, 0, 0], [3, 1, 2, 5, 4]])
+def test_one_token_rows_match_a_per_row_reference(stack, slots):
+    """Decode rows (one token each) take the side-by-side form; every row equals its own adapter's
+    x @ A[:, :rank] @ B[:rank] * scale, rows without an adapter exactly zero."""
+    x, a, b, scale = stack
+    x1 = x[:, :1]
+    sel = select(slots, scale)
+    assert sel is not None
+    cut = take_adapters({("p", "lora_a"): jnp.asarray(a), ("p", "lora_b"): jnp.asarray(b)}, sel)
+    got = np.asarray(lora_delta(jnp.asarray(x1), sel.rows, cut[("p", "lora_a")], cut[("p", "lora_b")]))
+    for r, slot in enumerate(slots):
+        rank = RANKS.get(slot, 0)
+        want = x1[r] @ a[slot, :, :rank] @ b[slot, :rank] * scale[slot, 0] if rank else np.zeros_like(got[r])
+        np.testing.assert_allclose(got[r], want, rtol=1e-5, atol=1e-4)
+        if slot == 0:
+            assert not np.any(got[r])

@@ -94,8 +94,8 @@ class Engine:
         *,
         claim_limit: int = 256,
         idle_wait_s: float = 5.0,
-        gather_s: float = 0.05,
-        gather_quiet_s: float = 0.01,
+        gather_s: float = 0.2,
+        gather_quiet_s: float = 0.03,
     ) -> None:
         self.gather_s = gather_s
         self.gather_quiet_s = gather_quiet_s
