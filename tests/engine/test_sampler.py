@@ -21,7 +21,7 @@ from tx.engine.sampler import Sampler, SamplerConfig, plan_admission
 from tx.engine.train_step import flat
 from tx.lora.layers import LoRASpec
 from tx.lora.params import LoRAParam, LoRARows, slot_scale
-from tx.models.causal_lm import KVCache, split_layers, stack_layers
+from tx.models.causal_lm import LayerCache, split_layers, stack_layers
 from tx.models.weights import load_model
 from tx.protocol import RequestError, SampleRequest, SampleResult, SamplingParams
 
@@ -385,7 +385,7 @@ def test_decode_updates_the_cache_in_place(qwen):
     """The compiled decode chunk never copies a layer's cache buffer (a read-then-write order made XLA
     copy every layer's cache twice per step, which cost more than the attention itself at batch 32)."""
     B, S = 8, 64
-    cache = KVCache.zeros(qwen.cfg, B, S)
+    cache = LayerCache.zeros(qwen.cfg, B, S)
     rows = DecodeRows(
         *(jnp.zeros(B, jnp.int32) for _ in range(3)), jnp.zeros(B, jnp.uint32),
         jnp.ones(B, jnp.float32), jnp.zeros(B, jnp.int32), jnp.ones(B, jnp.float32),

@@ -21,7 +21,7 @@ from flax import nnx
 from tx.engine.sampling import row_keys, select_tokens
 from tx.lora.params import LoRARows
 from tx.lora.select import Selection, take_adapters
-from tx.models.causal_lm import KVCache, per_layer
+from tx.models.causal_lm import KVCache, LayerCache, per_layer
 
 # The weights a program reads: an nnx State, or {path: array} whose decoder base weights may be split
 # into per-layer buffers (`tx.models.causal_lm.split_layers`), which decodes about twice as fast on CPU.
@@ -76,8 +76,8 @@ class DecodePrograms:
         self.resize = jax.jit(self._resize, static_argnames="length")
 
     def _decode(
-        self, state: Weights, adapters: Selection | None, cache: KVCache, rows: DecodeRows
-    ) -> tuple[KVCache, jax.Array, jax.Array]:
+        self, state: Weights, adapters: Selection | None, cache: LayerCache, rows: DecodeRows
+    ) -> tuple[LayerCache, jax.Array, jax.Array]:
         """`chunk_steps` decode steps -> (cache, sampled tokens [B, C], their raw logprobs [B, C]).
 
         `adapters` selects the adapter slots the rows read (None: no row has one), see `tx.lora.select`."""
@@ -94,11 +94,11 @@ class DecodePrograms:
             )
             return (cache, token, position + 1, step + 1), (token, logprob)
 
-        # With per-layer weights, the steps carry one cache buffer per layer (two copies per chunk; a
-        # stacked cache read by unrolled layers would be sliced, i.e. copied, at every step).
-        carry: tuple = (cache if layers is None else cache.per_layer(), rows.token, rows.position, rows.step)
+        # With per-layer weights the steps carry the per-layer buffers as they are; the scanned model over
+        # stacked weights takes the stacked layout (converted here, twice per chunk).
+        carry: tuple = (cache if layers is not None else cache.stacked(), rows.token, rows.position, rows.step)
         (out, *_), (tokens_CB, logprobs_CB) = jax.lax.scan(one_step, carry, length=self.chunk_steps)
-        return out if isinstance(out, KVCache) else out.stacked(), tokens_CB.T, logprobs_CB.T
+        return out if isinstance(out, LayerCache) else out.per_layer(), tokens_CB.T, logprobs_CB.T
 
     def _prefill(
         self, state: Weights, adapters: Selection | None, batch: PrefillBatch, *, scores: bool, topk: int
@@ -126,15 +126,18 @@ class DecodePrograms:
         top_lp, top_ids = jax.lax.top_k(logp_NPV, topk) if topk else (logp_NPV[..., :0], batch.targets[..., :0])
         return fresh, PromptScores(target_NP, top_ids.astype(jnp.int32), top_lp)
 
-    def _insert(self, cache: KVCache, fresh: KVCache, source: jax.Array) -> KVCache:
+    def _insert(self, cache: LayerCache, fresh: KVCache, source: jax.Array) -> LayerCache:
         """Copy prefill row `source[b]` into the head of decode row b; rows with -1 keep their cache."""
         self.compile_count += 1
-        return KVCache(_copy_rows(cache.k, fresh.k, source), _copy_rows(cache.v, fresh.v, source))
+        keys = tuple(_copy_rows(dst, fresh.k[i].transpose(0, 2, 3, 1), source, 3) for i, dst in enumerate(cache.k))
+        values = tuple(_copy_rows(dst, fresh.v[i].transpose(0, 2, 1, 3), source, 2) for i, dst in enumerate(cache.v))
+        return LayerCache(keys, values)
 
-    def _resize(self, cache: KVCache, index: jax.Array, *, length: int) -> KVCache:
+    def _resize(self, cache: LayerCache, index: jax.Array, *, length: int) -> LayerCache:
         """Decode rows `index` [B'] of `cache`, cut or zero-padded to `length` positions."""
         self.compile_count += 1
-        return KVCache(_take_rows(cache.k, index, length), _take_rows(cache.v, index, length))
+        keys = tuple(_take_rows(k, index, length, 3) for k in cache.k)
+        return LayerCache(keys, tuple(_take_rows(v, index, length, 2) for v in cache.v))
 
 
 def _select(weights: Weights, adapters: Selection | None) -> tuple[nnx.State, list | None, LoRARows | None]:
@@ -148,17 +151,21 @@ def _select(weights: Weights, adapters: Selection | None) -> tuple[nnx.State, li
     return nnx.from_flat_state(list(rest.items())), layers, None if adapters is None else adapters.rows
 
 
-def _copy_rows(dst_LBSKE: jax.Array, src_LNPKE: jax.Array, source_B: jax.Array) -> jax.Array:
-    P = src_LNPKE.shape[2]
-    rows = jnp.take(src_LNPKE, jnp.maximum(source_B, 0), axis=1)
-    keep = (source_B < 0)[None, :, None, None, None]
-    head = jnp.where(keep, dst_LBSKE[:, :, :P], rows.astype(dst_LBSKE.dtype))
-    return jax.lax.dynamic_update_slice_in_dim(dst_LBSKE, head, 0, axis=2)
+def _copy_rows(dst: jax.Array, src: jax.Array, source_B: jax.Array, axis: int) -> jax.Array:
+    """dst [B, ...] rows get src [N, ...] row `source[b]` at the head of their position `axis` (P of S)."""
+    P = src.shape[axis]
+    rows = jnp.take(src, jnp.maximum(source_B, 0), axis=0)
+    keep = (source_B < 0).reshape(-1, *(1,) * (dst.ndim - 1))
+    head = jnp.where(keep, jax.lax.slice_in_dim(dst, 0, P, axis=axis), rows.astype(dst.dtype))
+    return jax.lax.dynamic_update_slice_in_dim(dst, head, 0, axis=axis)
 
 
-def _take_rows(x_LBSKE: jax.Array, index: jax.Array, length: int) -> jax.Array:
-    x = jnp.take(x_LBSKE, index, axis=1)
-    S = x.shape[2]
+def _take_rows(x: jax.Array, index: jax.Array, length: int, axis: int) -> jax.Array:
+    """Rows `index` of x [B, ...], cut or zero-padded to `length` along the position `axis`."""
+    x = jnp.take(x, index, axis=0)
+    S = x.shape[axis]
     if length <= S:
-        return x[:, :, :length]
-    return jnp.pad(x, [(0, 0), (0, 0), (0, length - S), (0, 0), (0, 0)])
+        return jax.lax.slice_in_dim(x, 0, length, axis=axis)
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, length - S)
+    return jnp.pad(x, widths)

@@ -30,7 +30,7 @@ from tx.engine.prompt_cache import Key, PromptCache
 from tx.engine.sampler_rows import Job, Row, copy_sources, decode_rows, prefill_batch, prompt_results, row_slots
 from tx.engine.sampling import StopChecker, resolve_seed, sample_seeds
 from tx.lora.select import Selection, select
-from tx.models.causal_lm import KVCache
+from tx.models.causal_lm import KVCache, LayerCache
 from tx.models.config import ModelConfig
 from tx.protocol import RequestError, SampleRequest, SampleResult
 
@@ -133,7 +133,7 @@ class Sampler:
         self._waiting: deque[Job] = deque()
         self._outbox: list[Outcome] = []
         self._rows: list[Row | None] = []  # one entry per cache row
-        self._cache: KVCache | None = None
+        self._cache: LayerCache | None = None
 
     @property
     def compile_count(self) -> int:
@@ -142,7 +142,7 @@ class Sampler:
     @property
     def cache_shape(self) -> tuple[int, int] | None:
         """(rows, length) of the decode cache, None while nothing is decoding."""
-        return None if self._cache is None else (self._cache.k.shape[1], self._cache.k.shape[2])
+        return None if self._cache is None else (self._cache.rows, self._cache.length)
 
     def idle(self) -> bool:
         return not (self._waiting or self._outbox or any(self._rows))
@@ -235,7 +235,7 @@ class Sampler:
         need = max(row.need(self.cfg.chunk_steps) for row in [*active, *new_rows])
         length = bucket_size(need, self.cfg.length_buckets)
         if self._cache is None:
-            self._cache = KVCache.zeros(self.model_cfg, rows, length)
+            self._cache = LayerCache.zeros(self.model_cfg, rows, length)
             self._rows = [None] * rows
         elif self.cache_shape != (rows, length):
             live = [i for i, row in enumerate(self._rows) if row is not None]
@@ -310,7 +310,7 @@ class Sampler:
 
     def _decode_chunk(self) -> list[Outcome]:
         assert self._cache is not None
-        rows = decode_rows(self._rows, self._cache.k.shape[2])
+        rows = decode_rows(self._rows, self._cache.length)
         adapters = self._adapters(row_slots(self._rows))
         self._cache, tokens_BC, logprobs_BC = self.programs.decode(self.get_state(), adapters, self._cache, rows)
         tokens_BC, logprobs_BC = np.asarray(tokens_BC), np.asarray(logprobs_BC)

@@ -46,12 +46,28 @@ class KVCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerCache:
-    """A `KVCache` inside a program that runs the layers unrolled: one buffer per layer, laid out for
-    decode attention: keys [B, K, E, S] (a query's scores stream along S), values [B, K, S, E]; 1.7x
-    faster decode attention than [B, S, K, E] here. Converted once per program call, not per step."""
+    """The decode cache as one buffer per layer (what layers run unrolled over per-layer weights read and
+    update in place), laid out for decode attention: keys [B, K, E, S] (a query's scores stream along
+    S), values [B, K, S, E]; 1.7x faster decode attention than [B, S, K, E] here. The sampler keeps its
+    decode cache in this form between chunks (converting it per chunk cost 12% of a batch-32 step)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
+
+    @staticmethod
+    def zeros(cfg: ModelConfig, batch: int, length: int) -> LayerCache:
+        K, E = cfg.num_kv_heads, cfg.head_dim
+        keys = tuple(jnp.zeros((batch, K, E, length), cfg.dtype) for _ in range(cfg.num_layers))
+        values = tuple(jnp.zeros((batch, K, length, E), cfg.dtype) for _ in range(cfg.num_layers))
+        return LayerCache(keys, values)
+
+    @property
+    def rows(self) -> int:
+        return int(self.k[0].shape[0])
+
+    @property
+    def length(self) -> int:
+        return int(self.k[0].shape[-1])
 
     def stacked(self) -> KVCache:
         return KVCache(jnp.stack(self.k).transpose(0, 1, 4, 2, 3), jnp.stack(self.v).transpose(0, 1, 3, 2, 4))
