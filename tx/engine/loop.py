@@ -95,7 +95,7 @@ class Engine:
         claim_limit: int = 256,
         idle_wait_s: float = 5.0,
         gather_s: float = 0.2,
-        gather_quiet_s: float = 0.03,
+        gather_quiet_s: float = 0.01,
     ) -> None:
         self.gather_s = gather_s
         self.gather_quiet_s = gather_quiet_s
