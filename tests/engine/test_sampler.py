@@ -21,7 +21,7 @@ from tx.engine.sampler import Sampler, SamplerConfig, plan_admission
 from tx.engine.train_step import flat
 from tx.lora.layers import LoRASpec
 from tx.lora.params import LoRAParam, LoRARows, slot_scale
-from tx.models.causal_lm import LayerCache, split_layers, stack_layers
+from tx.models.causal_lm import LayerCache, decode_layout, split_layers, stack_layers
 from tx.models.weights import load_model
 from tx.protocol import RequestError, SampleRequest, SampleResult, SamplingParams
 
@@ -379,6 +379,18 @@ def test_split_layers_round_trip(qwen):
     assert back.keys() == weights.keys()
     for path, value in weights.items():
         np.testing.assert_array_equal(np.asarray(back[path]), np.asarray(value))
+
+
+def test_decode_layout_copy_shares_no_buffer(qwen):
+    """A full fine-tuning run's sampler snapshot must survive the run's next AdamW step, which donates
+    (frees) the run's weights: no entry of the copy may be one of the originals."""
+    weights = {p: jnp.array(v, copy=True) for p, v in flat(qwen.state).items()}
+    snapshot = decode_layout(weights, copy=True)
+    originals = {v.unsafe_buffer_pointer() for v in weights.values()}
+    assert not originals & {v.unsafe_buffer_pointer() for v in snapshot.values()}
+    for v in weights.values():
+        v.delete()
+    assert all(np.isfinite(np.asarray(v)).all() for v in snapshot.values())
 
 
 def test_decode_updates_the_cache_in_place(qwen):

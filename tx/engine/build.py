@@ -18,6 +18,7 @@ from tx.engine.trainer import Trainer
 from tx.engine.weights_io import WeightsIO
 from tx.lora.layers import LoRASpec
 from tx.lora.slots import SlotTable
+from tx.models.causal_lm import decode_layout
 from tx.models.sharding import make_mesh
 from tx.models.weights import load_model, resolve_model_dir
 from tx.protocol import ModelInfo
@@ -100,7 +101,9 @@ def build_runner(
 
         return Sampler(trainer.steps.graphdef, state, cfg, sampler_cfg, eos, decode, scale, programs, version)
 
-    sampler = make_sampler(lambda: trainer.base)
+    # The frozen base as the sampler reads it fastest (on CPU a per-layer copy: +1x the base weights).
+    decode_base = decode_layout(trainer.base)
+    sampler = make_sampler(lambda: decode_base)
     io = WeightsIO(base_model, model_dir, mesh)
     runner = JaxRunner(
         trainer, sampler, slots, io, base_model, lambda get_base: make_sampler(get_base, sampler.programs)

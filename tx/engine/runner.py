@@ -23,6 +23,7 @@ from tx.engine.sampler import Sampler
 from tx.engine.trainer import Flat, Run, Trainer, lora_targets
 from tx.engine.weights_io import WeightsIO
 from tx.lora.slots import SlotsExhausted, SlotTable
+from tx.models.causal_lm import decode_layout
 from tx.protocol import (
     CheckpointResult,
     CreateModelRequest,
@@ -230,7 +231,7 @@ class JaxRunner:
     def _save_full_for_sampler(self, run: Run, p: SaveSamplerRequest) -> CheckpointResult:
         """A full fine-tuning run's sampler copy: its own weight set and a sampler over it."""
         assert run.params is not None
-        snapshot = {path: jnp.array(v, copy=True) for path, v in run.params.items()}
+        snapshot = decode_layout(run.params, copy=True)
         self._add_full_sampler(p.snapshot_id, snapshot)
         size = None
         if p.dest_dir:

@@ -28,7 +28,7 @@ from tx.lora import adapters
 from tx.lora.params import LoRAParam
 from tx.lora.select import rank_bucket
 from tx.lora.slots import targets_from_flags
-from tx.models.causal_lm import CausalLM, split_layers
+from tx.models.causal_lm import CausalLM
 from tx.protocol import AdamParams, ForwardBackwardRequest, ForwardBackwardResult, LoraConfig, RequestError
 
 log = logging.getLogger("tx.engine")
@@ -75,9 +75,7 @@ class Trainer:
         # compile key, so the second step would compile its programs again.
         self.lora = {p: jax.device_put(jnp.array(v, copy=True), v.sharding) for p, v in ts.flat(lora).items()}
         self._lora_vars = [(tuple(str(k) for k in path), var) for path, var in nnx.to_flat_state(lora)]
-        # Decoder weights as one buffer per layer: decoding reads them ~2x faster (see `split_layers`);
-        # the training programs stack them back inside the program.
-        self.base = {p: jax.device_put(v, v.sharding) for p, v in split_layers(ts.flat(base)).items()}
+        self.base = {p: jax.device_put(v, v.sharding) for p, v in ts.flat(base).items()}
         sharding = next(iter(self.base.values())).sharding
         mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
         # Where run state lives when no mesh is given: committed to the weights' device, as program

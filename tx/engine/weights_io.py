@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from tx.engine.trainer import Trainer, lora_targets
 from tx.lora import adapters, peft
-from tx.models.causal_lm import split_layers
+from tx.models.causal_lm import decode_layout
 from tx.models.config import ModelConfig
 from tx.models.weights import load_model, save_hf
 from tx.protocol import LoraConfig
@@ -57,7 +57,7 @@ class WeightsIO:
     def load_full(self, source: Path) -> dict:
         model, _ = load_model(str(source), mesh=self.mesh, progress=False)
         _, base = nnx.split(model, nnx.Param)  # a full checkpoint has no adapter slots
-        return split_layers({tuple(str(k) for k in p): v.get_value() for p, v in nnx.to_flat_state(base)})
+        return decode_layout({tuple(str(k) for k in p): v.get_value() for p, v in nnx.to_flat_state(base)})
 
     @staticmethod
     def check_full_finetune_fits(trainer: Trainer) -> None:
