@@ -12,7 +12,16 @@ import pytest
 
 from tx.db import Database, open_database, owner_of
 from tx.engine.loop import Completion, Engine, StepError
-from tx.protocol import Datum, ForwardBackwardRequest, OptimStepResult, WorkItem
+from tx.protocol import (
+    Datum,
+    ForwardBackwardRequest,
+    OptimStepResult,
+    SampledSequence,
+    SampleRequest,
+    SampleResult,
+    SamplingParams,
+    WorkItem,
+)
 
 OWNER = owner_of("tml-test")
 
@@ -127,6 +136,51 @@ def test_burst_waits_for_a_request_still_being_written(sqlite_db: Database) -> N
     finally:
         engine.stop()
     assert runner.batches == [2]
+
+
+class SampleRecorder:
+    """Completes sample requests one step after they arrive, recording how they were batched."""
+
+    def __init__(self) -> None:
+        self.items: list[WorkItem] = []
+        self.batches: list[int] = []
+
+    def submit(self, items: Sequence[WorkItem]) -> None:
+        self.batches.append(len(items))
+        self.items.extend(items)
+
+    def idle(self) -> bool:
+        return not self.items
+
+    def step(self) -> list[Completion]:
+        items, self.items = self.items, []
+        return [Completion(i.future_id, SampleResult([SampledSequence([1], [-0.5], "length")])) for i in items]
+
+
+def _submit_sample(db: Database, seq: int) -> str:
+    payload = SampleRequest([1, 2], 1, SamplingParams(max_tokens=1), "base")
+    return db.queue.submit(kind="sample", payload=payload, owner=OWNER, model_id="s", seq_id=seq).future_id
+
+
+def test_a_sample_burst_as_large_as_the_last_waits_past_quiet_gaps(sqlite_db: Database) -> None:
+    """An RL loop's next round of sample calls is kept together although its requests arrive with gaps
+    longer than the quiet gap: the engine expects as many as the previous burst (up to gather_s)."""
+    runner = SampleRecorder()
+    engine = Engine(sqlite_db.queue, runner, gather_s=1.0, gather_quiet_s=0.01)
+    engine.start()
+    try:
+        for round_ in range(2):
+            futures = []
+            for i in range(3):
+                futures.append(_submit_sample(sqlite_db, 10 * round_ + i))
+                if round_ == 0 or i < 2:
+                    time.sleep(0.001 if round_ == 0 else 0.1)  # round 1: gaps 10x the quiet gap
+            assert all(_wait_status(sqlite_db, f) == "done" for f in futures)
+        lone = _submit_sample(sqlite_db, 99)  # fewer than expected: waits for gather_s at most, then runs
+        assert _wait_status(sqlite_db, lone) == "done"
+    finally:
+        engine.stop()
+    assert runner.batches == [3, 3, 1]
 
 
 class ResultsOfOneStep(ScriptedRunner):

@@ -104,6 +104,7 @@ class Engine:
         self.claim_limit = claim_limit
         self.idle_wait_s = idle_wait_s
         self._inflight: dict[str, _Inflight] = {}
+        self._last_sample_burst = 0  # sample requests in the last burst gathered from idle
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -143,18 +144,26 @@ class Engine:
         and rows that finish a chunk later). The burst ends after a quiet gap with no new request
         (`gather_quiet_s` once a sample request is among them, whose decode dwarfs the wait; 2 ms for
         training alone) while no request is still being written by the API, or after `gather_s` in all.
+        A sample burst smaller than the previous one waits past quiet gaps (up to `gather_s`): an RL loop
+        sends the same number of `sample` calls every step, and 32 of them through the SDK arrive with
+        gaps of tens of milliseconds; a split burst decodes in two rounds and compiles another shape.
         Arrivals wake the wait at once; nothing polls."""
         items = self.queue.claim(self.claim_limit)
         if not items or not self.runner.idle():
             return items
         deadline = time.monotonic() + self.gather_s
         while (left := deadline - time.monotonic()) > 0:
-            sampling = any(item.kind == "sample" for item in items)
-            self.queue.wait_for_work(min(self.gather_quiet_s if sampling else 0.002, left))
+            samples = sum(item.kind == "sample" for item in items)
+            expecting = 0 < samples < self._last_sample_burst
+            quiet = self.gather_quiet_s if samples else 0.002
+            self.queue.wait_for_work(left if expecting else min(quiet, left))
             more = self.queue.claim(self.claim_limit)
             if not more and not self._submitting():
                 break
             items += more
+        samples = sum(item.kind == "sample" for item in items)
+        if samples:
+            self._last_sample_burst = samples
         return items
 
     def _submitting(self) -> bool:
