@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU found" is not news
+    if args.log_level.upper() != "DEBUG":  # orbax narrates every checkpoint step through absl at INFO
+        logging.getLogger("absl").setLevel(logging.WARNING)
     api_keys = load_api_keys(args.api_key, args.api_keys_file)
     db = open_database(args.database_url, args.data_dir, session_timeout_s=args.session_timeout)
     failed = db.queue.recover()
