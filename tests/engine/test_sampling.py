@@ -186,3 +186,19 @@ def test_seeds_are_reproducible_and_distinct() -> None:
     seeds = sample_seeds(5, 64)
     assert seeds == sample_seeds(5, 64) and len(set(seeds)) == 64
     assert all(0 <= s < 2**32 for s in seeds) and seeds[0] != sample_seeds(6, 1)[0]
+
+
+def test_gumbel_noise_has_the_gumbel_distribution() -> None:
+    """The hashed noise behind every sampled token: Gumbel(0, 1) moments and CDF, no correlation between
+    neighbouring tokens or between consecutive steps of one row."""
+    from tx.engine.sampling import _gumbel
+
+    noise = np.asarray(_gumbel(_keys(np.arange(64), np.zeros(64, np.int32)), 4096), np.float64)
+    assert abs(noise.mean() - np.euler_gamma) < 0.01
+    assert abs(noise.var() - np.pi**2 / 6) < 0.03
+    for q in (0.1, 0.5, 0.9, 0.999):  # empirical CDF at Gumbel quantiles
+        assert abs(np.mean(noise <= -np.log(-np.log(q))) - q) < 0.005
+    flat = noise.ravel()
+    assert abs(np.corrcoef(flat[:-1], flat[1:])[0, 1]) < 0.01
+    later = np.asarray(_gumbel(_keys(np.arange(64), np.ones(64, np.int32)), 4096), np.float64)
+    assert abs(np.corrcoef(noise.ravel(), later.ravel())[0, 1]) < 0.01

@@ -60,23 +60,46 @@ def select_tokens(
     logits = logits.astype(jnp.float32)
     greedy = temperature <= 0
     scaled_BV = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-    gumbel_BV = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys)
+    gumbel_BV = _gumbel(keys, V)
     k_on = (top_k > 0) & (top_k < V)
     p_on = top_p < 1
     filtered = (k_on | p_on) & ~greedy
     filters = _Filters(jnp.where(k_on, top_k, V), k_on, top_p, p_on)
 
+    # One argmax serves greedy rows (their logits) and unfiltered sampled rows (Gumbel-perturbed).
+    noisy_BV = jnp.where(greedy[:, None], logits, scaled_BV + gumbel_BV)
+
     def unfiltered() -> jax.Array:
-        return jnp.argmax(scaled_BV + gumbel_BV, axis=-1).astype(jnp.int32)
+        return jnp.argmax(noisy_BV, axis=-1).astype(jnp.int32)
 
     def with_filters() -> jax.Array:
         picked = _filtered_draw(scaled_BV, gumbel_BV, filters, filtered, min(k_cap, V))
         return jnp.where(filtered, picked, unfiltered())
 
-    sampled = lax.cond(jnp.any(filtered), with_filters, unfiltered)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), sampled)
-    logprobs_BV = jax.nn.log_softmax(logits, axis=-1)
-    return tokens, jnp.take_along_axis(logprobs_BV, tokens[:, None], axis=-1)[:, 0]
+    tokens = lax.cond(jnp.any(filtered), with_filters, unfiltered)
+    picked_logit = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return tokens, picked_logit - jax.nn.logsumexp(logits, axis=-1)
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+    """A 32-bit avalanche bijection (the `lowbias32` constants): every input bit flips about half the output bits."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _gumbel(keys: jax.Array, V: int) -> jax.Array:
+    """Gumbel noise [B, V] from each row's key (one threefry key per row and step) hashed with the token
+    index. Drawing V threefry numbers per row took 1.7 ms of a 17 ms batch-32 decode step on `small`; the
+    hash costs a few integer operations per token. Uniforms carry 24 bits, as float32 ones do."""
+    data = jax.random.key_data(keys).astype(jnp.uint32)  # [B, 2]
+    row_B = _mix32(data[:, 0] ^ _mix32(data[:, 1]))
+    index_V = jnp.arange(V, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)  # distinct per token (odd multiplier)
+    bits_BV = _mix32(row_B[:, None] ^ index_V[None, :])
+    uniform_BV = ((bits_BV >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+    return -jnp.log(-jnp.log(uniform_BV))
 
 
 @dataclass(frozen=True)
