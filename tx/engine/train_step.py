@@ -21,7 +21,6 @@ from flax import nnx
 from tx.engine.compiles import train_jit
 from tx.engine.losses import LossInputs, token_losses
 from tx.lora.select import Selection, take_adapters
-from tx.models.causal_lm import stack_layers
 
 Flat = dict[tuple[str, ...], jax.Array]
 _jit = train_jit
@@ -80,8 +79,7 @@ class StepFunctions:
         self.full_grad = _jit(functools.partial(self._grad, train_lora=False))
 
     def model(self, lora: Flat, base: Flat) -> Any:
-        """The model over `base` given stacked or split per layer (`split_layers`: stacked here, one copy)."""
-        return nnx.merge(self.graphdef, as_state(lora), as_state(stack_layers(base)))
+        return nnx.merge(self.graphdef, as_state(lora), as_state(base))
 
     def _forward(self, lora: Flat, base: Flat, batch: TrainBatch) -> StepOutputs:
         return _outputs(self.model(_compact(lora, batch), base), batch)[1]

@@ -289,20 +289,6 @@ def decode_layout(weights: Flat, copy: bool = False) -> Flat:
     return {p: jnp.array(v, copy=True) for p, v in weights.items()} if copy else dict(weights)
 
 
-def stack_layers(weights: Mapping[tuple[str, ...], jax.Array]) -> Flat:
-    """The inverse of `split_layers` (a no-op on stacked weights); inside a program it is one copy."""
-    grouped: dict[tuple[str, ...], dict[int, jax.Array]] = {}
-    out: Flat = {}
-    for path, x in weights.items():
-        if _is_split(path):
-            grouped.setdefault((*LAYERS, *path[3:]), {})[int(path[2])] = x
-        else:
-            out[path] = x
-    for path, by_layer in grouped.items():
-        out[path] = jnp.stack([by_layer[i] for i in range(len(by_layer))])
-    return out
-
-
 def per_layer(weights: Mapping[tuple[str, ...], jax.Array]) -> tuple[Flat, list[Flat] | None]:
     """Split weights -> (the rest, with each stacked path mapped to layer 0's array as a stand-in that
     `hidden(layers=...)` never reads; one {path inside a layer: array} per layer). Stacked weights ->
