@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from tx.lora.params import LoRARows
 
@@ -89,15 +88,3 @@ def take_adapters(weights: Mapping[tuple, jax.Array], selection: Selection) -> d
         cut = _take(path, x, selection.active, selection.rank)
         out[path] = x if cut is None else cut
     return out
-
-
-def take_adapters_state(state: nnx.State, selection: Selection) -> nnx.State:
-    """`take_adapters` over an nnx State (leaves may be Variables or plain arrays)."""
-    items = []
-    for path, leaf in nnx.to_flat_state(state):
-        value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
-        cut = _take(path, value, selection.active, selection.rank)
-        if cut is not None:
-            leaf = leaf.replace(cut) if isinstance(leaf, nnx.Variable) else cut
-        items.append((path, leaf))
-    return nnx.from_flat_state(items)
