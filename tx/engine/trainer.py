@@ -26,7 +26,7 @@ from tx.engine.losses import validate_loss
 from tx.engine.train_batch import Example, build_batch, make_example, plan_rows, scatter_outputs
 from tx.lora import adapters
 from tx.lora.params import LoRAParam
-from tx.lora.select import rank_bucket
+from tx.lora.select import select, take_adapters
 from tx.lora.slots import targets_from_flags
 from tx.models.causal_lm import CausalLM
 from tx.protocol import AdamParams, ForwardBackwardRequest, ForwardBackwardResult, LoraConfig, RequestError
@@ -38,12 +38,6 @@ HYPER_PARAMS = ("learning_rate", "b1", "b2", "eps", "weight_decay", "grad_clip_n
 
 def _zero_hyper_params() -> dict[str, jax.Array]:
     return {name: jnp.asarray(0.0, jnp.float32) for name in HYPER_PARAMS}
-
-
-def _compact_shape(path: tuple[str, ...], shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
-    """A stacked adapter's shape cut to one slot at `rank` ([..., S, I, R] -> [..., 1, I, rank], B alike)."""
-    lead, (_, a, b) = shape[:-3], shape[-3:]
-    return (*lead, 1, a, rank) if ts.is_lora_a(path) else (*lead, 1, rank, b)
 
 
 def lora_targets(cfg: LoraConfig) -> frozenset[str]:
@@ -126,11 +120,11 @@ class Trainer:
         run = Run(run_id, slot, cfg, grads, opt_state)
         self.runs[run_id] = run
         lora, slot_, ranks = dict(self.lora), jnp.int32(slot), run.ranks
-        bucket = rank_bucket(cfg.rank, self.max_rank)
-        # A gradient over a one-slot compact stack, as `lora_grad` returns for a batch of this run alone.
-        compact = {
-            p: self._placed_like(jnp.zeros(_compact_shape(p, v.shape, bucket), v.dtype), {}) for p, v in lora.items()
-        }
+        # A gradient over the compact stack `lora_grad` returns for a batch of this run alone.
+        alone = select([slot], self.scale)
+        assert alone is not None
+        shapes = jax.eval_shape(lambda weights: take_adapters(weights, alone), lora)
+        compact = {p: self._placed_like(jnp.zeros(v.shape, v.dtype), {}) for p, v in shapes.items()}
         self._warm_up(
             [
                 (ts.accumulate_slot, (run.grads, compact, jnp.int32(0), ranks)),
