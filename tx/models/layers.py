@@ -19,6 +19,8 @@ from tx.lora.layers import LoRALinear, LoRASpec
 from tx.lora.params import LoRARows
 from tx.models.config import ModelConfig, RopeScaling
 
+NEG_INF = -1e30  # additive mask: exp(NEG_INF - max) is exactly 0 in float32, and a finite value keeps gradients finite
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -105,17 +107,26 @@ class Attention(nnx.Module):
         B, T, H, E = q.shape
         K = self.kv_heads
         qg = q.reshape(B, T, K, H // K, E)
-        allowed = mask.allowed()[:, None, None]  # [B, 1, 1, T, S]
         if T == 1:  # decode: a streaming multiply-and-sum over the cache beats XLA CPU's tiny batched GEMMs
+            allowed = mask.allowed()[:, None, None]  # [B, 1, 1, T, S]
             scores = jnp.sum(qg[:, 0, None].astype(jnp.float32) * k[:, :, :, None, :], axis=-1)  # [B, S, K, G]
             scores = jnp.where(allowed[:, 0, 0, 0, :, None, None], scores / math.sqrt(E), jnp.finfo(jnp.float32).min)
             probs = jax.nn.softmax(scores, axis=1).astype(v.dtype)
             out = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1).reshape(B, 1, H * E)
             return self.o_proj(out, rows)
-        scores = jnp.einsum("btkge,bske->bkgts", qg, k, preferred_element_type=jnp.float32) / math.sqrt(E)
-        scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bske->btkge", probs, v).reshape(B, T, H * E)
+        # Heads first, with a kv head's G query heads stacked along the query axis ([B, K, G*T, E]): each
+        # (row, kv head) is one plain [G*T, E] x [E, S] product, the mask an additive bias, and the softmax
+        # is normalised after the value product. On XLA:CPU a training step of `small` (8 x 256 tokens)
+        # went from 1.06 to 0.99 s; the [B, K, G, T, S] einsums transposed q, the scores and their
+        # gradients on every call.
+        G = H // K
+        qh = qg.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, E)
+        kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, E]
+        bias = jnp.tile(jnp.where(mask.allowed(), 0.0, NEG_INF), (1, G, 1))[:, None]  # [B, 1, G*T, S]
+        s = jnp.einsum("bkqe,bkse->bkqs", qh / math.sqrt(E), kh, preferred_element_type=jnp.float32) + bias
+        p = jnp.exp(s - jax.lax.stop_gradient(s.max(-1, keepdims=True)))
+        o = jnp.einsum("bkqs,bkse->bkqe", p.astype(v.dtype), vh) / p.sum(-1, keepdims=True).astype(v.dtype)
+        out = o.reshape(B, K, G, T, E).transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
         return self.o_proj(out, rows)
 
     def attend_written(
