@@ -145,10 +145,14 @@ class Attention(nnx.Module):
             num = jnp.sum(p[..., None] * v_cache[:, :, None], axis=-2)  # [B, K, G, E]
             out = (num / p.sum(-1)[..., None]).astype(v_cache.dtype).reshape(B, 1, H * E)
             return self.o_proj(out, rows)
-        s = jnp.einsum("btkge,bkes->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
-        s = jnp.where(seen[:, None, None], s, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(s, axis=-1).astype(v_cache.dtype)
-        out = jnp.einsum("bkgts,bkse->btkge", probs, v_cache).reshape(B, T, H * E)
+        # Prefill: the heads-first form of `attend` (one [G*T, E] x [E, S] product per row and kv head).
+        G = H // K
+        qh = qg.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, E)
+        bias = jnp.tile(jnp.where(seen, 0.0, NEG_INF), (1, G, 1))[:, None]  # [B, 1, G*T, S]
+        s = jnp.einsum("bkqe,bkes->bkqs", qh, k_cache.astype(jnp.float32)) + bias
+        p = jnp.exp(s - s.max(-1, keepdims=True))
+        o = jnp.einsum("bkqs,bkse->bkqe", p.astype(v_cache.dtype), v_cache) / p.sum(-1, keepdims=True)
+        out = o.astype(v_cache.dtype).reshape(B, K, G, T, E).transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
         return self.o_proj(out, rows)
 
     def attend_cached(
