@@ -47,12 +47,37 @@ class StepOutputs:
 def _outputs(model: Any, batch: TrainBatch) -> tuple[jax.Array, StepOutputs]:
     rows = None if batch.adapters is None else batch.adapters.rows
     h, _ = model.hidden(batch.tokens, batch.positions, batch.segments, rows)
-    logp = jax.nn.log_softmax(model.logits(h, rows), axis=-1)  # [R, T, V]
-    target_lp = jnp.take_along_axis(logp, batch.targets, axis=-1)  # [R, T, K]
+    target_lp = target_logprobs(model.logits(h, rows), batch.targets)  # [R, T, K]
     R, T, K = batch.targets.shape
     target_lp = target_lp.reshape(R * T, K)
     loss_N = token_losses(target_lp, batch.loss)
     return loss_N.sum(), StepOutputs(target_lp, loss_N)
+
+
+@jax.custom_vjp
+def target_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """log_softmax(logits)[..., targets]: logits [..., V] float32, targets [..., K] -> [..., K].
+
+    Differentiated by hand: the gradient is `g_k` at each target minus `sum(g) * softmax`, written in one
+    pass over the logits plus a scatter of the N*K target terms. Autodiff of log_softmax + gather kept a
+    second [N, V] array and zero-filled a third for the gather's transpose (`small` step: 0.95 -> 0.88 s).
+    """
+    return _target_logprobs_fwd(logits, targets)[0]
+
+
+def _target_logprobs_fwd(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, tuple]:
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    return jnp.take_along_axis(logits, targets, axis=-1) - lse, (logits, lse, targets)
+
+
+def _target_logprobs_bwd(res: tuple, g: jax.Array) -> tuple[jax.Array, None]:
+    logits, lse, targets = res
+    d = jnp.exp(logits - lse) * -g.sum(-1, keepdims=True)
+    lead = jnp.indices(targets.shape, sparse=True)[:-1]
+    return d.at[(*lead, targets)].add(g), None
+
+
+target_logprobs.defvjp(_target_logprobs_fwd, _target_logprobs_bwd)
 
 
 def flat(state: nnx.State) -> Flat:
