@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tx.models.layers import AttentionMask, swiglu
+from tx.models.layers import AttentionMask, apply_rope, rms_norm, rope_frequencies, swiglu
 
 
 def test_swiglu_gradient_equals_autodiff_of_the_plain_expression():
@@ -81,3 +81,39 @@ def test_attention_matches_a_softmax_reference_with_packing_and_gqa():
     ref_grads = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(reference(q, k, v))), (0, 1, 2))(q, k, v)
     for mine, ref in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(mine, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_rms_norm_gradients_equal_autodiff_of_the_plain_expression():
+    keys = jax.random.split(jax.random.key(2), 3)
+    x = 2.0 * jax.random.normal(keys[0], (3, 5, 16))
+    w = 1.0 + 0.1 * jax.random.normal(keys[1], (16,))
+    d = jax.random.normal(keys[2], (3, 5, 16))
+
+    def plain(x, w):
+        return jnp.sum(w * x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * d)
+
+    def ours(x, w):
+        return jnp.sum(rms_norm(x, w, 1e-6) * d)
+
+    np.testing.assert_allclose(ours(x, w), plain(x, w), rtol=1e-6)
+    for mine, ref in zip(jax.grad(ours, (0, 1))(x, w), jax.grad(plain, (0, 1))(x, w), strict=True):
+        np.testing.assert_allclose(mine, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_rope_gradient_is_the_inverse_rotation():
+    keys = jax.random.split(jax.random.key(3), 2)
+    x = jax.random.normal(keys[0], (2, 6, 3, 8))
+    d = jax.random.normal(keys[1], (2, 6, 3, 8))
+    positions = jnp.array([[0, 1, 2, 0, 1, 2], [5, 6, 7, 8, 9, 10]], jnp.int32)
+    inv_freq = rope_frequencies(8, 10000.0, None)
+
+    def plain(x):
+        angles = positions[..., None].astype(jnp.float32) * inv_freq
+        angles = jnp.concatenate([angles, angles], -1)[:, :, None, :]
+        rotated = jnp.concatenate([-x[..., 4:], x[..., :4]], -1)
+        return x * jnp.cos(angles) + rotated * jnp.sin(angles)
+
+    np.testing.assert_allclose(apply_rope(x, positions, inv_freq), plain(x), rtol=1e-6, atol=1e-6)
+    mine = jax.grad(lambda x: jnp.sum(apply_rope(x, positions, inv_freq) * d))(x)
+    ref = jax.grad(lambda x: jnp.sum(plain(x) * d))(x)
+    np.testing.assert_allclose(mine, ref, rtol=1e-5, atol=1e-6)

@@ -9,6 +9,7 @@ Layers accept a `stack` shape so the decoder can hold all layers in one scanned 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -45,9 +46,33 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * normed.astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """weight * x / sqrt(mean(x^2) + eps), normalised in float32. Differentiated by hand from x and the
+    per-token scale alone (autodiff kept the float32 copy and the normalised activations as well)."""
+    return _rms_norm_fwd(x, weight, eps)[0]
+
+
+def _rms_norm_fwd(x: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.Array, tuple]:
+    x32 = x.astype(jnp.float32)
+    scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * (x32 * scale).astype(x.dtype), (x, weight, scale)
+
+
+def _rms_norm_bwd(eps: float, res: tuple, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x, weight, scale = res
+    normed = x.astype(jnp.float32) * scale
+    d_normed = dy.astype(jnp.float32) * weight.astype(jnp.float32)
+    dx = scale * (d_normed - normed * jnp.mean(d_normed * normed, axis=-1, keepdims=True))
+    lead = tuple(range(dy.ndim - weight.ndim))
+    d_weight = jnp.sum(dy.astype(jnp.float32) * normed, axis=lead)
+    return dx.astype(x.dtype), d_weight.astype(weight.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
@@ -68,14 +93,40 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -
     return jnp.where(medium, smoothed, scaled)
 
 
+@jax.custom_vjp
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """x [B, T, N, E], positions [B, T]: rotate-half RoPE as in the HF reference."""
+    """x [B, T, N, E], positions [B, T]: rotate-half RoPE as in the HF reference. A rotation, so its
+    backward is the inverse rotation of the incoming gradient, recomputed from the positions (autodiff
+    kept the cos/sin tables of every layer)."""
+    cos, sin = _rope_tables(positions, inv_freq)
+    return (x.astype(jnp.float32) * cos + _rotate_half(x).astype(jnp.float32) * sin).astype(x.dtype)
+
+
+def _rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, E/2]
-    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]
-    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    angles = jnp.concatenate([angles, angles], -1)[:, :, None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def _rotate_half(x: jax.Array) -> jax.Array:
     half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
-    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+    return jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+
+
+def _apply_rope_fwd(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, tuple]:
+    return apply_rope(x, positions, inv_freq), (positions, inv_freq, jnp.zeros((), x.dtype))
+
+
+def _apply_rope_bwd(res: tuple, dy: jax.Array) -> tuple[jax.Array, None, None]:
+    positions, inv_freq, like = res
+    cos, sin = _rope_tables(positions, inv_freq)
+    d32, ds = dy.astype(jnp.float32), dy.astype(jnp.float32) * sin
+    half = dy.shape[-1] // 2
+    dx = d32 * cos + jnp.concatenate([ds[..., half:], -ds[..., :half]], -1)  # the transpose of rotate_half
+    return dx.astype(like.dtype), None, None
+
+
+apply_rope.defvjp(_apply_rope_fwd, _apply_rope_bwd)
 
 
 class Attention(nnx.Module):
