@@ -106,3 +106,20 @@ def test_one_token_rows_match_a_per_row_reference(stack, slots):
         np.testing.assert_allclose(got[r], want, rtol=1e-5, atol=1e-4)
         if slot == 0:
             assert not np.any(got[r])
+
+
+def test_decode_rows_use_the_weight_major_product():
+    """A decode batch (one token per row, few rows) multiplies weight-major on CPU, [O, I] x [I, B], and the
+    result equals the plain product; XLA must not fold the transpose back (the compiled dot's output is
+    [O, B])."""
+    from tx.lora.layers import FEW_ROWS, linear
+
+    x = jax.random.normal(jax.random.key(0), (8, 1, 48))
+    w = jax.random.normal(jax.random.key(1), (96, 48))
+    np.testing.assert_allclose(linear(x, w), jnp.einsum("bti,oi->bto", x, w), rtol=1e-5, atol=1e-5)
+    if jax.default_backend() == "cpu":
+        hlo = jax.jit(linear).lower(x, w).compile().as_text()
+        assert "f32[96,8]" in hlo and "dot(" in hlo
+    wide = jax.random.normal(jax.random.key(2), (FEW_ROWS + 1, 1, 48))  # more rows: the plain product
+    hlo = jax.jit(linear).lower(wide, w).compile().as_text()
+    assert f"f32[96,{FEW_ROWS + 1}]" not in hlo

@@ -48,6 +48,26 @@ def lora_pair(
     return a, b
 
 
+FEW_ROWS = 16  # decode batches up to this many rows take the weight-major product on CPU
+
+
+def linear(x: jax.Array, weight: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """x [..., I] @ weight.T for a weight in [out, in] layout.
+
+    Decode batches on CPU (one token per row, 2..FEW_ROWS rows) compute the product weight-major,
+    `weight @ x.T` -> [O, B], and transpose the small result: XLA:CPU's matmul library streams an [O, I]
+    weight at ~20-25 GB/s that way, against ~9-14 GB/s for x @ weight.T at 4-16 rows (30 GB/s at one row
+    either way). The barrier keeps XLA from folding the transpose back into the product. Decode step,
+    Qwen3-0.6B shape: batch 4 249 -> 131 ms, batch 8 262 -> 164 ms, batch 16 306 -> 234 ms; `small`:
+    batch 4 5.2 -> 3.8 ms, batch 8 7.5 -> 6.4 ms. At 32 rows `small` measured 4% slower, hence the cap.
+    """
+    rows = x.shape[0]
+    if x.ndim == 3 and x.shape[1] == 1 and 2 <= rows <= FEW_ROWS and jax.default_backend() == "cpu":
+        y = jnp.einsum("oi,bi->ob", weight, x[:, 0], preferred_element_type=out_dtype)
+        return jax.lax.optimization_barrier(y).T[:, None, :]
+    return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=out_dtype)
+
+
 class LoRALinear(nnx.Module):
     """y = x @ weight.T (+ the row's adapter delta), `weight` in the HF checkpoint's [out, in] layout.
 
@@ -73,7 +93,7 @@ class LoRALinear(nnx.Module):
             self.lora_a, self.lora_b = lora_pair(d_in, d_out, axes, lora, stack)
 
     def __call__(self, x: jax.Array, rows: LoRARows | None) -> jax.Array:
-        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        y = linear(x, self.weight[...])
         if rows is not None and hasattr(self, "lora_a"):
             y = y + lora_delta(x, rows, self.lora_a[...], self.lora_b[...], self.kernel_form)
         return y

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tx.lora.kernels import lora_delta
-from tx.lora.layers import LoRASpec, lora_pair
+from tx.lora.layers import LoRASpec, linear, lora_pair
 from tx.lora.params import LoRARows
 from tx.models.config import ModelConfig
 from tx.models.layers import MLP, Attention, AttentionMask, RMSNorm, rope_frequencies
@@ -161,7 +161,7 @@ class LMHead(nnx.Module):
 
     def __call__(self, h: jax.Array, embedding: jax.Array, rows: LoRARows | None) -> jax.Array:
         weight = self.weight[...] if hasattr(self, "weight") else embedding  # tied: the [V, D] embedding itself
-        logits = jnp.einsum("btd,vd->btv", h, weight, preferred_element_type=jnp.float32)
+        logits = linear(h, weight, jnp.float32)
         if rows is not None and hasattr(self, "lora_a"):
             logits = logits + lora_delta(h, rows, self.lora_a[...], self.lora_b[...], self.kernel_form)
         return logits
