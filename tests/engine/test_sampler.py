@@ -420,3 +420,25 @@ def test_plan_admission_is_fifo_and_bounded():
     assert plan_admission([(20, 10), (1, 10)], free_rows=5, max_rows=8, prefill_budget=100) == [5]
     assert plan_admission([(1, 90), (1, 90)], free_rows=4, max_rows=8, prefill_budget=100) == [1]
     assert plan_admission([(1, 900)], free_rows=4, max_rows=8, prefill_budget=100) == [1]
+
+
+def test_a_split_burst_takes_the_next_compiled_bucket(qwen):
+    """Two requests admitted after a round of four decode in the four-row shapes already compiled (as
+    the first part of a client's burst would) instead of compiling two-row ones, with the same tokens as
+    a sampler that decodes them at two rows; a lone request that only shrinks the batch still moves down."""
+    fresh = Sampler(qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, lambda: qwen.scale)
+    four = {f"r{i}": (make_req(PROMPTS[i % 4], 6, temperature=1.0, seed=30 + i), 0) for i in range(4)}
+    run(fresh, four)
+    compiled = fresh.compile_count
+    two = {"a": (make_req(PROMPTS[0], 6, temperature=1.0, seed=40), 0), "b": (make_req(PROMPTS[1], 6, seed=41), 0)}
+    fresh.submit("a", two["a"][0], 0)
+    fresh.submit("b", two["b"][0], 0)
+    fresh.step()
+    assert fresh.cache_shape is not None and fresh.cache_shape[0] == 4
+    results = dict(fresh.step())
+    while not fresh.idle():
+        results.update(fresh.step())
+    assert fresh.compile_count == compiled
+    alone = Sampler(qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, lambda: qwen.scale)
+    expected, _ = run(alone, two)
+    assert {k: tokens_of(v) for k, v in results.items()} == {k: tokens_of(v) for k, v in expected.items()}

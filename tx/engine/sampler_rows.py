@@ -107,12 +107,29 @@ def row_slots(table: Sequence[Row | None]) -> np.ndarray:
     return np.array([0 if row is None else row.job.slot for row in table], np.int32)
 
 
+def warm_bucket(n: int, buckets: Sequence[int], used: set[tuple[int, int]], other: int, reach: int = 4) -> int:
+    """The bucket for `n` rows; when that shape has not run with `other` (the shape's second dimension)
+    but a larger bucket at most `reach` times its size has, the smallest such one: a compiled shape
+    with some idle rows in place of compiling another."""
+    exact = bucket_size(n, buckets)
+    if (exact, other) in used:
+        return exact
+    for size in buckets:
+        if exact < size <= reach * exact and (size, other) in used:
+            return size
+    return exact
+
+
 def prefill_batch(
-    jobs: Sequence[Job], row_buckets: Sequence[int], length_buckets: Sequence[int]
+    jobs: Sequence[Job],
+    row_buckets: Sequence[int],
+    length_buckets: Sequence[int],
+    used: set[tuple[int, int]] | None = None,
 ) -> tuple[PrefillBatch, np.ndarray]:
-    """One prefill row per job (each with a prompt of 2+ tokens), and the adapter slot of each row."""
-    N = bucket_size(len(jobs), row_buckets)
+    """One prefill row per job (each with a prompt of 2+ tokens), and the adapter slot of each row.
+    `used`: the (rows, length) shapes prefilled before (see `warm_bucket`)."""
     P = bucket_size(max(len(job.req.prompt) - 1 for job in jobs), length_buckets)
+    N = warm_bucket(len(jobs), row_buckets, used or set(), P)
     tokens, targets = np.zeros((N, P), np.int32), np.zeros((N, P), np.int32)
     positions, slot = np.full((N, P), P, np.int32), np.zeros(N, np.int32)
     for i, job in enumerate(jobs):
