@@ -114,16 +114,16 @@ def _rotate_half(x: jax.Array) -> jax.Array:
 
 
 def _apply_rope_fwd(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, tuple]:
-    return apply_rope(x, positions, inv_freq), (positions, inv_freq, jnp.zeros((), x.dtype))
+    return apply_rope(x, positions, inv_freq), (positions, inv_freq)
 
 
 def _apply_rope_bwd(res: tuple, dy: jax.Array) -> tuple[jax.Array, None, None]:
-    positions, inv_freq, like = res
+    positions, inv_freq = res
     cos, sin = _rope_tables(positions, inv_freq)
     d32, ds = dy.astype(jnp.float32), dy.astype(jnp.float32) * sin
     half = dy.shape[-1] // 2
     dx = d32 * cos + jnp.concatenate([ds[..., half:], -ds[..., :half]], -1)  # the transpose of rotate_half
-    return dx.astype(like.dtype), None, None
+    return dx.astype(dy.dtype), None, None  # the output's dtype, which is x's
 
 
 apply_rope.defvjp(_apply_rope_fwd, _apply_rope_bwd)
