@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tx.names import check_name, contained
+
 SCHEME = "tinker://"
 KIND_TO_TYPE = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
@@ -33,14 +35,21 @@ class TinkerPath:
 
 
 def parse_tinker_path(path: str) -> TinkerPath | None:
-    """Parse a checkpoint path; None when it is not one of ours."""
+    """Parse a checkpoint path; None when it is not one of ours, `BadName` when its name breaks the rule."""
     if not path.startswith(SCHEME):
         return None
     parts = path[len(SCHEME) :].split("/")
     if len(parts) != 3 or parts[1] not in KIND_TO_TYPE or not parts[0] or not parts[2]:
         return None
-    return TinkerPath(parts[0], parts[1], parts[2])
+    return TinkerPath(parts[0], parts[1], check_name(parts[2], "checkpoint name"))
+
+
+def checkpoints_root(data_dir: Path) -> Path:
+    return data_dir.resolve() / "checkpoints"
 
 
 def checkpoint_dir(data_dir: Path, path: TinkerPath) -> Path:
-    return data_dir.resolve() / "checkpoints" / path.run_id.replace(":", "_") / path.kind / path.name
+    """The checkpoint's directory; `BadName` unless its name follows the rule and it stays inside the root."""
+    check_name(path.name, "checkpoint name")
+    root = checkpoints_root(data_dir)
+    return contained(root / path.run_id.replace(":", "_") / path.kind / path.name, root)

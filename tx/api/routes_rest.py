@@ -22,9 +22,10 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, RedirectResponse, Response
 
 from tx.api.context import AppContext, Ctx, Owner, not_found, user_error
-from tx.api.paths import KIND_TO_TYPE
+from tx.api.paths import KIND_TO_TYPE, checkpoints_root
 from tx.api.schemas import TtlRequest
 from tx.db.tables import CheckpointRow, TrainingRunRow, utcnow
+from tx.names import check_name, contained
 
 router = APIRouter(prefix="/api/v1")
 
@@ -108,6 +109,7 @@ def _owned_checkpoint(ctx: AppContext, run_id: str, kind: str, name: str, owner:
     if kind not in KIND_TO_TYPE:
         kinds = ", ".join(f"'{k}/'" for k in KIND_TO_TYPE)
         user_error(f"checkpoint id must start with one of {kinds}, got {kind + '/' + name!r}")
+    check_name(name, "checkpoint name")
     row = ctx.db.records.get_checkpoint(run_id, f"{kind}/{name}", owner)
     if row is None:
         not_found(f"unknown checkpoint {kind}/{name} of training run {run_id!r}")
@@ -117,8 +119,9 @@ def _owned_checkpoint(ctx: AppContext, run_id: str, kind: str, name: str, owner:
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}", status_code=204)
 def delete_checkpoint(run_id: str, kind: str, name: str, ctx: Ctx, owner: Owner) -> Response:
     row = _owned_checkpoint(ctx, run_id, kind, name, owner)
+    directory = contained(row.directory, checkpoints_root(ctx.settings.data_dir))
     ctx.db.records.delete_checkpoint(row)
-    shutil.rmtree(row.directory, ignore_errors=True)
+    shutil.rmtree(directory, ignore_errors=True)
     return Response(status_code=204)
 
 
