@@ -106,8 +106,9 @@ def build_runner(
     sampler = make_sampler(lambda: decode_base)
     io = WeightsIO(base_model, model_dir, mesh)
     runner = JaxRunner(
-        trainer, sampler, slots, io, base_model, lambda get_base: make_sampler(get_base, sampler.programs)
-    )
+        trainer, sampler, slots, io, base_model, lambda get_base: make_sampler(get_base, sampler.programs),
+        checkpoint_root=Path(data_dir).resolve() / "checkpoints",
+    )  # fmt: skip
     info = ModelInfo(
         base_model=base_model,
         vocab_size=cfg.vocab_size,

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from tx.engine.errors import scrub_paths
 from tx.protocol import ForwardBackwardRequest, RequestError, Result, SampleRequest, SampleResult, WorkItem
 
 log = logging.getLogger("tx.engine")
@@ -76,6 +77,8 @@ class Runner(Protocol):
     def idle(self) -> bool:
         """True when nothing submitted is still waiting or running."""
         ...
+
+    # Optional: `discard(future_ids)`, forget items the engine failed itself after an unexpected error.
 
 
 @dataclass
@@ -198,12 +201,24 @@ class Engine:
         except StepError as exc:
             log.exception("runner step failed")
             self._fail_many(exc.future_ids, f"internal error while executing the request: {exc}")
+            self._discard(exc.future_ids)
             return
         except Exception as exc:
             log.exception("runner step failed; failing %d in-flight requests", len(self._inflight))
-            self._fail_many(list(self._inflight), f"internal error while executing the request: {exc}")
+            lost = list(self._inflight)
+            self._fail_many(lost, f"internal error while executing the request: {type(exc).__name__}: {exc}")
+            self._discard(lost)
             return
         self._finish_all(completions)
+
+    def _discard(self, future_ids: list[str]) -> None:
+        """Tell the runner to drop items failed here, so that it never runs them again."""
+        discard = getattr(self.runner, "discard", None)
+        if discard is not None:
+            try:
+                discard(future_ids)
+            except Exception:
+                log.exception("runner.discard failed")
 
     def _finish_all(self, completions: list[Completion]) -> None:
         """Record a step's completions in one queue transaction when the queue can (`finish_many`); if that
@@ -238,7 +253,7 @@ class Engine:
 
     def _fail_many(self, future_ids: Sequence[str], message: str) -> None:
         for future_id in future_ids:
-            self._finish(Completion(future_id, RequestError(message, "server")))
+            self._finish(Completion(future_id, RequestError(scrub_paths(message, ()), "server")))
 
     @staticmethod
     def _log_done(completion: Completion, entry: _Inflight | None) -> None:

@@ -18,12 +18,14 @@ import jax.numpy as jnp
 
 from tx.engine import checkpoints
 from tx.engine import train_step as ts
+from tx.engine.errors import as_request_error
 from tx.engine.loop import Completion
 from tx.engine.sampler import Sampler
 from tx.engine.trainer import Flat, Run, Trainer, lora_targets
 from tx.engine.weights_io import WeightsIO
-from tx.lora.slots import SlotsExhausted, SlotTable
+from tx.lora.slots import SlotTable
 from tx.models.causal_lm import decode_layout
+from tx.names import contained
 from tx.protocol import (
     CheckpointResult,
     CreateModelRequest,
@@ -89,8 +91,12 @@ class JaxRunner:
         base_model: str,
         make_sampler: SamplerFactory | None = None,
         max_full_snapshots: int = 2,
+        checkpoint_root: Path | None = None,
     ) -> None:
+        """`checkpoint_root`: every checkpoint directory a request names must lie inside it (the API
+        checked the name too); None only in tests that write to temporary directories."""
         self.trainer, self.sampler, self.slots, self.io = trainer, sampler, slots, io
+        self.checkpoint_root = checkpoint_root
         self.base_model = base_model
         self.make_sampler = make_sampler
         self.full_samplers: dict[str, Sampler] = {}  # snapshot id -> sampler over its weights, LRU order
@@ -107,6 +113,12 @@ class JaxRunner:
             else:
                 self.pending.append(item)
 
+    def discard(self, future_ids: Sequence[str]) -> None:
+        """Forget items the engine has failed on its own (after an unexpected error in `step`)."""
+        gone = set(future_ids)
+        self.pending = [i for i in self.pending if i.future_id not in gone]
+        self.outbox = [c for c in self.outbox if c.future_id not in gone]
+
     def idle(self) -> bool:
         return not self.pending and not self.outbox and all(s.idle() for s in self._samplers())
 
@@ -122,11 +134,20 @@ class JaxRunner:
         for item in control:
             done.append(self._control(item))
         finished = {c.future_id for c in done}
+        # Every planned item has a completion (each one's failure is caught), so none is re-run.
         self.pending = [i for i in self.pending if i.future_id not in finished]
         for sampler in self._samplers():
             if not sampler.idle():
                 done += [Completion(rid, out) for rid, out in sampler.step()]
         return done
+
+    def _error(self, err: BaseException) -> RequestError:
+        roots = [r for r in (self.checkpoint_root and self.checkpoint_root.parent,) if r is not None]
+        return as_request_error(err, roots)
+
+    def _path(self, directory: str) -> Path:
+        """A checkpoint directory named by a request, checked to lie inside the checkpoint root."""
+        return Path(directory) if self.checkpoint_root is None else contained(directory, self.checkpoint_root)
 
     # ---- training ----------------------------------------------------------------------------------
 
@@ -138,23 +159,30 @@ class JaxRunner:
                 done.append(Completion(item.future_id, RequestError(f"unknown model_id {item.model_id!r}", "user")))
             else:
                 ok.append(item)
-        work = [(str(i.model_id), i.payload) for i in ok]
+        return done + self._fused(ok)
+
+    def _fused(self, items: list[WorkItem]) -> list[Completion]:
+        """Run the items as one batch. If the batch fails, the trainer has undone its gradients, and each
+        item runs again alone, so only the item that fails by itself reports an error."""
+        work = [(str(i.model_id), i.payload) for i in items]
         assert all(isinstance(p, ForwardBackwardRequest) for _, p in work)
         try:
             results = self.trainer.forward_backward(work)  # type: ignore[arg-type]
-        except RequestError as err:
-            return done + [Completion(i.future_id, err) for i in ok]
-        except ValueError as err:
-            return done + [Completion(i.future_id, RequestError(str(err), "user")) for i in ok]
-        return done + [Completion(i.future_id, r) for i, r in zip(ok, results, strict=True)]
+        except Exception as err:
+            if len(items) == 1:
+                log.warning("forward_backward %s failed: %s", items[0].future_id, err, exc_info=True)
+                return [Completion(items[0].future_id, self._error(err))]
+            log.warning("a fused batch of %d requests failed (%s); running them one by one", len(items), err)
+            return [c for item in items for c in self._fused([item])]
+        return [Completion(i.future_id, r) for i, r in zip(items, results, strict=True)]
 
     def _control(self, item: WorkItem) -> Completion:
         try:
             return Completion(item.future_id, self._dispatch(item))
-        except RequestError as err:
-            return Completion(item.future_id, err)
-        except (SlotsExhausted, ValueError, FileNotFoundError, MemoryError) as err:
-            return Completion(item.future_id, RequestError(str(err), "user"))
+        except Exception as err:  # contained: this item fails, nothing else does
+            if not isinstance(err, RequestError):
+                log.warning("%s %s failed", item.kind, item.future_id, exc_info=True)
+            return Completion(item.future_id, self._error(err))
 
     def _dispatch(self, item: WorkItem):  # noqa: ANN202 - one of the protocol results
         run_id, p = str(item.model_id), item.payload
@@ -166,16 +194,16 @@ class JaxRunner:
         if isinstance(p, SaveStateRequest):
             run = self._run(run_id)
             size = checkpoints.save(
-                Path(p.dest_dir), self.trainer.run_params(run), run.opt_state, run.step, run.lora, self.base_model
+                self._path(p.dest_dir), self.trainer.run_params(run), run.opt_state, run.step, run.lora, self.base_model
             )
             return CheckpointResult(path=p.tinker_path, size_bytes=size)
         if isinstance(p, LoadStateRequest):
-            self._load(run_id, Path(p.source_dir), p.with_optimizer)
+            self._load(run_id, self._path(p.source_dir), p.with_optimizer)
             return LoadResult(run_id, p.tinker_path)
         if isinstance(p, LoadWeightsRequest):
-            lora, _ = checkpoints.read_meta(Path(p.source_dir))
+            lora, _ = checkpoints.read_meta(self._path(p.source_dir))
             self._create(run_id, lora)
-            self._load(run_id, Path(p.source_dir), p.with_optimizer)
+            self._load(run_id, self._path(p.source_dir), p.with_optimizer)
             return LoadResult(run_id, p.tinker_path)
         if isinstance(p, SaveSamplerRequest):
             return self._save_for_sampler(run_id, p)
@@ -225,7 +253,7 @@ class JaxRunner:
         self.trainer.scale[slot] = self.trainer.scale[run.slot]
         size = None
         if p.dest_dir:
-            size = self.io.save_peft(Path(p.dest_dir), self.trainer, slot, run.lora)
+            size = self.io.save_peft(self._path(p.dest_dir), self.trainer, slot, run.lora)
         return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
 
     def _save_full_for_sampler(self, run: Run, p: SaveSamplerRequest) -> CheckpointResult:
@@ -235,7 +263,7 @@ class JaxRunner:
         self._add_full_sampler(p.snapshot_id, snapshot)
         size = None
         if p.dest_dir:
-            size = self.io.save_full(Path(p.dest_dir), snapshot, self.trainer.config)
+            size = self.io.save_full(self._path(p.dest_dir), snapshot, self.trainer.config)
         return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
 
     def _add_full_sampler(self, snapshot_id: str, weights: Flat) -> None:
@@ -280,9 +308,8 @@ class JaxRunner:
         assert isinstance(req, SampleRequest)
         try:
             slot = self._resolve_weights(req)
-        except (RequestError, ValueError, FileNotFoundError, SlotsExhausted) as err:
-            error = err if isinstance(err, RequestError) else RequestError(str(err), "user")
-            self.outbox.append(Completion(item.future_id, error))
+        except Exception as err:  # contained: this request fails, nothing else does
+            self.outbox.append(Completion(item.future_id, self._error(err)))
             return
         snapshot = req.weights.snapshot_id if req.weights else None
         full = self.full_samplers.pop(snapshot, None) if snapshot else None
@@ -298,12 +325,13 @@ class JaxRunner:
         if info is not None:
             self.slots.touch(ref.snapshot_id)
             return info.slot
-        if ref.checkpoint_dir and ref.checkpoint_type == "sampler" and self.io.is_full(Path(ref.checkpoint_dir)):
-            self._add_full_sampler(ref.snapshot_id, self.io.load_full(Path(ref.checkpoint_dir)))
+        directory = self._path(ref.checkpoint_dir) if ref.checkpoint_dir else None
+        if directory and ref.checkpoint_type == "sampler" and self.io.is_full(directory):
+            self._add_full_sampler(ref.snapshot_id, self.io.load_full(directory))
             return 0
-        if ref.checkpoint_dir and ref.checkpoint_type == "sampler":
-            lora = self.io.peft_lora_config(Path(ref.checkpoint_dir))
+        if directory and ref.checkpoint_type == "sampler":
+            lora = self.io.peft_lora_config(directory)
             slot = self._sampler_slot_for(ref.snapshot_id, lora)
-            self.io.load_peft(Path(ref.checkpoint_dir), self.trainer, slot)
+            self.io.load_peft(directory, self.trainer, slot)
             return slot
         raise RequestError(f"sampler weights {ref.snapshot_id!r} are not available (not saved, or evicted)", "user")

@@ -199,26 +199,17 @@ class Sampler:
     # ---- admission ------------------------------------------------------------------------------
 
     def _validate(self, req: SampleRequest, slot: int) -> None:
-        cfg, p = self.cfg, req.params
+        """What only the engine knows: the request fits this sampler's rows and slot table. Everything
+        about the request itself was checked before it was queued (`tx.api.validate`), except that a row
+        cannot start without a prompt token, which this sampler relies on."""
         if not req.prompt:
             raise RequestError("the prompt is empty: sampling needs at least one prompt token", "user")
-        if req.num_samples < 1:
-            raise RequestError(f"num_samples must be >= 1, got {req.num_samples}", "user")
-        if p.max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {p.max_tokens}", "user")
-        if len(req.prompt) + p.max_tokens > cfg.max_seq_len:
+        if len(req.prompt) + req.params.max_tokens > self.cfg.max_seq_len:
             raise RequestError(
-                f"prompt ({len(req.prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds the sampler's "
-                f"max_seq_len of {cfg.max_seq_len} tokens",
+                f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.params.max_tokens}) exceeds the sampler's "
+                f"max_seq_len of {self.cfg.max_seq_len} tokens",
                 "user",
             )
-        vocab = self.model_cfg.vocab_size
-        if min(req.prompt) < 0 or max(req.prompt) >= vocab:
-            raise RequestError(f"prompt token ids must lie in [0, {vocab})", "user")
-        if p.temperature < 0 or not 0 < p.top_p <= 1:
-            raise RequestError("temperature must be >= 0 and top_p in (0, 1]", "user")
-        if not 0 <= req.topk_prompt_logprobs <= vocab:
-            raise RequestError(f"topk_prompt_logprobs must lie in [0, {vocab}]", "user")
         slots = 1 if self.lora_scale is None else int(self.lora_scale().shape[0])
         if not 0 <= slot < slots:
             raise RequestError(f"adapter slot {slot} does not exist (the model has {slots})", "server")
@@ -338,11 +329,21 @@ class Sampler:
         for index, row in enumerate(self._rows):
             if row is None:
                 continue
-            if row.advance(tokens_BC[index], logprobs_BC[index]):
-                self._rows[index] = None
-                if row.job.done():
-                    out.append((row.job.request_id, row.job.result()))
+            try:
+                if row.advance(tokens_BC[index], logprobs_BC[index]):
+                    self._rows[index] = None
+                    if row.job.done():
+                        out.append((row.job.request_id, row.job.result()))
+            except Exception as err:  # this row's own bookkeeping (stop strings, results): retire its request alone
+                log.warning("sample %s failed", row.job.request_id, exc_info=True)
+                out.append(self._retire(row.job, f"sampling failed: {type(err).__name__}: {err}"))
         return out
+
+    def _retire(self, job: Job, message: str) -> Outcome:
+        """Drop every row and waiting entry of `job` and fail it."""
+        self._rows = [None if row is not None and row.job is job else row for row in self._rows]
+        self._waiting = deque(j for j in self._waiting if j is not job)
+        return job.request_id, RequestError(message, "server")
 
     def _adapters(self, slots: np.ndarray) -> Selection | None:
         return None if self.lora_scale is None else select(slots, np.asarray(self.lora_scale()))

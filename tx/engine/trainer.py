@@ -9,10 +9,11 @@ semantics: gradients add up until `optim_step`). `optim_step` touches only its o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -22,7 +23,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tx.engine import train_step as ts
-from tx.engine.losses import validate_loss
 from tx.engine.train_batch import Example, build_batch, make_example, plan_rows, scatter_outputs
 from tx.lora import adapters
 from tx.lora.params import LoRAParam
@@ -226,7 +226,7 @@ class Trainer:
         owner: list[int] = []
         for index, (run_id, req) in enumerate(work):
             run = self._run(run_id)
-            config = validate_loss(req.loss_fn, dict(req.loss_fn_config or {}))
+            config = dict(req.loss_fn_config or {})  # validated before it was queued (tx.api.validate)
             for datum in req.data:
                 examples.append(make_example(datum, req.loss_fn, config, run.slot))
                 owner.append(index)
@@ -235,8 +235,31 @@ class Trainer:
             raise ValueError("a full fine-tuning run cannot share a batch with other runs")
         outputs: dict[int, dict[str, np.ndarray]] = {}
         if examples:
-            self._run_batches(examples, [work[o] for o in owner], outputs)
+            training = {r for r, req in work if not req.forward_only}
+            with self._undo_on_error(training):
+                self._run_batches(examples, [work[o] for o in owner], outputs)
         return self._results(work, examples, owner, outputs)
+
+    @contextlib.contextmanager
+    def _undo_on_error(self, run_ids: set[str]) -> Iterator[None]:
+        """Leave the runs' accumulated gradients as they were if the batch fails part-way, so that its
+        requests can run again one by one. LoRA accumulators are small and copied first (the
+        accumulation donates them); a full fine-tuning run's are as large as the model, so a failure
+        after part of its batch was added discards its accumulated gradients, and says so."""
+        runs = [self.runs[r] for r in sorted(run_ids)]
+        saved = {run.run_id: jax.tree.map(jnp.copy, run.grads) for run in runs if run.lora is not None}
+        try:
+            yield
+        except Exception as err:
+            for run in runs:
+                run.grads = saved[run.run_id] if run.lora is not None else jax.tree.map(jnp.zeros_like, run.grads)
+            if any(run.lora is None for run in runs):
+                raise RequestError(
+                    f"forward_backward failed ({type(err).__name__}: {err}); the gradients accumulated since "
+                    "the last optim_step were discarded",
+                    "server",
+                ) from err
+            raise
 
     def _run_batches(self, examples: list[Example], work_of: list, outputs: dict) -> None:
         plan = plan_rows(examples, self.micro_batch_tokens)

@@ -1,0 +1,161 @@
+"""Faults injected into each kind of work item fail that item alone; the other callers' results are exact.
+
+The runner is the real `JaxRunner` over a tiny Qwen3. Faults are planted by wrapping one trainer,
+checkpoint or sampler function so that it raises only for the request chosen as the culprit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tx.engine.runner import JaxRunner
+from tx.protocol import (
+    AdamParams,
+    CreateModelRequest,
+    Datum,
+    ForwardBackwardRequest,
+    ForwardBackwardResult,
+    LoraConfig,
+    OptimStepRequest,
+    OptimStepResult,
+    RequestError,
+    SampleRequest,
+    SampleResult,
+    SamplingParams,
+    SaveStateRequest,
+    WorkItem,
+)
+
+CULPRIT = 77  # a datum starting with this token makes the planted fault fire
+
+
+@pytest.fixture(scope="module")
+def runner(hf_models, tmp_path_factory) -> Iterator[JaxRunner]:  # type: ignore[no-untyped-def]
+    from tx.engine import build_runner
+
+    model_dir, _ = hf_models()
+    built, _ = build_runner(
+        base_model=str(model_dir), data_dir=tmp_path_factory.mktemp("containment"), max_lora_adapters=8,
+        max_lora_rank=8, dtype="float32", max_seq_len=64, decode_rows=4,
+    )  # fmt: skip
+    yield built
+
+
+_ids = iter(range(10**6))
+
+
+def _item(kind: str, model_id: str, payload: Any) -> WorkItem:
+    return WorkItem(f"f{next(_ids)}", kind, model_id, payload, created_at=0.0)  # type: ignore[arg-type]
+
+
+def _run_all(runner: JaxRunner, items: list[WorkItem]) -> dict[str, Any]:
+    runner.submit(items)
+    results: dict[str, Any] = {}
+    for _ in range(200):
+        results.update({c.future_id: c.result for c in runner.step()})
+        if runner.idle():
+            break
+    assert runner.idle() and set(results) == {i.future_id for i in items}
+    return results
+
+
+def _create(runner: JaxRunner, *names: str) -> None:
+    items = [_item("create_model", n, CreateModelRequest("m", LoraConfig(4, 8.0, seed=3))) for n in names]
+    assert all(not isinstance(r, RequestError) for r in _run_all(runner, items).values())
+
+
+def _fb(tokens: list[int]) -> ForwardBackwardRequest:
+    targets = np.array(tokens[1:] + [0], np.int64)
+    return ForwardBackwardRequest([Datum(tokens, {"target_tokens": targets})], "cross_entropy")
+
+
+def test_a_failing_request_in_a_fused_batch_fails_alone(runner: JaxRunner, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    _create(runner, "good", "bad", "twin")
+    trainer = runner.trainer
+    original = trainer._run_batches
+
+    def faulty(examples, work_of, outputs):  # type: ignore[no-untyped-def]
+        original(examples, work_of, outputs)  # the gradients were added: the fault comes after
+        if any(int(e.tokens[0]) == CULPRIT for e in examples):
+            raise RuntimeError("planted fault")
+
+    monkeypatch.setattr(trainer, "_run_batches", faulty)
+    good, bad = (
+        _item("forward_backward", "good", _fb([1, 2, 3, 4])),
+        _item("forward_backward", "bad", _fb([CULPRIT, 2])),
+    )
+    results = _run_all(runner, [good, bad])
+    assert isinstance(results[bad.future_id], RequestError) and "planted fault" in results[bad.future_id].message
+    assert isinstance(results[good.future_id], ForwardBackwardResult)
+    # "good" was in the failed fused batch, then ran alone: its gradient is exactly that of one pass.
+    alone = _run_all(runner, [_item("forward_backward", "twin", _fb([1, 2, 3, 4]))])
+    step = OptimStepRequest(AdamParams(learning_rate=1e-2))
+    norms = _run_all(runner, [_item("optim_step", "good", step), _item("optim_step", "twin", step)])
+    assert list(alone.values())[0].metrics == results[good.future_id].metrics
+    a, b = (r.metrics["grad_norm:mean"] for r in norms.values() if isinstance(r, OptimStepResult))
+    assert a == pytest.approx(b, rel=1e-6) and a > 0
+
+
+def test_a_failing_control_item_fails_once_and_alone(runner: JaxRunner, monkeypatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from tx.engine import checkpoints
+
+    _create(runner, "saver", "other")
+    calls: list[Path] = []
+    original = checkpoints.save
+
+    def faulty(dest: Path, *args: Any) -> int:
+        calls.append(dest)
+        if dest.name == "boom":
+            raise OSError(16, "Device or resource busy", str(dest))
+        return original(dest, *args)
+
+    monkeypatch.setattr(checkpoints, "save", faulty)
+    monkeypatch.setattr(runner, "checkpoint_root", None)
+    boom = _item("save_state", "saver", SaveStateRequest("boom", str(tmp_path / "boom"), "tinker://x/weights/boom"))
+    fine = _item("save_state", "other", SaveStateRequest("fine", str(tmp_path / "fine"), "tinker://x/weights/fine"))
+    after = _item("forward_backward", "saver", _fb([1, 2, 3]))
+    results = _run_all(runner, [boom, fine, after])
+    error = results[boom.future_id]
+    assert isinstance(error, RequestError) and error.category == "server"
+    assert str(tmp_path) not in error.message  # no server paths in what the caller sees
+    assert not isinstance(results[fine.future_id], RequestError) and (tmp_path / "fine" / "run.json").is_file()
+    assert isinstance(results[after.future_id], ForwardBackwardResult)
+    assert [p.name for p in calls].count("boom") == 1  # never re-executed
+
+
+def test_a_checkpoint_path_outside_the_root_fails_in_the_engine_too(runner: JaxRunner, tmp_path: Path) -> None:
+    _create(runner, "escaper")
+    assert runner.checkpoint_root is not None
+    outside = runner.checkpoint_root / "run" / "weights" / ".."
+    item = _item("save_state", "escaper", SaveStateRequest("..", str(outside), "tinker://x/weights/.."))
+    result = _run_all(runner, [item])[item.future_id]
+    assert isinstance(result, RequestError) and result.category == "user" and "not a valid name" in result.message
+    escape = _item("save_state", "escaper", SaveStateRequest("x", str(tmp_path / "x"), "tinker://x/weights/x"))
+    result = _run_all(runner, [escape])[escape.future_id]
+    assert isinstance(result, RequestError) and "outside the checkpoint directory" in result.message
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_failing_sample_row_is_retired_alone(runner: JaxRunner, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from tx.engine import sampler_rows
+
+    original = sampler_rows.Row.advance
+
+    def faulty(self, tokens, logprobs):  # type: ignore[no-untyped-def]
+        if self.job.req.prompt[0] == CULPRIT:
+            raise RuntimeError("planted row fault")
+        return original(self, tokens, logprobs)
+
+    monkeypatch.setattr(sampler_rows.Row, "advance", faulty)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    good = _item("sample", "s", SampleRequest(prompt=[1, 2, 3], num_samples=2, params=params, base_model="m"))
+    bad = _item("sample", "s", SampleRequest(prompt=[CULPRIT, 2, 3], num_samples=1, params=params, base_model="m"))
+    results = _run_all(runner, [good, bad])
+    assert isinstance(results[bad.future_id], RequestError) and "planted row fault" in results[bad.future_id].message
+    sample = results[good.future_id]
+    assert isinstance(sample, SampleResult) and [len(s.tokens) for s in sample.sequences] == [6, 6]

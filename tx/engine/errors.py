@@ -1,0 +1,36 @@
+"""Turn any exception raised while executing one work item into the `RequestError` its caller sees.
+
+Containment rule: whatever an item raises fails that item only, with category `user` when the
+item's own input caused it and `server` otherwise. Messages leave the server's absolute paths out:
+a directory under a known root is shown relative to it, any other absolute path by its last part.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from tx.lora.slots import SlotsExhausted
+from tx.names import BadName
+from tx.protocol import ErrorCategory, RequestError
+
+# Raised by our own checks on what the request asked for (not by device or I/O failures).
+USER_ERRORS: tuple[type[Exception], ...] = (BadName, SlotsExhausted, FileNotFoundError, ValueError, MemoryError)
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.])/(?:[^\s'\":,/]+/)*([^\s'\":,/]+)")
+
+
+def scrub_paths(message: str, roots: Iterable[Path]) -> str:
+    """`message` without absolute server paths: `<root>/rest` becomes `rest`, others their last part."""
+    for root in sorted((str(Path(r).resolve()) for r in roots), key=len, reverse=True):
+        message = message.replace(root + "/", "").replace(root, ".")
+    return _ABSOLUTE_PATH.sub(lambda m: m.group(1), message)
+
+
+def as_request_error(err: BaseException, roots: Iterable[Path] = ()) -> RequestError:
+    """The error a failed item reports (see the module docstring)."""
+    if isinstance(err, RequestError):
+        return RequestError(scrub_paths(err.message, roots), err.category)
+    category: ErrorCategory = "user" if isinstance(err, USER_ERRORS) else "server"
+    detail = str(err) if category == "user" else f"{type(err).__name__}: {err}"
+    return RequestError(scrub_paths(detail, roots), category)
