@@ -8,11 +8,14 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
 
+from tx.api.limits import Limits
 from tx.api.routes_futures import _render
 from tx.api.wire_decode import WireError, json_tensor, parse_forward_backward_proto, sampling_params
 from tx.api.wire_encode import clean_metrics, forward_backward_proto, sample_proto
 from tx.db.tables import FutureRow
 from tx.protocol import ForwardBackwardResult, SampledSequence, SampleResult
+
+LIMITS = Limits(max_seq_len=64, vocab_size=256)
 
 
 def test_ragged_outputs_become_several_records() -> None:
@@ -52,7 +55,7 @@ def test_sdk_proto_request_with_sparse_and_v2_config() -> None:
     config = {"clip_low_threshold": 0.7, "mode": "x"}
     fb_input = types.ForwardBackwardInput(data=[datum], loss_fn="ppo", loss_fn_config=config)
     wire = types.ForwardBackwardRequest(forward_backward_input=fb_input, model_id="m:train:0", seq_id=9)
-    message, request = parse_forward_backward_proto(forward_backward_request_to_proto(wire).SerializeToString())
+    message, request = parse_forward_backward_proto(forward_backward_request_to_proto(wire).SerializeToString(), LIMITS)
     assert message.seq_id == 9 and request.data[0].tokens == [1, 2, 3] and request.loss_fn_config == config
     expected = np.zeros((3, 4), np.float32)
     expected[1, 2] = 0.5
@@ -61,10 +64,10 @@ def test_sdk_proto_request_with_sparse_and_v2_config() -> None:
 
 def test_json_tensor_sparse_and_errors() -> None:
     dense = json_tensor({"data": [1.0, 2.0], "dtype": "float32", "shape": [2, 3], "sparse_crow_indices": [0, 1, 2],
-                         "sparse_col_indices": [2, 0]}, "w")  # fmt: skip
+                         "sparse_col_indices": [2, 0]}, "w", LIMITS)  # fmt: skip
     np.testing.assert_array_equal(dense, [[0, 0, 1], [2, 0, 0]])
     with pytest.raises(WireError, match="w: 3 values do not fit shape"):
-        json_tensor({"data": [1, 2, 3], "dtype": "int64", "shape": [2, 2]}, "w")
+        json_tensor({"data": [1, 2, 3], "dtype": "int64", "shape": [2, 2]}, "w", LIMITS)
 
 
 def test_stop_semantics() -> None:

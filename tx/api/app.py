@@ -29,10 +29,13 @@ from tx.api import (
     routes_train,
     routes_weights,
 )
+from tx.api.body_limit import BodyLimit, BodyTooLarge
 from tx.api.context import AppContext, Settings, submit
+from tx.api.limits import limits_for
 from tx.api.validate import ValidationError
 from tx.api.wire_decode import WireError
 from tx.db import Database
+from tx.names import BadName
 from tx.protocol import ModelInfo, UnloadModelRequest
 
 log = logging.getLogger("tx.api")
@@ -40,6 +43,10 @@ log = logging.getLogger("tx.api")
 
 async def _bad_request(_request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=400)
+
+
+async def _too_large(_request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse({"detail": str(exc)}, status_code=413)
 
 
 def reap_sessions(ctx: AppContext) -> int:
@@ -62,7 +69,7 @@ async def _reaper(ctx: AppContext) -> None:
 
 
 def create_app(settings: Settings, db: Database, model_info: ModelInfo) -> FastAPI:
-    ctx = AppContext(settings, db, model_info)
+    ctx = AppContext(settings, db, model_info, limits_for(model_info))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -75,6 +82,9 @@ def create_app(settings: Settings, db: Database, model_info: ModelInfo) -> FastA
     app.state.ctx = ctx
     app.add_exception_handler(WireError, _bad_request)
     app.add_exception_handler(ValidationError, _bad_request)
+    app.add_exception_handler(BadName, _bad_request)
+    app.add_exception_handler(BodyTooLarge, _too_large)
+    app.add_middleware(BodyLimit, max_bytes=ctx.limits.max_body_bytes)
     for module in (
         routes_session,
         routes_train,

@@ -21,6 +21,7 @@ from typing import Annotated, Any, NoReturn, TypeVar
 from fastapi import Depends, Header, HTTPException, Request
 from sqlmodel import SQLModel
 
+from tx.api.limits import Limits
 from tx.db import Database, DuplicateRequestError, owner_of
 from tx.db.tables import TrainingRunRow
 from tx.protocol import ModelInfo, Payload
@@ -46,6 +47,7 @@ class AppContext:
     settings: Settings
     db: Database
     model_info: ModelInfo
+    limits: Limits
     downloads: dict[str, tuple[Path, float]] = field(default_factory=dict)
     # Heavy request bodies are decoded and queued on a few threads: dozens of CPU-bound threads
     # fighting over the GIL are slower than a handful, and the group commit batches them anyway.
@@ -58,8 +60,11 @@ class AppContext:
 
     def issue_download(self, directory: Path) -> str:
         """A one-off unauthenticated token for downloading `directory` as a tar archive."""
+        now = time.time()
+        for stale in [t for t, (_, expires) in self.downloads.items() if expires < now]:
+            del self.downloads[stale]  # expired links are purged as new ones are issued
         token = secrets.token_urlsafe(24)
-        self.downloads[token] = (directory, time.time() + self.settings.archive_url_ttl_s)
+        self.downloads[token] = (directory, now + self.settings.archive_url_ttl_s)
         return token
 
 

@@ -85,7 +85,7 @@ def asample(body: schemas.SampleRequest, ctx: Ctx, owner: Owner) -> dict[str, An
     tag = str(seq) if seq is not None else uuid.uuid4().hex[:12]  # deterministic when deduplicated by seq_id
     sequence_ids = [f"{sampler.id}:{tag}:{i}" for i in range(body.num_samples)]
     request = SampleRequest(
-        prompt=model_input_tokens(body.prompt, "prompt"),
+        prompt=model_input_tokens(body.prompt, "prompt", ctx.limits.max_seq_len),
         num_samples=body.num_samples,
         params=sampling_params(body.sampling_params, ctx.settings.default_max_tokens),
         base_model=sampler.base_model,
@@ -95,7 +95,7 @@ def asample(body: schemas.SampleRequest, ctx: Ctx, owner: Owner) -> dict[str, An
         sequence_ids=sequence_ids,
     )
     settings = ctx.settings
-    validate.check_sample(request, ctx.model_info, settings.max_num_samples, settings.max_topk_logprobs)
+    validate.check_sample(request, ctx.model_info, ctx.limits, settings.max_num_samples, settings.max_topk_logprobs)
     return submit(
         ctx, kind="sample", payload=request, owner=owner, model_id=sampler.id, seq_id=seq,
         dedupe_key=f"{sampler.id}#{seq}" if seq is not None else None, sequence_ids=sequence_ids,

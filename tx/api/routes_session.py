@@ -42,8 +42,10 @@ CLIENT_CONFIG: dict[str, Any] = {
 
 
 @router.post("/client/config")
-def client_config(_body: ClientConfigRequest, _owner: Owner) -> dict[str, Any]:
-    return CLIENT_CONFIG
+def client_config(_body: ClientConfigRequest, ctx: Ctx, _owner: Owner) -> dict[str, Any]:
+    # The SDK cuts forward_backward into requests of at most this many datums and (estimated) bytes.
+    chunks = {"fwdbwd_max_chunk_len": ctx.limits.max_datums, "fwdbwd_max_chunk_bytes_count": ctx.limits.sdk_chunk_bytes}
+    return {**CLIENT_CONFIG, **chunks}
 
 
 @router.get("/healthz")

@@ -114,7 +114,9 @@ async def forward(request: Request, ctx: Ctx, owner: Owner) -> dict[str, Any]:
 
 
 def _accept_proto_pass(ctx: AppContext, owner: str, raw: bytes, encoding: str | None) -> dict[str, Any]:
-    message, payload = parse_forward_backward_proto(decompress(raw, encoding))
+    body = decompress(raw, encoding, ctx.limits.max_body_bytes)
+    del raw  # the compressed copy is not needed while the body is parsed
+    message, payload = parse_forward_backward_proto(body, ctx.limits)
     return _accept_pass(ctx, owner, message.model_id, int(message.seq_id), payload)
 
 
@@ -126,7 +128,7 @@ def _accept_json_pass(ctx: AppContext, owner: str, raw: bytes, key: str) -> dict
     if not isinstance(body, dict) or not isinstance(body.get("model_id"), str):
         raise WireError("body must be a JSON object with a string 'model_id'")
     seq_id = body.get("seq_id")
-    payload = parse_forward_backward_json(body, key)
+    payload = parse_forward_backward_json(body, key, ctx.limits)
     return _accept_pass(ctx, owner, body["model_id"], seq_id if isinstance(seq_id, int) else None, payload)
 
 
@@ -137,7 +139,7 @@ def _accept_pass(
     if not model_id:
         raise WireError("missing model_id")
     usable_run(ctx, model_id, owner)
-    validate.check_forward_backward(payload, ctx.model_info)
+    validate.check_forward_backward(payload, ctx.model_info, ctx.limits)
     kind = "forward" if payload.forward_only else "forward_backward"
     return submit(
         ctx,

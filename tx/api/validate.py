@@ -1,26 +1,20 @@
 """Reject bad requests before they are queued, with messages that name the field and the limit.
 
-Checks depend only on `ModelInfo` (vocabulary size, maximum sequence length, maximum LoRA rank,
-served losses) and the loss tables in `tx.protocol`. Each function raises `ValidationError`; the
-routes turn it into HTTP 400.
+Checks depend only on `ModelInfo`, the request `Limits` and the loss table in `tx.loss_spec`; the
+engine trusts what they passed and checks nothing again. Each function raises `ValidationError`;
+the routes turn it into HTTP 400.
 """
 
 from __future__ import annotations
 
-import re
+import math
 
 import numpy as np
 
-from tx.engine import losses
-from tx.protocol import (
-    AdamParams,
-    Datum,
-    ForwardBackwardRequest,
-    ModelInfo,
-    SampleRequest,
-)
-
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,255}$")
+from tx import loss_spec
+from tx.api.limits import Limits
+from tx.names import BadName, check_name
+from tx.protocol import AdamParams, Datum, ForwardBackwardRequest, ModelInfo, SampleRequest
 
 
 class ValidationError(ValueError):
@@ -41,43 +35,56 @@ def check_tokens(tokens: list[int], info: ModelInfo, where: str) -> None:
         )
 
 
-def check_forward_backward(request: ForwardBackwardRequest, info: ModelInfo) -> None:
+def check_forward_backward(request: ForwardBackwardRequest, info: ModelInfo, limits: Limits) -> None:
     loss = request.loss_fn
     if loss not in info.loss_names:
         raise ValidationError(f"unknown loss_fn {loss!r}; supported: {', '.join(info.loss_names)}")
     try:
-        losses.validate_loss(loss, dict(request.loss_fn_config))
+        loss_spec.validate_loss(loss, dict(request.loss_fn_config))
     except ValueError as err:
         raise ValidationError(f"loss_fn_config: {err}") from err
     if not request.data:
         raise ValidationError("data is empty; at least one datum is required")
+    if len(request.data) > limits.max_datums:
+        raise ValidationError(f"data has {len(request.data)} datums, more than the limit {limits.max_datums}")
+    total = sum(len(d.tokens) for d in request.data)
+    if total > limits.max_request_tokens:
+        raise ValidationError(f"data has {total} tokens in all, more than the limit {limits.max_request_tokens}")
     for i, datum in enumerate(request.data):
-        _check_datum(datum, loss, info, f"data[{i}]")
+        _check_datum(datum, loss, info, limits, f"data[{i}]")
 
 
-def _check_datum(datum: Datum, loss: str, info: ModelInfo, where: str) -> None:
+def _check_datum(datum: Datum, loss: str, info: ModelInfo, limits: Limits, where: str) -> None:
     check_tokens(datum.tokens, info, f"{where}.model_input")
-    required = set(losses.required_inputs(loss))
-    missing = sorted(required - datum.loss_fn_inputs.keys())
+    missing = sorted(set(loss_spec.required_inputs(loss)) - datum.loss_fn_inputs.keys())
     if missing:
         raise ValidationError(f"{where}.loss_fn_inputs is missing {missing} required by loss {loss!r}")
-    n = len(datum.tokens)
     for name, array in datum.loss_fn_inputs.items():
-        field = f"{where}.loss_fn_inputs.{name}"
-        if array.ndim == 0 or array.shape[0] != n:
-            length = "a scalar" if array.ndim == 0 else f"length {array.shape[0]}"
-            raise ValidationError(f"{field} has {length} but model_input has {n} tokens; they must be equal")
-        if array.ndim > 2 or (array.ndim == 2 and loss != "cross_entropy"):
-            raise ValidationError(
-                f"{field} has shape {list(array.shape)}; only cross_entropy accepts 2-D (N, K) inputs"
-            )
-        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
-            raise ValidationError(f"{field} contains NaN or infinite values")
+        _check_input(name, array, len(datum.tokens), loss, limits, f"{where}.loss_fn_inputs.{name}")
     _check_targets(datum, where, info)
 
 
+def _check_input(name: str, array: np.ndarray, n: int, loss: str, limits: Limits, field: str) -> None:
+    """Shape (leading dim = tokens; 2-D only for top-K cross_entropy), dtype and finiteness of one input."""
+    if array.ndim == 0 or array.shape[0] != n:
+        length = "a scalar" if array.ndim == 0 else f"length {array.shape[0]}"
+        raise ValidationError(f"{field} has {length} but model_input has {n} tokens; they must be equal")
+    if name not in loss_spec.INPUT_IS_TOKEN_IDS:
+        return  # not read by any loss
+    top_k = name in loss_spec.TOP_K_INPUTS and loss in loss_spec.TOP_K_LOSSES
+    if array.ndim > (2 if top_k else 1):
+        allowed = "[N] or [N, K]" if top_k else "[N]"
+        raise ValidationError(f"{field} has shape {list(array.shape)}; loss {loss!r} takes {allowed}")
+    if array.ndim == 2 and not 1 <= array.shape[1] <= limits.max_targets:
+        raise ValidationError(f"{field} has K = {array.shape[1]} targets per token; allowed 1..{limits.max_targets}")
+    if loss_spec.INPUT_IS_TOKEN_IDS[name] and not np.issubdtype(array.dtype, np.integer):
+        raise ValidationError(f"{field} must hold integer token ids (int64), got {array.dtype}")
+    if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+        raise ValidationError(f"{field} contains NaN or infinite values")
+
+
 def _check_targets(datum: Datum, where: str, info: ModelInfo) -> None:
-    targets = datum.loss_fn_inputs["target_tokens"] if "target_tokens" in datum.loss_fn_inputs else None
+    targets = datum.loss_fn_inputs.get("target_tokens")
     if targets is None:
         return
     if (targets < 0).any() or (targets >= info.vocab_size).any():
@@ -104,36 +111,66 @@ def check_base_model(base_model: str | None, info: ModelInfo) -> None:
 
 
 def check_adam(adam: AdamParams) -> None:
-    if adam.learning_rate < 0:
-        raise ValidationError(f"adam_params.learning_rate must be >= 0, got {adam.learning_rate}")
-    for name in ("beta1", "beta2"):
-        if not 0.0 <= getattr(adam, name) < 1.0:
-            raise ValidationError(f"adam_params.{name} must be in [0, 1), got {getattr(adam, name)}")
-    if adam.eps <= 0 or adam.weight_decay < 0 or adam.grad_clip_norm < 0:
-        raise ValidationError("adam_params: eps must be > 0, weight_decay and grad_clip_norm >= 0")
+    for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
+        if not math.isfinite(getattr(adam, name)):
+            raise ValidationError(f"adam_params.{name} must be a finite number, got {getattr(adam, name)}")
+    rules = {
+        "learning_rate": (adam.learning_rate >= 0, ">= 0"),
+        "beta1": (0.0 <= adam.beta1 < 1.0, "in [0, 1)"),
+        "beta2": (0.0 <= adam.beta2 < 1.0, "in [0, 1)"),
+        "eps": (adam.eps > 0, "> 0"),
+        "weight_decay": (adam.weight_decay >= 0, ">= 0"),
+        "grad_clip_norm": (adam.grad_clip_norm >= 0, ">= 0 (0 = no clipping)"),
+    }
+    for name, (ok, rule) in rules.items():
+        if not ok:
+            raise ValidationError(f"adam_params.{name} must be {rule}, got {getattr(adam, name)}")
 
 
-def check_checkpoint_name(name: str) -> None:
-    if not NAME_PATTERN.match(name):
-        raise ValidationError(f"checkpoint name {name!r} must be 1-255 characters of letters, digits, '_', '-', '.'")
+def check_checkpoint_name(name: str, field: str = "path") -> None:
+    try:
+        check_name(name, field)
+    except BadName as err:
+        raise ValidationError(str(err)) from err
 
 
-def check_sample(request: SampleRequest, info: ModelInfo, max_num_samples: int, max_topk: int) -> None:
+def check_sample(request: SampleRequest, info: ModelInfo, limits: Limits, max_num_samples: int, max_topk: int) -> None:
     check_tokens(request.prompt, info, "prompt")
-    params = request.params
     if not 1 <= request.num_samples <= max_num_samples:
         raise ValidationError(f"num_samples {request.num_samples} is outside [1, {max_num_samples}]")
-    if params.max_tokens < 1:
-        raise ValidationError(f"sampling_params.max_tokens must be >= 1, got {params.max_tokens}")
-    total = len(request.prompt) + params.max_tokens
-    if total > info.max_seq_len:
-        raise ValidationError(
-            f"prompt ({len(request.prompt)} tokens) + sampling_params.max_tokens ({params.max_tokens}) = {total} "
-            f"exceeds the maximum length {info.max_seq_len}"
-        )
-    if params.temperature < 0 or not 0 < params.top_p <= 1 or (params.top_k != -1 and params.top_k < 1):
-        raise ValidationError("sampling_params: temperature must be >= 0, top_p in (0, 1], top_k -1 or >= 1")
-    if any(not 0 <= t < info.vocab_size for t in params.stop_token_ids):
-        raise ValidationError(f"sampling_params.stop has token ids outside the vocabulary [0, {info.vocab_size})")
+    _check_length(request, info)
+    _check_sampling_params(request, info, limits)
     if not 0 <= request.topk_prompt_logprobs <= max_topk:
         raise ValidationError(f"topk_prompt_logprobs {request.topk_prompt_logprobs} is outside [0, {max_topk}]")
+
+
+def _check_length(request: SampleRequest, info: ModelInfo) -> None:
+    max_tokens = request.params.max_tokens
+    if max_tokens < 1:
+        raise ValidationError(f"sampling_params.max_tokens must be >= 1, got {max_tokens}")
+    total = len(request.prompt) + max_tokens
+    if total > info.max_seq_len:
+        raise ValidationError(
+            f"prompt ({len(request.prompt)} tokens) + sampling_params.max_tokens ({max_tokens}) = {total} "
+            f"exceeds the maximum length {info.max_seq_len}"
+        )
+
+
+def _check_sampling_params(request: SampleRequest, info: ModelInfo, limits: Limits) -> None:
+    p = request.params
+    rules = {
+        "temperature": (math.isfinite(p.temperature) and p.temperature >= 0, "a finite number >= 0 (0 = greedy)"),
+        "top_p": (math.isfinite(p.top_p) and 0 < p.top_p <= 1, "in (0, 1]"),
+        "top_k": (p.top_k == -1 or 1 <= p.top_k <= info.vocab_size, f"-1 (off) or in [1, {info.vocab_size}]"),
+        "seed": (p.seed is None or -(1 << 63) <= p.seed < (1 << 64), "a 64-bit integer"),
+    }
+    for name, (ok, rule) in rules.items():
+        if not ok:
+            raise ValidationError(f"sampling_params.{name} must be {rule}, got {getattr(p, name)}")
+    stops = len(p.stop_token_ids) + len(p.stop_strings)
+    if stops > limits.max_stop:
+        raise ValidationError(f"sampling_params.stop has {stops} entries, more than the limit {limits.max_stop}")
+    if any(not 0 <= t < info.vocab_size for t in p.stop_token_ids):
+        raise ValidationError(f"sampling_params.stop has token ids outside the vocabulary [0, {info.vocab_size})")
+    if any(not 1 <= len(s) <= limits.max_stop_chars for s in p.stop_strings):
+        raise ValidationError(f"sampling_params.stop strings must have 1..{limits.max_stop_chars} characters")

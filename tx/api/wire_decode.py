@@ -10,15 +10,21 @@ answer it with HTTP 400 before anything is queued.
 from __future__ import annotations
 
 import base64
-from typing import Any
+import functools
+import io
+import math
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 import zstandard
 
 from tx.api import wire_proto
+from tx.api.limits import Limits
 from tx.protocol import Datum, ForwardBackwardRequest, SamplingParams
 
-MAX_DECOMPRESSED_BYTES = 1 << 30
+P = ParamSpec("P")
+T = TypeVar("T")
 
 _PROTO_DTYPES: dict[int, np.dtype] = {
     wire_proto.DTYPE_FLOAT32: np.dtype(np.float32),
@@ -33,28 +39,52 @@ class WireError(ValueError):
     """The request body is malformed; the message names the field."""
 
 
-def decompress(body: bytes, content_encoding: str | None) -> bytes:
+def wire_errors(fn: Callable[P, T]) -> Callable[P, T]:
+    """Decoders raise `WireError` only: anything else a hostile body provokes becomes one."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except WireError:
+            raise
+        except (ValueError, TypeError, OverflowError, KeyError, IndexError, AttributeError, MemoryError) as exc:
+            raise WireError(f"malformed request body ({type(exc).__name__}: {exc})") from exc
+
+    return wrapped
+
+
+def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
+    """The body without its zstd encoding, read in pieces and refused past `max_bytes` of output (a frame's
+    declared size is not trusted: a few KiB can claim, or expand to, gigabytes)."""
     if not content_encoding or content_encoding.lower() in ("identity", ""):
         return body
     if content_encoding.lower() != "zstd":
         raise WireError(f"unsupported Content-Encoding {content_encoding!r} (only zstd)")
     try:
-        return zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_DECOMPRESSED_BYTES)
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body), read_across_frames=True) as reader:
+            out = reader.read(max_bytes + 1)
     except zstandard.ZstdError as exc:
         raise WireError(f"body is not a valid zstd frame: {exc}") from exc
+    if len(out) > max_bytes:
+        raise WireError(f"the decompressed body is larger than the limit of {max_bytes} bytes")
+    return out
 
 
 # ---- protobuf ---------------------------------------------------------------------------------
 
 
-def parse_forward_backward_proto(body: bytes) -> tuple[Any, ForwardBackwardRequest]:
+@wire_errors
+def parse_forward_backward_proto(body: bytes, limits: Limits) -> tuple[Any, ForwardBackwardRequest]:
     """Parse a serialized `ForwardBackwardRequest`; returns (message, protocol request)."""
     message = wire_proto.ForwardBackwardRequest()
     try:
         message.ParseFromString(body)
     except Exception as exc:
         raise WireError(f"body is not a valid ForwardBackwardRequest protobuf: {exc}") from exc
-    data = [_proto_datum(datum, i) for i, datum in enumerate(message.data)]
+    if len(message.data) > limits.max_datums:
+        raise WireError(f"data has {len(message.data)} datums, more than the limit {limits.max_datums}")
+    data = [_proto_datum(datum, i, limits) for i, datum in enumerate(message.data)]
     config: dict[str, float | str] = {k: float(v) for k, v in message.loss_fn_config.items()}
     if message.loss_fn_config_v2:
         config = {k: _config_value(v) for k, v in message.loss_fn_config_v2.items()}
@@ -66,34 +96,52 @@ def _config_value(value: Any) -> float | str:
     return value.text if value.WhichOneof("value") == "text" else float(value.number)
 
 
-def _proto_datum(datum: Any, index: int) -> Datum:
-    tokens: list[int] = []
+def _proto_datum(datum: Any, index: int, limits: Limits) -> Datum:
+    where = f"data[{index}].model_input"
+    pieces: list[bytes] = []
     for chunk in datum.model_input:
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
-            raise WireError(f"data[{index}].model_input: {kind or 'empty'} chunks are not supported (text only)")
-        if len(chunk.encoded_text.tokens) % 4:
-            raise WireError(f"data[{index}].model_input: token bytes are not a whole number of int32 values")
-        tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist())
+            raise WireError(f"{where}: {kind or 'empty'} chunks are not supported (text only)")
+        pieces.append(chunk.encoded_text.tokens)
+    raw = b"".join(pieces)
+    if len(raw) % 4:
+        raise WireError(f"{where}: token bytes are not a whole number of int32 values")
+    _check_count(len(raw) // 4, limits.max_seq_len, where, "tokens")
     inputs = {
-        name: _proto_tensor(t, f"data[{index}].loss_fn_inputs.{name}") for name, t in datum.loss_fn_inputs.items()
+        name: _proto_tensor(t, f"data[{index}].loss_fn_inputs.{name}", limits)
+        for name, t in datum.loss_fn_inputs.items()
     }
-    return Datum(tokens, inputs)
+    return Datum(np.frombuffer(raw, dtype="<i4").tolist(), inputs)
 
 
-def _proto_tensor(tensor: Any, where: str) -> np.ndarray:
+def _check_count(count: int, limit: int, where: str, unit: str) -> None:
+    if count > limit:
+        what = "the maximum length" if unit == "tokens" else "the limit"
+        raise WireError(f"{where} has {count} {unit}, more than {what} {limit}")
+
+
+def _proto_tensor(tensor: Any, where: str, limits: Limits) -> np.ndarray:
     dtype = _PROTO_DTYPES.get(tensor.dtype)
     if dtype is None:
         raise WireError(f"{where}: unsupported dtype enum {tensor.dtype}")
     shape = [int(s) for s in tensor.shape]
     if tensor.WhichOneof("encoding") == "sparse_csr":
         csr = tensor.sparse_csr
+        _check_shape(shape, limits, where)
         values = _widen(_frombuffer(csr.values, dtype, where), tensor.dtype)
         crow = _frombuffer(csr.crow_indices, np.dtype(np.int64), where)
         cols = _frombuffer(csr.col_indices, np.dtype(np.int64), where)
         return _densify(values, crow, cols, shape, where)
     flat = _widen(_frombuffer(tensor.dense, dtype, where), tensor.dtype)
     return _reshape(flat, shape, where)
+
+
+def _check_shape(shape: list[int], limits: Limits, where: str) -> None:
+    """A declared shape is checked before anything of that size is allocated."""
+    if len(shape) > 2 or any(s < 0 for s in shape):
+        raise WireError(f"{where}: shape {shape} must have 1 or 2 non-negative dimensions")
+    _check_count(math.prod(shape), limits.max_tensor_elements, where, "elements")
 
 
 def _frombuffer(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:
@@ -113,7 +161,8 @@ def _widen(array: np.ndarray, proto_dtype: int) -> np.ndarray:
 # ---- JSON -------------------------------------------------------------------------------------
 
 
-def parse_forward_backward_json(body: dict[str, Any], input_key: str) -> ForwardBackwardRequest:
+@wire_errors
+def parse_forward_backward_json(body: dict[str, Any], input_key: str, limits: Limits) -> ForwardBackwardRequest:
     """Legacy JSON body: `{"forward_backward_input" | "forward_input": {data, loss_fn, loss_fn_config}}`."""
     inner = body.get(input_key)
     if not isinstance(inner, dict):
@@ -121,25 +170,30 @@ def parse_forward_backward_json(body: dict[str, Any], input_key: str) -> Forward
     raw_data = inner.get("data")
     if not isinstance(raw_data, list):
         raise WireError(f"{input_key}.data must be a list of datums")
-    data = [_json_datum(d, i) for i, d in enumerate(raw_data)]
+    _check_count(len(raw_data), limits.max_datums, f"{input_key}.data", "datums")
+    data = [_json_datum(d, i, limits) for i, d in enumerate(raw_data)]
     config = inner.get("loss_fn_config") or {}
     if not isinstance(config, dict):
         raise WireError(f"{input_key}.loss_fn_config must be an object")
-    return ForwardBackwardRequest(data, str(inner.get("loss_fn", "")), config, input_key == "forward_input")
+    loss_fn = inner.get("loss_fn", "")
+    if not isinstance(loss_fn, str):
+        raise WireError(f"{input_key}.loss_fn must be a string")
+    return ForwardBackwardRequest(data, loss_fn, config, input_key == "forward_input")
 
 
-def _json_datum(datum: Any, index: int) -> Datum:
+def _json_datum(datum: Any, index: int, limits: Limits) -> Datum:
     if not isinstance(datum, dict):
         raise WireError(f"data[{index}] must be an object")
-    tokens = model_input_tokens(datum.get("model_input"), f"data[{index}].model_input")
+    tokens = model_input_tokens(datum.get("model_input"), f"data[{index}].model_input", limits.max_seq_len)
     raw_inputs = datum.get("loss_fn_inputs") or {}
     if not isinstance(raw_inputs, dict):
         raise WireError(f"data[{index}].loss_fn_inputs must be an object")
-    inputs = {k: json_tensor(v, f"data[{index}].loss_fn_inputs.{k}") for k, v in raw_inputs.items()}
+    inputs = {k: json_tensor(v, f"data[{index}].loss_fn_inputs.{k}", limits) for k, v in raw_inputs.items()}
     return Datum(tokens, inputs)
 
 
-def model_input_tokens(model_input: Any, where: str) -> list[int]:
+@wire_errors
+def model_input_tokens(model_input: Any, where: str, max_tokens: int) -> list[int]:
     """Flatten a JSON ModelInput (`{"chunks": [...]}`) into tokens; non-text chunks are rejected."""
     if not isinstance(model_input, dict) or not isinstance(model_input.get("chunks"), list):
         raise WireError(f"{where} must be an object with a 'chunks' list")
@@ -149,13 +203,14 @@ def model_input_tokens(model_input: Any, where: str) -> list[int]:
         if kind != "encoded_text":
             raise WireError(f"{where}: {kind} chunks are not supported (text only)")
         chunk_tokens = chunk.get("tokens")
-        if not isinstance(chunk_tokens, list) or not all(isinstance(t, int) for t in chunk_tokens):
+        if not isinstance(chunk_tokens, list) or not all(type(t) is int for t in chunk_tokens):
             raise WireError(f"{where}: encoded_text.tokens must be a list of integers")
         tokens.extend(chunk_tokens)
+        _check_count(len(tokens), max_tokens, where, "tokens")
     return tokens
 
 
-def json_tensor(tensor: Any, where: str) -> np.ndarray:
+def json_tensor(tensor: Any, where: str, limits: Limits) -> np.ndarray:
     """A JSON TensorData (`{"data", "dtype", "shape"?, "sparse_*_indices"?}`) as a numpy array."""
     if not isinstance(tensor, dict) or "data" not in tensor:
         raise WireError(f"{where} must be a TensorData object with 'data'")
@@ -163,22 +218,33 @@ def json_tensor(tensor: Any, where: str) -> np.ndarray:
     if dtype is None:
         raise WireError(f"{where}: dtype must be 'float32' or 'int64', got {tensor.get('dtype')!r}")
     data = tensor["data"]
+    if not isinstance(data, str | list):
+        raise WireError(f"{where}: data must be a list of numbers or a base64 string")
     try:
         flat = np.frombuffer(base64.b64decode(data), dtype=dtype) if isinstance(data, str) else np.asarray(data, dtype)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise WireError(f"{where}: data is not numeric: {exc}") from exc
-    shape = tensor.get("shape")
+    shape = _json_shape(tensor.get("shape"), where)
     if tensor.get("sparse_crow_indices") is not None:
+        _check_shape(shape, limits, where)
         crow = np.asarray(tensor["sparse_crow_indices"], np.int64)
         cols = np.asarray(tensor.get("sparse_col_indices") or [], np.int64)
-        return _densify(flat, crow, cols, list(shape or []), where)
-    return _reshape(flat.reshape(-1), list(shape) if shape else [], where)
+        return _densify(flat, crow, cols, shape, where)
+    return _reshape(flat.reshape(-1), shape, where)
+
+
+def _json_shape(shape: Any, where: str) -> list[int]:
+    if shape is None:
+        return []
+    if not isinstance(shape, list) or not all(type(s) is int for s in shape):
+        raise WireError(f"{where}: shape must be a list of integers")
+    return shape
 
 
 def _reshape(flat: np.ndarray, shape: list[int], where: str) -> np.ndarray:
     if not shape:
         return flat.copy()
-    if any(s < 0 for s in shape) or int(np.prod(shape)) != flat.size:
+    if any(s < 0 for s in shape) or math.prod(shape) != flat.size:
         raise WireError(f"{where}: {flat.size} values do not fit shape {shape}")
     return flat.reshape(shape).copy()
 
@@ -189,6 +255,8 @@ def _densify(values: np.ndarray, crow: np.ndarray, cols: np.ndarray, shape: list
     rows, width = shape
     if len(crow) != rows + 1 or len(cols) != len(values) or (len(crow) and crow[-1] != len(values)):
         raise WireError(f"{where}: inconsistent sparse CSR indices for shape {shape}")
+    if crow.ndim != 1 or cols.ndim != 1 or (len(crow) and (crow[0] != 0 or (np.diff(crow) < 0).any())):
+        raise WireError(f"{where}: sparse CSR row offsets must start at 0 and never decrease")
     if len(cols) and (cols.min() < 0 or cols.max() >= width):
         raise WireError(f"{where}: sparse column index out of range for shape {shape}")
     dense = np.zeros(shape, dtype=values.dtype)
@@ -200,15 +268,19 @@ def _densify(values: np.ndarray, crow: np.ndarray, cols: np.ndarray, shape: list
 # ---- sampling ---------------------------------------------------------------------------------
 
 
-def sampling_params(raw: dict[str, Any], default_max_tokens: int) -> SamplingParams:
-    """SamplingParams from JSON; `stop=None` stops at EOS, an explicit list (even []) replaces it."""
+@wire_errors
+def sampling_params(raw: Any, default_max_tokens: int) -> SamplingParams:
+    """SamplingParams from JSON; `stop=None` stops at EOS, an explicit list (even []) replaces it. A missing
+    or null field takes its default; a field of the wrong type is a `WireError` naming it."""
+    if not isinstance(raw, dict):
+        raise WireError("sampling_params must be an object")
     stop = raw.get("stop")
     stop_ids: list[int] = []
     stop_strings: list[str] = []
     if isinstance(stop, str):
         stop_strings = [stop]
     elif isinstance(stop, list):
-        if all(isinstance(s, int) for s in stop):
+        if all(type(s) is int for s in stop):
             stop_ids = list(stop)
         elif all(isinstance(s, str) for s in stop):
             stop_strings = list(stop)
@@ -216,14 +288,26 @@ def sampling_params(raw: dict[str, Any], default_max_tokens: int) -> SamplingPar
             raise WireError("sampling_params.stop must be a string, a list of strings or a list of token ids")
     elif stop is not None:
         raise WireError("sampling_params.stop must be a string, a list of strings or a list of token ids")
-    max_tokens = raw.get("max_tokens")
     return SamplingParams(
-        max_tokens=int(max_tokens) if max_tokens is not None else default_max_tokens,
-        temperature=float(raw.get("temperature", 1.0)),
-        top_k=int(raw.get("top_k", -1)),
-        top_p=float(raw.get("top_p", 1.0)),
-        seed=int(raw["seed"]) if raw.get("seed") is not None else None,
+        max_tokens=_field(raw, "max_tokens", int, default_max_tokens),
+        temperature=_field(raw, "temperature", float, 1.0),
+        top_k=_field(raw, "top_k", int, -1),
+        top_p=_field(raw, "top_p", float, 1.0),
+        seed=_field(raw, "seed", int, None),
         stop_token_ids=stop_ids,
         stop_strings=stop_strings,
         stop_at_eos=stop is None,
     )
+
+
+def _field(raw: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+    """A number field: an int for `int` fields (a float with an integral value is accepted), any real for
+    `float` fields; booleans and strings are refused."""
+    value = raw.get(name)
+    if value is None:
+        return default
+    if type(value) is int or (kind is float and type(value) is float):
+        return kind(value)
+    if kind is int and type(value) is float and value.is_integer():
+        return int(value)
+    raise WireError(f"sampling_params.{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")

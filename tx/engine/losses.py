@@ -31,40 +31,23 @@ clip thresholds are; the sequence ratio is a geometric mean, so it stays that cl
 """
 
 import dataclasses
-import math
-import numbers
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from tx.protocol import LOSS_NAMES
+# The loss tables live in the JAX-free `tx.loss_spec`; re-exported for the engine's callers.
+from tx.loss_spec import (  # noqa: F401
+    CONFIG_COLUMNS,
+    LOSS_CONFIG_DEFAULTS,
+    LOSS_NAMES,
+    config_row,
+    loss_index,
+    required_inputs,
+    validate_loss,
+)
 
-# Column order of LossInputs.config; a loss leaves the columns it does not use at 0.
-CONFIG_COLUMNS: tuple[str, ...] = ("clip_low_threshold", "clip_high_threshold", "beta", "truncation", "kl_coeff")
 _COLUMN = {key: index for index, key in enumerate(CONFIG_COLUMNS)}
-
-LOSS_CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
-    "cross_entropy": {},
-    "importance_sampling": {},
-    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
-    "dro": {"beta": 0.05},
-    "gspo": {"clip_low_threshold": 0.9997, "clip_high_threshold": 1.0004},
-    "stable_reinforce": {"truncation": 2.0, "kl_coeff": 0.0},
-}
-
-_RL_INPUTS = ("target_tokens", "logprobs", "advantages")
-_REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
-    "cross_entropy": ("target_tokens",),
-    "importance_sampling": _RL_INPUTS,
-    "ppo": _RL_INPUTS,
-    "cispo": _RL_INPUTS,
-    "dro": _RL_INPUTS,
-    "gspo": (*_RL_INPUTS, "sequence_ratio_mask"),
-    # q: the behaviour logprobs. The datum carries them (as the cookbook does for every RL loss).
-    "stable_reinforce": _RL_INPUTS,
-}
 
 
 @jax.tree_util.register_dataclass
@@ -188,47 +171,3 @@ def datum_sums(values: jax.Array, inputs: LossInputs) -> jax.Array:
     """Sum of per-token values [N] over each datum's valid tokens -> [D]."""
     masked_N = jnp.where(inputs.valid, values, 0)
     return jax.ops.segment_sum(masked_N, inputs.datum, num_segments=inputs.kind.shape[0])
-
-
-def validate_loss(name: str, config: dict[str, Any] | None) -> dict[str, float]:
-    """Check a loss name and its loss_fn_config; return the config with defaults filled in.
-
-    Raises ValueError (a user error) for an unknown loss, an unknown or non-numeric key, or clip
-    thresholds out of order.
-    """
-    if name not in LOSS_CONFIG_DEFAULTS:
-        raise ValueError(f"unsupported loss_fn {name!r}; supported: {', '.join(LOSS_NAMES)}")
-    defaults = LOSS_CONFIG_DEFAULTS[name]
-    filled = dict(defaults)
-    for key, value in (config or {}).items():
-        if key not in defaults:
-            allowed = ", ".join(defaults) or "none"
-            raise ValueError(f"unknown loss_fn_config key {key!r} for loss {name!r}; allowed keys: {allowed}")
-        filled[key] = _as_float(key, value)
-    if filled.get("clip_low_threshold", 0.0) > filled.get("clip_high_threshold", math.inf):
-        raise ValueError(f"loss {name!r}: clip_low_threshold must not exceed clip_high_threshold, got {filled}")
-    return filled
-
-
-def _as_float(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"loss_fn_config key {key!r} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def config_row(name: str, config: dict[str, Any] | None) -> list[float]:
-    """One row of LossInputs.config (columns CONFIG_COLUMNS) for a datum using this loss."""
-    filled = validate_loss(name, config)
-    return [filled.get(key, 0.0) for key in CONFIG_COLUMNS]
-
-
-def loss_index(name: str) -> int:
-    """The LossInputs.kind value of a loss name."""
-    validate_loss(name, None)
-    return LOSS_NAMES.index(name)
-
-
-def required_inputs(name: str) -> tuple[str, ...]:
-    """The loss_fn_inputs a datum must carry for this loss (`weights` is always optional)."""
-    validate_loss(name, None)
-    return _REQUIRED_INPUTS[name]

@@ -1,0 +1,97 @@
+"""What each Tinker loss takes: its `loss_fn_config` keys with defaults and its `loss_fn_inputs`.
+
+The one table that both sides read: the API validates requests against it before queueing (see
+`tx.api.validate`), and the engine (`tx.engine.losses`, `train_batch`) fills defaults and lays out
+config columns from it without checking again. Leaf module: numpy-free, JAX-free, imports only
+`tx.protocol`. The formulas themselves live in `tx.engine.losses`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+from tx.protocol import LOSS_NAMES
+
+# Column order of the engine's per-datum config rows; a loss leaves the columns it does not use at 0.
+CONFIG_COLUMNS: tuple[str, ...] = ("clip_low_threshold", "clip_high_threshold", "beta", "truncation", "kl_coeff")
+
+LOSS_CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    "dro": {"beta": 0.05},
+    "gspo": {"clip_low_threshold": 0.9997, "clip_high_threshold": 1.0004},
+    "stable_reinforce": {"truncation": 2.0, "kl_coeff": 0.0},
+}
+
+_RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("target_tokens",),
+    "importance_sampling": _RL_INPUTS,
+    "ppo": _RL_INPUTS,
+    "cispo": _RL_INPUTS,
+    "dro": _RL_INPUTS,
+    "gspo": (*_RL_INPUTS, "sequence_ratio_mask"),
+    # q: the behaviour logprobs. The datum carries them (as the cookbook does for every RL loss).
+    "stable_reinforce": _RL_INPUTS,
+}
+
+# Every input the engine reads, and whether it holds token ids (integers) or real numbers. `weights`
+# is optional for every loss; inputs of other names are ignored.
+INPUT_IS_TOKEN_IDS: dict[str, bool] = {
+    "target_tokens": True,
+    "weights": False,
+    "logprobs": False,
+    "advantages": False,
+    "sequence_ratio_mask": False,
+}
+# Inputs that may be 2-D [N, K] (top-K soft targets), for cross_entropy only, always the same shape.
+TOP_K_INPUTS: tuple[str, ...] = ("target_tokens", "weights")
+TOP_K_LOSSES: tuple[str, ...] = ("cross_entropy",)
+
+
+def validate_loss(name: str, config: dict[str, Any] | None) -> dict[str, float]:
+    """Check a loss name and its loss_fn_config; return the config with defaults filled in.
+
+    Raises ValueError (a user error) for an unknown loss, an unknown or non-numeric key, or clip
+    thresholds out of order.
+    """
+    if name not in LOSS_CONFIG_DEFAULTS:
+        raise ValueError(f"unsupported loss_fn {name!r}; supported: {', '.join(LOSS_NAMES)}")
+    defaults = LOSS_CONFIG_DEFAULTS[name]
+    filled = dict(defaults)
+    for key, value in (config or {}).items():
+        if key not in defaults:
+            allowed = ", ".join(defaults) or "none"
+            raise ValueError(f"unknown loss_fn_config key {key!r} for loss {name!r}; allowed keys: {allowed}")
+        filled[key] = _as_float(key, value)
+    if filled.get("clip_low_threshold", 0.0) > filled.get("clip_high_threshold", math.inf):
+        raise ValueError(f"loss {name!r}: clip_low_threshold must not exceed clip_high_threshold, got {filled}")
+    return filled
+
+
+def _as_float(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"loss_fn_config key {key!r} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def config_row(name: str, config: dict[str, Any] | None) -> list[float]:
+    """One row of the engine's per-datum config (columns CONFIG_COLUMNS); the config was validated."""
+    filled = {**LOSS_CONFIG_DEFAULTS[name], **{k: float(v) for k, v in (config or {}).items()}}
+    return [filled.get(key, 0.0) for key in CONFIG_COLUMNS]
+
+
+def loss_index(name: str) -> int:
+    """The engine's per-datum loss kind of a loss name."""
+    return LOSS_NAMES.index(name)
+
+
+def required_inputs(name: str) -> tuple[str, ...]:
+    """The loss_fn_inputs a datum must carry for this loss (`weights` is always optional)."""
+    if name not in REQUIRED_INPUTS:
+        raise ValueError(f"unsupported loss_fn {name!r}; supported: {', '.join(LOSS_NAMES)}")
+    return REQUIRED_INPUTS[name]
