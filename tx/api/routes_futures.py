@@ -8,6 +8,7 @@ raises `RequestFailedError`). Results stay stored, so a repeated poll gets the s
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -29,7 +30,7 @@ PROTO_MEDIA_TYPE = "application/x-protobuf"
 
 @router.post("/retrieve_future")
 async def retrieve_future(body: RetrieveFutureRequest, request: Request, ctx: Ctx, owner: Owner) -> Response:
-    row = await ctx.db.queue.wait_finished(body.request_id, ctx.settings.retrieve_hold_s)
+    row = await ctx.db.queue.wait_finished(body.request_id, ctx.settings.retrieve_hold_s, owner)
     if row is None or row.owner != owner:
         not_found(f"unknown request_id {body.request_id!r}")
     if row.status == "failed":
@@ -47,7 +48,15 @@ def _render(row: FutureRow, accept: str | None) -> Response:
         if wants_proto(accept, result):
             return Response(result_proto(result), media_type=PROTO_MEDIA_TYPE)
         payload: dict[str, Any] = result_json(result)
-        return JSONResponse(payload)
+        return NumbersJSONResponse(payload)
     except Exception as exc:
         log.exception("could not encode the result of future %s", row.id)
         return JSONResponse({"error": f"the server could not encode this result: {exc}", "category": "server"})
+
+
+class NumbersJSONResponse(JSONResponse):
+    """JSON that keeps non-finite floats as `NaN` / `Infinity` / `-Infinity`: what Python's `json` (and so
+    the SDK, through httpx) reads back as the same float. A NaN loss is a result, not an encoding error."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=True, separators=(",", ":")).encode("utf-8")

@@ -48,7 +48,25 @@ def open_engine(url: str) -> Engine:
     else:
         engine = create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
     SQLModel.metadata.create_all(engine)
+    _allow_nan_metrics(engine)
     return engine
+
+
+def _allow_nan_metrics(engine: Engine) -> None:
+    """Databases made before metric values could be NaN (stored as NULL) have `metrics.value NOT NULL`."""
+    with engine.begin() as conn:
+        if engine.dialect.name == "sqlite":
+            columns = conn.exec_driver_sql("PRAGMA table_info(metrics)").fetchall()
+            if any(c[1] == "value" and c[3] for c in columns):
+                conn.exec_driver_sql("ALTER TABLE metrics RENAME TO metrics_old")
+                for index in conn.exec_driver_sql("PRAGMA index_list(metrics_old)").fetchall():
+                    if not index[1].startswith("sqlite_autoindex"):
+                        conn.exec_driver_sql(f'DROP INDEX "{index[1]}"')
+                tables.MetricRow.__table__.create(conn)  # type: ignore[attr-defined]
+                conn.exec_driver_sql("INSERT INTO metrics SELECT * FROM metrics_old")
+                conn.exec_driver_sql("DROP TABLE metrics_old")
+        elif engine.dialect.name == "postgresql":
+            conn.exec_driver_sql("ALTER TABLE metrics ALTER COLUMN value DROP NOT NULL")
 
 
 def is_sqlite(engine: Engine) -> bool:

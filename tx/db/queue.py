@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -91,12 +92,15 @@ class SqlQueue:
         with Session(self.engine, expire_on_commit=False) as session:
             return session.get(FutureRow, int(future_id))
 
-    async def wait_finished(self, future_id: str, timeout_s: float) -> FutureRow | None:
-        """The future's row once finished, or as it is after `timeout_s`; None if unknown."""
+    async def wait_finished(self, future_id: str, timeout_s: float, owner: str | None = None) -> FutureRow | None:
+        """The future's row once finished, or as it is after `timeout_s`; None if unknown or (when `owner` is
+        given) another owner's, at once: nobody waits on a future that is not theirs."""
         waiter = self.notifier.add_waiter(future_id)
         try:
             row = await asyncio.to_thread(self.get, future_id)
-            if row is None or row.status in FINISHED:
+            if row is None or (owner is not None and row.owner != owner):
+                return None
+            if row.status in FINISHED:
                 return row
             try:
                 await asyncio.wait_for(waiter, timeout_s)
@@ -223,7 +227,8 @@ class SqlQueue:
         if not isinstance(result, ForwardBackwardResult | OptimStepResult) or row.model_id is None:
             return
         for name, value in result.metrics.items():
-            session.add(MetricRow(model_id=row.model_id, future_id=str(row.id), kind=row.kind, name=name, value=value))
+            stored = None if math.isnan(value) else float(value)  # NULL = NaN (see MetricRow.value)
+            session.add(MetricRow(model_id=row.model_id, future_id=str(row.id), kind=row.kind, name=name, value=stored))
 
     def _pg_notify(self, session: Session, channel: str, payload: str) -> None:
         if self._postgres:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import uuid
 from datetime import datetime, timedelta
 from typing import Any
@@ -186,7 +187,10 @@ class Records:
     def latest_metrics(self, model_id: str, limit: int = 100) -> list[MetricRow]:
         query = select(MetricRow).where(MetricRow.model_id == model_id).order_by(col(MetricRow.id).desc())
         with self._session() as session:
-            return list(session.exec(query.limit(limit)).all())
+            rows = list(session.exec(query.limit(limit)).all())
+        for row in rows:
+            row.value = math.nan if row.value is None else row.value
+        return rows
 
     # ---- sampling -----------------------------------------------------------------------------
 

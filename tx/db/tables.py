@@ -131,5 +131,5 @@ class MetricRow(SQLModel, table=True):
     future_id: str
     kind: str
     name: str
-    value: float
+    value: float | None  # None stands for NaN (SQLite stores NaN as NULL); +-inf are stored as they are
     created_at: datetime = Field(default_factory=utcnow)
