@@ -153,3 +153,31 @@ def test_expired_session_unloads_runs_and_heartbeat_410(http: httpx.Client, serv
         time.sleep(0.02)
     reply = http.post("/forward_backward", content=proto_body(model_id, 1, [1, 2]), headers=PROTO)
     assert reply.status_code == 400 and "unloaded" in reply.json()["detail"]
+
+
+def test_another_keys_pending_future_is_404_at_once(
+    http: httpx.Client, other: httpx.Client, model_id: str, server: Server
+) -> None:
+    """The owner check comes before the long poll: a stranger must not hold a connection (or learn that
+    the future exists) by waiting on someone else's request."""
+    server.runner.paused.set()
+    try:
+        future = http.post("/forward_backward", content=proto_body(model_id, 110, [1, 2]), headers=PROTO).json()
+        start = time.monotonic()
+        reply = other.post("/retrieve_future", json={"request_id": future["request_id"]})
+        assert reply.status_code == 404
+        assert time.monotonic() - start < 0.5  # the hold is 1 s: the 404 did not wait for it
+        assert server.db.queue.get(future["request_id"]).status in ("pending", "running")
+    finally:
+        server.runner.paused.clear()
+    assert "loss_fn_outputs" in wait(http, future["request_id"])
+
+
+def test_expired_download_links_are_purged(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tx.api.context import AppContext, Settings
+    from tx.api.limits import limits_for
+
+    ctx = AppContext(Settings(archive_url_ttl_s=-1.0), None, MODEL, limits_for(MODEL))  # type: ignore[arg-type]
+    for _ in range(5):
+        ctx.issue_download(tmp_path)
+    assert len(ctx.downloads) == 1  # each new link purged the expired ones before it

@@ -20,6 +20,7 @@ import uvicorn
 
 from tx.api.app import create_app
 from tx.api.context import Settings
+from tx.api.paths import checkpoints_root
 from tx.db import open_database
 from tx.engine.loop import Engine, Runner
 from tx.protocol import ModelInfo
@@ -164,6 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     failed = db.queue.recover()
     if failed:
         log.warning("failed %d requests left unfinished by a previous run", failed)
+    from tx.engine.checkpoints import sweep_partial  # JAX loads with the engine, not with the CLI
+
+    swept = sweep_partial(checkpoints_root(Path(args.data_dir)))
+    if swept:
+        log.warning("removed %d half-written checkpoint directories left by a previous run", len(swept))
     runner, model_info = build_runner(args)
     engine = Engine(db.queue, runner)
     engine.start()

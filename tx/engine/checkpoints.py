@@ -61,3 +61,21 @@ def restore(source: Path, params_like: dict, opt_like: Any) -> tuple[dict, Any]:
     with ocp.StandardCheckpointer() as ckptr:
         tree = ckptr.restore(source / "state", abstract)
     return _unkeyed(tree["params"]), tree["opt_state"]
+
+
+PARTIAL_MARKERS = (".tmp-", ".old-", "orbax-checkpoint-tmp", f".{META}.tmp")
+
+
+def sweep_partial(root: Path) -> list[Path]:
+    """Remove what writers killed mid-write left under the checkpoint root (`<run>/<kind>/<name>`): the
+    temporary and moved-aside directories of the atomic writers, orbax's temporary directories, and
+    `save_state` directories that never got their `run.json`. A finished checkpoint is never touched."""
+    removed: list[Path] = []
+    for entry in sorted(root.glob("*/*/*")) if root.is_dir() else []:
+        partial = any(marker in entry.name for marker in PARTIAL_MARKERS)
+        unfinished = entry.parent.name == "weights" and entry.is_dir() and not (entry / META).is_file()
+        inner = [p for p in entry.glob("*") if any(m in p.name for m in PARTIAL_MARKERS)] if entry.is_dir() else []
+        for path in [entry] if partial or unfinished else inner:
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed

@@ -1,0 +1,256 @@
+"""Hostile and careless requests against the real engine: each one fails alone, and the server keeps serving.
+
+Every test here reproduces a defect found by probing the server (names that escape the run's
+directory, inputs that failed other callers' work, non-finite numbers, tiny bodies that allocated
+hundreds of MiB, 500s for malformed input) and checks the behaviour that replaced it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import zstandard
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+
+from api.harness import PROTO, proto_body, running_server
+
+pytestmark = [pytest.mark.e2e]
+KEY = "tml-hardening"
+
+
+@pytest.fixture(scope="module")
+def real(hf_models, tmp_path_factory) -> Iterator[dict[str, Any]]:  # type: ignore[no-untyped-def]
+    from tx.engine import build_runner
+
+    data_dir = tmp_path_factory.mktemp("hardening")
+    model_dir, _ = hf_models()
+    runner, info = build_runner(
+        base_model=str(model_dir), data_dir=data_dir, max_lora_adapters=6, max_lora_rank=8, dtype="float32",
+        max_seq_len=64, decode_rows=4,
+    )  # fmt: skip
+    with running_server(runner, info, data_dir) as (url, db):
+        service = tinker.ServiceClient(base_url=url, api_key=KEY)
+        training = service.create_lora_training_client(base_model=info.base_model, rank=4)
+        http = httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": KEY}, timeout=60)
+        yield {"url": url, "info": info, "data_dir": data_dir, "db": db, "training": training, "http": http}
+        http.close()
+
+
+def _datum(tokens: list[int], **inputs: np.ndarray) -> types.Datum:
+    loss_inputs = {"target_tokens": np.array(tokens[1:] + [0], np.int64), **inputs}
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs=loss_inputs)
+
+
+def _still_serves(training: tinker.TrainingClient) -> None:
+    out = training.forward([_datum([1, 2, 3, 4])], "cross_entropy").result(timeout=60)
+    assert out.loss_fn_outputs[0]["logprobs"].shape == [4]
+
+
+BAD_NAMES = ["..", ".", "x" * 250, ".hidden", "a/b", "a b", "ünïcode"]
+
+
+@pytest.mark.parametrize("route", ["save_weights", "save_weights_for_sampler", "save_weights_external"])
+def test_bad_checkpoint_names_are_refused_before_queueing(real: dict[str, Any], route: str) -> None:
+    model_id = real["training"].model_id
+    for name in BAD_NAMES:
+        reply = real["http"].post(f"/{route}", json={"model_id": model_id, "path": name})
+        assert reply.status_code == 400, (name, reply.text)
+        assert "not a valid name" in reply.json()["detail"] and "path" in reply.json()["detail"]
+    _still_serves(real["training"])
+
+
+def test_dot_names_cannot_reach_sibling_checkpoints(real: dict[str, Any]) -> None:
+    training = real["training"]
+    kept = training.save_state("kept").result(timeout=60).path
+    run_dir = Path(real["data_dir"]) / "checkpoints" / training.model_id.replace(":", "_")
+    for name in (".", ".", ".."):  # saving "." twice with overwrite once replaced the whole weights/ tree
+        reply = real["http"].post(
+            "/save_weights", json={"model_id": training.model_id, "path": name, "overwrite": True}
+        )
+        assert reply.status_code == 400, reply.text
+    for name in ("%2E%2E", "%2E", ".hidden"):
+        reply = real["http"].delete(f"/training_runs/{training.model_id}/checkpoints/weights/{name}")
+        assert reply.status_code in (400, 404), reply.text
+    assert (run_dir / "weights" / "kept" / "run.json").is_file()
+    listed = real["http"].get(f"/training_runs/{training.model_id}/checkpoints").json()["checkpoints"]
+    assert kept in [c["tinker_path"] for c in listed]
+
+
+@pytest.mark.parametrize(
+    "inputs, fragment",
+    [
+        ({"weights": np.ones((4, 2), np.float32)}, "weights has shape"),  # 2-D weights, 1-D targets
+        ({"advantages": np.ones((4, 3), np.float32)}, "advantages has shape"),  # 2-D input CE never reads as 2-D
+        ({"target_tokens": np.zeros((4, 0), np.int64)}, "K = 0"),
+        ({"target_tokens": np.zeros(4, np.float32)}, "integer token ids"),
+    ],
+)
+def test_bad_loss_inputs_are_refused(real: dict[str, Any], inputs: dict[str, np.ndarray], fragment: str) -> None:
+    bad = _datum([1, 2, 3, 4], **inputs)
+    with pytest.raises(tinker.BadRequestError, match=fragment):
+        real["training"].forward_backward([bad], "cross_entropy").result(timeout=60)
+    _still_serves(real["training"])
+
+
+def _sample(real: dict[str, Any], params: str) -> httpx.Response:
+    http = real["http"]
+    session = http.post("/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+    body = {"session_id": session, "sampling_session_seq_id": 0, "base_model": real["info"].base_model}
+    sampler = http.post("/create_sampling_session", json=body).json()["sampling_session_id"]
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}
+    raw = f'{{"sampling_session_id": "{sampler}", "prompt": {json.dumps(prompt)}, "sampling_params": {params}}}'
+    return http.post("/asample", content=raw, headers={"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize(
+    "params, fragment",
+    [
+        ('{"max_tokens": 4, "top_k": 1099511627776}', "top_k"),
+        ('{"max_tokens": 4, "temperature": NaN}', "temperature"),
+        ('{"max_tokens": 4, "top_p": Infinity}', "top_p"),
+        ('{"max_tokens": 4, "seed": 1180591620717411303424}', "seed"),
+        ('{"max_tokens": "abc"}', "max_tokens"),
+        ('{"max_tokens": 4, "stop": [{"a": 1}]}', "stop"),
+    ],
+)
+def test_bad_sampling_params_are_400(real: dict[str, Any], params: str, fragment: str) -> None:
+    reply = _sample(real, params)
+    assert reply.status_code == 400, reply.text
+    assert fragment in reply.json()["detail"]
+
+
+def test_null_sampling_fields_take_their_defaults(real: dict[str, Any]) -> None:
+    reply = _sample(real, '{"max_tokens": 3, "temperature": null, "top_k": null}')
+    assert reply.status_code == 200, reply.text
+
+
+def _retrieve_json(real: dict[str, Any], request_id: str) -> dict[str, Any]:
+    for _ in range(60):
+        reply = real["http"].post("/retrieve_future", json={"request_id": request_id})
+        if reply.status_code != 408:
+            parsed: dict[str, Any] = json.loads(reply.text)  # Python's json reads NaN / Infinity back
+            return parsed
+    raise AssertionError("the future never finished")
+
+
+def test_non_finite_losses_and_metrics_survive(real: dict[str, Any]) -> None:
+    training = real["training"]
+    service = tinker.ServiceClient(base_url=real["url"], api_key=KEY)
+    run = service.create_lora_training_client(base_model=real["info"].base_model, rank=4)
+    # q = -1e30 makes the importance ratio overflow: an infinite loss and non-finite gradients.
+    q = np.full(4, -1e30, np.float32)
+    datum = _datum([5, 6, 7, 8], logprobs=q, advantages=np.ones(4, np.float32))
+    fb = run.forward_backward([datum], "importance_sampling").result(timeout=60)
+    assert math.isinf(fb.metrics["loss:sum"])
+    step = real["http"].post("/optim_step", json={"model_id": run.model_id, "adam_params": {"learning_rate": 1e-3}})
+    metrics = _retrieve_json(real, step.json()["request_id"])["metrics"]
+    assert not math.isfinite(metrics["grad_norm:mean"])
+    # The run keeps working (its weights are now NaN, which the results say as they are).
+    out = run.forward([_datum([1, 2, 3])], "cross_entropy").result(timeout=60)
+    assert np.isnan(out.loss_fn_outputs[0]["logprobs"].tolist()).all()
+    stored = real["db"].records.latest_metrics(run.model_id)
+    assert any(m.name == "grad_norm:mean" and not math.isfinite(m.value) for m in stored)
+    reply = real["http"].post("/optim_step", json={"model_id": run.model_id, "adam_params": {"learning_rate": "NaN"}})
+    assert reply.status_code in (400, 422), reply.text
+    raw = json.dumps({"model_id": training.model_id, "adam_params": {"learning_rate": math.nan}})
+    reply = real["http"].post("/optim_step", content=raw, headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400 and "learning_rate" in reply.json()["detail"], reply.text
+
+
+def _peak_growth_mib(action: Callable[[], Any]) -> float:
+    """How far the process's peak RSS rose above its RSS during `action` (Linux: reset by clear_refs)."""
+
+    def status(field: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1])
+        raise KeyError(field)
+
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pytest.skip("peak RSS cannot be reset on this system")
+    before = status("VmRSS:")
+    action()
+    return (status("VmHWM:") - before) / 1024
+
+
+def _zstd_of_zeros(size: int) -> bytes:
+    out = io.BytesIO()
+    with zstandard.ZstdCompressor(level=3).stream_writer(out, closefd=False) as writer:
+        for _ in range(size // (1 << 20)):
+            writer.write(bytes(1 << 20))
+    return out.getvalue()
+
+
+def test_small_bodies_cannot_allocate_much(real: dict[str, Any]) -> None:
+    http, model_id = real["http"], real["training"].model_id
+    bomb = _zstd_of_zeros(128 << 20)
+    sparse = pb.ForwardBackwardRequest(model_id=model_id, seq_id=0, loss_fn="cross_entropy")
+    datum = sparse.data.add()
+    datum.model_input.add().encoded_text.tokens = np.arange(8, dtype=np.int32).tobytes()
+    target = datum.loss_fn_inputs["target_tokens"]
+    target.dtype, target.sparse_csr.crow_indices = pb.DTYPE_INT64, np.zeros(9, np.int64).tobytes()
+    target.shape.extend([8, 131072])
+    attacks = [
+        ({**PROTO, "Content-Encoding": "zstd"}, bomb, 400),
+        (PROTO, sparse.SerializeToString(), 400),
+        (PROTO, proto_body(model_id, 0, [1] * 5000), 400),  # 5000 tokens over a 64-token context
+    ]
+    for headers, body, status in attacks:
+        assert len(body) <= 64 << 10
+        replies: list[httpx.Response] = []
+        growth = _peak_growth_mib(lambda: replies.append(http.post("/forward_backward", content=body, headers=headers)))  # noqa: B023
+        assert replies[0].status_code == status, replies[0].text
+        assert growth < 64, f"peak memory rose {growth:.0f} MiB for a {len(body)}-byte body"
+    huge = http.post("/forward_backward", content=bytes(80 << 20), headers=PROTO)
+    assert huge.status_code == 413 and "limit" in huge.json()["detail"]
+
+
+def test_malformed_bodies_are_4xx_never_5xx(real: dict[str, Any]) -> None:
+    http, model_id = real["http"], real["training"].model_id
+    good = proto_body(model_id, 0, [1, 2, 3])
+    cases = [
+        (PROTO, b"\x0a\xff\xff\xff\xff\x0f"),  # a field length past the end
+        ({"Content-Type": "application/json"}, good),  # protobuf sent as JSON
+        (PROTO, json.dumps({"model_id": model_id}).encode()),  # JSON sent as protobuf
+        ({**PROTO, "Content-Encoding": "zstd"}, b"not zstd"),
+        ({**PROTO, "Content-Encoding": "br"}, good),
+    ]
+    bad_sparse = pb.ForwardBackwardRequest(model_id=model_id, seq_id=0, loss_fn="cross_entropy")
+    datum = bad_sparse.data.add()
+    datum.model_input.add().encoded_text.tokens = np.arange(3, dtype=np.int32).tobytes()
+    weights = datum.loss_fn_inputs["weights"]
+    weights.dtype, weights.sparse_csr.crow_indices = pb.DTYPE_FLOAT32, np.array([0, 5, 1, 2], np.int64).tobytes()
+    weights.sparse_csr.col_indices = np.array([0, 1], np.int64).tobytes()
+    weights.sparse_csr.values = np.ones(2, np.float32).tobytes()
+    weights.shape.extend([3, 2])
+    cases.append((PROTO, bad_sparse.SerializeToString()))
+    for headers, body in cases:
+        reply = http.post("/forward_backward", content=body, headers=headers)
+        assert 400 <= reply.status_code < 500, (headers, body[:40], reply.status_code, reply.text)
+    _still_serves(real["training"])
+
+
+def test_engine_errors_do_not_show_server_paths(real: dict[str, Any]) -> None:
+    import shutil
+
+    training = real["training"]
+    path = training.save_state("gone").result(timeout=60).path
+    run_dir = Path(real["data_dir"]) / "checkpoints" / training.model_id.replace(":", "_")
+    shutil.rmtree(run_dir / "weights" / "gone")
+    service = tinker.ServiceClient(base_url=real["url"], api_key=KEY)
+    with pytest.raises(Exception) as failure:
+        service.create_training_client_from_state(path).get_info()
+    assert str(Path(real["data_dir"]).resolve()) not in str(failure.value)
+    _still_serves(training)

@@ -1,0 +1,64 @@
+"""What a crashed server leaves behind is cleaned at the next start; nothing finished is touched."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from pathlib import Path
+
+from tx.db import open_database
+from tx.engine.checkpoints import sweep_partial
+
+
+def _make(path: Path, files: dict[str, str]) -> Path:
+    path.mkdir(parents=True)
+    for name, text in files.items():
+        (path / name).write_text(text)
+    return path
+
+
+def test_sweep_removes_partial_directories_only(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    run = root / "s1_train_0"
+    finished = _make(run / "weights" / "done", {"run.json": "{}"})
+    peft = _make(run / "sampler_weights" / "snap", {"adapter_config.json": "{}"})
+    partial = [
+        _make(run / "weights" / "half", {"junk": ""}),  # a save_state that never wrote run.json
+        _make(run / "sampler_weights" / ".snap.tmp-x1", {"a": ""}),
+        _make(run / "sampler_weights" / ".snap.old-y2", {"a": ""}),
+        _make(run / "external_weights" / ".exp.tmp-0f", {}),
+        _make(finished / "state.orbax-checkpoint-tmp-123", {"x": ""}),
+    ]
+    (finished / ".run.json.tmp").write_text("{")
+    removed = sweep_partial(root)
+    assert finished.is_dir() and (finished / "run.json").is_file() and peft.is_dir()
+    assert not any(p.exists() for p in partial) and not (finished / ".run.json.tmp").exists()
+    assert set(removed) == {*partial, finished / ".run.json.tmp"}
+    assert sweep_partial(root) == [] and sweep_partial(tmp_path / "missing") == []
+
+
+def test_old_databases_take_nan_metrics(tmp_path: Path) -> None:
+    """A database made when metrics.value was NOT NULL is migrated at open, and its rows kept."""
+    db = open_database(None, tmp_path)
+    db.close()
+    path = tmp_path / "smolgym.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE metrics")
+        conn.execute(
+            "CREATE TABLE metrics (id INTEGER PRIMARY KEY, model_id VARCHAR NOT NULL, future_id VARCHAR NOT NULL,"
+            " kind VARCHAR NOT NULL, name VARCHAR NOT NULL, value FLOAT NOT NULL, created_at DATETIME NOT NULL)"
+        )
+        conn.execute("INSERT INTO metrics VALUES (1, 'm', 'f', 'optim_step', 'a:mean', 2.5, '2026-01-01 00:00:00')")
+    db = open_database(None, tmp_path)
+    try:
+        from sqlmodel import Session
+
+        from tx.db.tables import MetricRow
+
+        with Session(db.engine) as session:
+            session.add(MetricRow(model_id="m", future_id="g", kind="optim_step", name="b:mean", value=None))
+            session.commit()
+        values = {m.name: m.value for m in db.records.latest_metrics("m")}
+        assert values["a:mean"] == 2.5 and math.isnan(values["b:mean"])
+    finally:
+        db.close()
