@@ -66,13 +66,15 @@ def wait_ready(server: subprocess.Popen[str], timeout: float) -> None:
 
 
 @contextmanager
-def spawn_server(base_model: Path, data_dir: Path, dtype: str, timeout: float = 300.0) -> Iterator[str]:
-    """Run `python -m tx.api` on a free loopback port; yield its URL once it printed its ready line."""
+def spawn_server(
+    base_model: Path, data_dir: Path, dtype: str, timeout: float = 300.0, extra: tuple[str, ...] = ()
+) -> Iterator[str]:
+    """Run `python -m tx.api` (with `extra` flags) on a free loopback port; yield its URL once ready."""
     from tx.demo import pick_port, stop  # only here: with --url this script imports nothing from tx
 
     port = pick_port(0)
     cmd = [sys.executable, "-m", "tx.api", "--base-model", str(base_model), "--port", str(port)]
-    cmd += ["--data-dir", str(data_dir), "--dtype", dtype, "--log-level", "warning", "--api-key", API_KEY]
+    cmd += ["--data-dir", str(data_dir), "--dtype", dtype, "--log-level", "warning", "--api-key", API_KEY, *extra]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -36,6 +36,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "api_submit": ([], ["--requests", "20", "--kb", "16"]),
     "rl_loop": ([], ["--quick"]),
     "api_overhead": ([], ["--quick"]),
+    "load": ([], ["--quick"]),
 }
 
 

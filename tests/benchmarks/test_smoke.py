@@ -58,6 +58,11 @@ def test_benchmark_quick(name: str) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     values = strict_json(proc.stdout)
     assert values and all(isinstance(v, dict) for v in values), proc.stdout[-2000:]
+    if name == "load":  # the load smoke asserts counts (never times): nothing failed, lost or ran twice
+        result = values[-1]
+        assert sum(result["failed"].values()) == 0, result["failures"]
+        assert result["lost"] == 0 and result["duplicated"] == 0
+        assert min(result["completed"].values()) >= result["clients"]
 
 
 def test_run_all_writes_markdown(tmp_path: Path) -> None:
