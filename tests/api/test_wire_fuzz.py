@@ -9,9 +9,12 @@ which the SDK retries forever.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import pytest
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -32,6 +35,7 @@ from tx.protocol import ModelInfo
 INFO = ModelInfo(base_model="m", vocab_size=300, max_seq_len=32, tokenizer_id="t")
 LIMITS = Limits(max_seq_len=INFO.max_seq_len, vocab_size=INFO.vocab_size)
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+JSON = {"Content-Type": "application/json"}
 REAL = [
     proto_body("m:train:0", 1, [1, 2, 3]),
     proto_body("m:train:0", 2, [5, 6, 7, 8], [6, 7, 8, 9], loss_fn="ppo", clip_low_threshold=0.7),
@@ -145,3 +149,42 @@ def test_a_real_body_still_decodes() -> None:
     _, request = parse_forward_backward_proto(REAL[1], LIMITS)
     assert request.data[0].tokens == [5, 6, 7, 8] and request.loss_fn == "ppo"
     np.testing.assert_array_equal(request.data[0].loss_fn_inputs["target_tokens"], [6, 7, 8, 9])
+
+
+@pytest.fixture(scope="module")
+def app_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The real app over a real database, no engine: whatever a request queues just waits."""
+    from fastapi.testclient import TestClient
+
+    from api.harness import MODEL
+    from tx.api.app import create_app
+    from tx.api.context import Settings
+    from tx.db import open_database
+
+    data_dir = tmp_path_factory.mktemp("fuzz-app")
+    db = open_database(None, data_dir)
+    app = create_app(Settings(data_dir=data_dir, retrieve_hold_s=0.01), db, MODEL)
+    paths = app.openapi()["paths"]
+    routes = [(method.upper(), path) for path, ops in paths.items() for method in ops if path.startswith("/api/v1")]
+    assert len(routes) > 30
+    schemas = app.openapi()["components"]["schemas"].values()
+    fields = sorted({name for schema in schemas for name in schema.get("properties", {})})
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client, sorted(routes), fields
+    db.close()
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_no_route_answers_5xx_to_any_json(app_client: Any, data: st.DataObject) -> None:
+    client, routes, fields = app_client
+    method, path = data.draw(st.sampled_from(routes))
+    special = st.sampled_from([math.nan, math.inf, -math.inf, 2**64, -1, "", "..", [], {}])
+    shaped = st.dictionaries(st.sampled_from(fields), st.one_of(special, JSON_VALUES), max_size=6)
+    for param in ("run_id", "kind", "name", "sampler_id", "token", "file_path", "session_id", "model_id"):
+        path = path.replace("{" + param + "}", data.draw(st.text("ab.%/-_:", min_size=1, max_size=6)))
+        path = path.replace("{" + param + ":path}", data.draw(st.text("ab./", min_size=1, max_size=6)))
+    assert "{" not in path, path
+    body = json.dumps(data.draw(st.one_of(shaped, special, JSON_VALUES)), allow_nan=True)
+    reply = client.request(method, path, content=body, headers={"X-API-Key": "tml-fuzz", **JSON})
+    assert reply.status_code < 500, (method, path, body[:200], reply.text[:300])

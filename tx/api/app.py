@@ -16,6 +16,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from tx.api import (
@@ -47,6 +49,14 @@ async def _bad_request(_request: Request, exc: Exception) -> JSONResponse:
 
 async def _too_large(_request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=413)
+
+
+async def _schema_error(_request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's field-by-field 422, with each offending input shown by its repr: an input such as NaN
+    cannot be rendered as strict JSON, and a 500 here would make the SDK retry a request that cannot pass."""
+    assert isinstance(exc, RequestValidationError)
+    detail = [{**error, "input": repr(error.get("input"))[:200]} for error in exc.errors()]
+    return JSONResponse({"detail": jsonable_encoder(detail, custom_encoder={float: repr})}, status_code=422)
 
 
 def reap_sessions(ctx: AppContext) -> int:
@@ -84,6 +94,7 @@ def create_app(settings: Settings, db: Database, model_info: ModelInfo) -> FastA
     app.add_exception_handler(ValidationError, _bad_request)
     app.add_exception_handler(BadName, _bad_request)
     app.add_exception_handler(BodyTooLarge, _too_large)
+    app.add_exception_handler(RequestValidationError, _schema_error)
     app.add_middleware(BodyLimit, max_bytes=ctx.limits.max_body_bytes)
     for module in (
         routes_session,
