@@ -179,12 +179,15 @@ def app_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 def test_no_route_answers_5xx_to_any_json(app_client: Any, data: st.DataObject) -> None:
     client, routes, fields = app_client
     method, path = data.draw(st.sampled_from(routes))
-    special = st.sampled_from([math.nan, math.inf, -math.inf, 2**64, -1, "", "..", [], {}])
+    special = st.sampled_from([math.nan, math.inf, -math.inf, 2**64, 2**70, -(2**70), -1, "", "..", [], {}])
     shaped = st.dictionaries(st.sampled_from(fields), st.one_of(special, JSON_VALUES), max_size=6)
     for param in ("run_id", "kind", "name", "sampler_id", "token", "file_path", "session_id", "model_id"):
         path = path.replace("{" + param + "}", data.draw(st.text("ab.%/-_:", min_size=1, max_size=6)))
         path = path.replace("{" + param + ":path}", data.draw(st.text("ab./", min_size=1, max_size=6)))
     assert "{" not in path, path
+    if method == "GET" and data.draw(st.booleans()):
+        number = st.sampled_from(["-1", "0", str(2**64), "x", "1e9"])
+        path += f"?limit={data.draw(number)}&offset={data.draw(number)}"
     body = json.dumps(data.draw(st.one_of(shaped, special, JSON_VALUES)), allow_nan=True)
     reply = client.request(method, path, content=body, headers={"X-API-Key": "tml-fuzz", **JSON})
     assert reply.status_code < 500, (method, path, body[:200], reply.text[:300])

@@ -31,6 +31,7 @@ from sqlalchemy.exc import IntegrityError
 from tx.api.context import AppContext, Ctx, Owner, not_found, user_error
 from tx.api.paths import TinkerPath, checkpoint_dir
 from tx.api.routes_weights import MAX_TTL_S, MIN_TTL_S, resolve_checkpoint
+from tx.api.schemas import Int64
 from tx.db.tables import CheckpointRow, TrainingRunRow, utcnow
 
 log = logging.getLogger("tx.api")
@@ -45,9 +46,9 @@ class CopyWeightsRequest(BaseModel):
 
     source_path: str
     session_id: str | None = None
-    model_seq_id: int | None = None
+    model_seq_id: Int64 | None = None
     destination_project_id: str | None = None
-    ttl_seconds: int | None = None
+    ttl_seconds: Int64 | None = None
     weights_access_token: str | None = None
 
 

@@ -23,7 +23,7 @@ from fastapi.responses import FileResponse, RedirectResponse, Response
 
 from tx.api.context import AppContext, Ctx, Owner, not_found, user_error
 from tx.api.paths import KIND_TO_TYPE, checkpoints_root
-from tx.api.schemas import TtlRequest
+from tx.api.schemas import PageLimit, PageOffset, TtlRequest
 from tx.db.tables import CheckpointRow, TrainingRunRow, utcnow
 from tx.names import check_name, contained
 
@@ -70,7 +70,7 @@ def run_json(ctx: AppContext, run: TrainingRunRow, owner: str) -> dict[str, Any]
 
 
 @router.get("/training_runs")
-def list_training_runs(ctx: Ctx, owner: Owner, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+def list_training_runs(ctx: Ctx, owner: Owner, limit: PageLimit = 20, offset: PageOffset = 0) -> dict[str, Any]:
     runs, total = ctx.db.records.list_runs(owner, limit, offset)
     cursor = {"offset": offset, "limit": limit, "total_count": total}
     return {"training_runs": [run_json(ctx, run, owner) for run in runs], "cursor": cursor}
@@ -97,7 +97,7 @@ def list_run_checkpoints(run_id: str, ctx: Ctx, owner: Owner) -> dict[str, Any]:
 
 
 @router.get("/checkpoints")
-def list_user_checkpoints(ctx: Ctx, owner: Owner, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+def list_user_checkpoints(ctx: Ctx, owner: Owner, limit: PageLimit = 100, offset: PageOffset = 0) -> dict[str, Any]:
     rows, total = ctx.db.records.list_checkpoints(owner, None, limit, offset)
     return {
         "checkpoints": [checkpoint_json(r) for r in rows],

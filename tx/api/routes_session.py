@@ -19,6 +19,8 @@ from tx.api.schemas import (
     ClientConfigRequest,
     CreateSessionRequest,
     FinishSessionRequest,
+    PageLimit,
+    PageOffset,
     ProjectRequest,
     SessionRef,
 )
@@ -99,7 +101,7 @@ def finish_session(session_id: str, body: FinishSessionRequest, ctx: Ctx, owner:
 
 
 @router.get("/sessions")
-def list_sessions(ctx: Ctx, owner: Owner, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+def list_sessions(ctx: Ctx, owner: Owner, limit: PageLimit = 20, offset: PageOffset = 0) -> dict[str, Any]:
     return {"sessions": ctx.db.records.list_sessions(owner, limit, offset)}
 
 

@@ -6,11 +6,17 @@ Optional fields mirror what older SDKs may omit. FastAPI rejects a body that doe
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from fastapi import Query
 from pydantic import BaseModel, Field
 
 from tx.protocol import AdamParams
+
+# Every integer a client sends ends up in a 64-bit database column or array: out of range is a 422.
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+PageLimit = Annotated[int, Query(ge=1, le=1000)]
+PageOffset = Annotated[int, Query(ge=0, lt=2**63)]
 
 
 class ClientConfigRequest(BaseModel):
@@ -37,8 +43,8 @@ class FinishSessionRequest(BaseModel):
 
 
 class LoraConfigIn(BaseModel):
-    rank: int = 32
-    seed: int | None = None
+    rank: Int64 = 32
+    seed: Int64 | None = None
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
@@ -50,7 +56,7 @@ class OptimizerConfig(BaseModel):
 
 class CreateModelRequest(BaseModel):
     session_id: str
-    model_seq_id: int = 0
+    model_seq_id: Int64 = 0
     base_model: str
     lora_config: LoraConfigIn = Field(default_factory=LoraConfigIn)
     user_metadata: dict[str, str] | None = None
@@ -75,7 +81,7 @@ class AdamParamsIn(BaseModel):
 
 class OptimStepRequest(BaseModel):
     model_id: str
-    seq_id: int | None = None
+    seq_id: Int64 | None = None
     adam_params: AdamParamsIn | None = None
     optim_params: AdamParamsIn | None = None
     optimizer_params: dict[str, Any] | None = None
@@ -84,28 +90,28 @@ class OptimStepRequest(BaseModel):
 class SaveWeightsRequest(BaseModel):
     model_id: str
     path: str | None = None
-    seq_id: int | None = None
+    seq_id: Int64 | None = None
     overwrite: bool = False
-    ttl_seconds: int | None = None
+    ttl_seconds: Int64 | None = None
     user_metadata: dict[str, str] | None = None
 
 
 class SaveWeightsForSamplerRequest(BaseModel):
     model_id: str
     path: str | None = None
-    seq_id: int | None = None
-    sampling_session_seq_id: int | None = None
+    seq_id: Int64 | None = None
+    sampling_session_seq_id: Int64 | None = None
     kind: Literal["snapshot", "inflight"] = "snapshot"
-    ttl_seconds: int | None = None
+    ttl_seconds: Int64 | None = None
     user_metadata: dict[str, str] | None = None
 
 
 class LoadWeightsRequest(BaseModel):
     path: str
     model_id: str | None = None
-    seq_id: int | None = None
+    seq_id: Int64 | None = None
     session_id: str | None = None
-    model_seq_id: int | None = None
+    model_seq_id: Int64 | None = None
     base_model: str | None = None
     user_metadata: dict[str, str] | None = None
     optimizer: bool = False
@@ -117,23 +123,23 @@ class WeightsInfoRequest(BaseModel):
 
 class CreateSamplingSessionRequest(BaseModel):
     session_id: str
-    sampling_session_seq_id: int = 0
+    sampling_session_seq_id: Int64 = 0
     base_model: str | None = None
     model_path: str | None = None
 
 
 class SampleRequest(BaseModel):
     sampling_session_id: str | None = None
-    seq_id: int | None = None
-    num_samples: int = 1
+    seq_id: Int64 | None = None
+    num_samples: Int64 = 1
     prompt: dict[str, Any]
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
+    topk_prompt_logprobs: Int64 = 0
+    topk_sample_logprobs: Int64 = 0
     target_prompt_logprobs: dict[str, Any] | None = None
-    prompt_alt_tokens_k: int = 0
-    prompt_logprobs_last_n: int | None = None
+    prompt_alt_tokens_k: Int64 = 0
+    prompt_logprobs_last_n: Int64 | None = None
     record_stability_info: bool = False
     base_model: str | None = None
     model_path: str | None = None
@@ -151,10 +157,10 @@ class ProjectRequest(BaseModel):
 class SaveWeightsExternalRequest(BaseModel):
     model_id: str
     path: str
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
+    seq_id: Int64 | None = None
+    ttl_seconds: Int64 | None = None
     age_encryption_recipients: list[str] | None = None
 
 
 class TtlRequest(BaseModel):
-    ttl_seconds: int | None = None
+    ttl_seconds: Int64 | None = None
