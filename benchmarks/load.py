@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="smolgym-load-") as tmp:
         model = tiny_model(Path(tmp))
         # A run and its latest sampler snapshot per client (device slots are not paged yet).
-        extra = ("--max-lora-adapters", str(2 * args.clients + 2), "--max-lora-rank", "4")
+        extra = ("--max-lora-adapters", str(2 * args.clients + 2), "--max-lora-rank", "4", *args.server_args)
         with spawn_server(model, Path(tmp) / "data", "float32", extra=extra) as url:
             tally = Tally(time.monotonic() + args.warm_up_s)
             rss = run_clients(url, str(model), args, tally)
@@ -168,6 +168,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--grace-s", type=float, default=120.0, help="how long a client may overrun the deadline")
     p.add_argument("--num-samples", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="further flags for the server")
     p.add_argument("--quick", action="store_true", help="CI smoke: 4 clients, 10 s warm-up, 10 s measured")
     args = p.parse_args(argv)
     if args.quick:
