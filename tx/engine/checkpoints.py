@@ -76,6 +76,9 @@ def sweep_partial(root: Path) -> list[Path]:
         unfinished = entry.parent.name == "weights" and entry.is_dir() and not (entry / META).is_file()
         inner = [p for p in entry.glob("*") if any(m in p.name for m in PARTIAL_MARKERS)] if entry.is_dir() else []
         for path in [entry] if partial or unfinished else inner:
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
             removed.append(path)
     return removed

@@ -142,8 +142,8 @@ class JaxRunner:
         return done
 
     def _error(self, err: BaseException) -> RequestError:
-        roots = [r for r in (self.checkpoint_root and self.checkpoint_root.parent,) if r is not None]
-        return as_request_error(err, roots)
+        data_dir = [self.checkpoint_root.parent] if self.checkpoint_root is not None else []
+        return as_request_error(err, data_dir)
 
     def _path(self, directory: str) -> Path:
         """A checkpoint directory named by a request, checked to lie inside the checkpoint root."""
