@@ -42,8 +42,12 @@ def real(hf_models, tmp_path_factory) -> Iterator[dict[str, Any]]:  # type: igno
         service = tinker.ServiceClient(base_url=url, api_key=KEY)
         training = service.create_lora_training_client(base_model=info.base_model, rank=4)
         http = httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": KEY}, timeout=60)
-        yield {"url": url, "info": info, "data_dir": data_dir, "db": db, "training": training, "http": http}
+        services = [service]  # closed before the server stops, so no heartbeat outlives it
+        yield {"url": url, "info": info, "data_dir": data_dir, "db": db, "training": training, "http": http,
+               "services": services}  # fmt: skip
         http.close()
+        for client in services:
+            client.close("success").result(timeout=30)
 
 
 def _datum(tokens: list[int], **inputs: np.ndarray) -> types.Datum:
@@ -146,6 +150,7 @@ def _retrieve_json(real: dict[str, Any], request_id: str) -> dict[str, Any]:
 def test_non_finite_losses_and_metrics_survive(real: dict[str, Any]) -> None:
     training = real["training"]
     service = tinker.ServiceClient(base_url=real["url"], api_key=KEY)
+    real["services"].append(service)
     run = service.create_lora_training_client(base_model=real["info"].base_model, rank=4)
     # q = -1e30 makes the importance ratio overflow: an infinite loss and non-finite gradients.
     q = np.full(4, -1e30, np.float32)
@@ -250,6 +255,7 @@ def test_engine_errors_do_not_show_server_paths(real: dict[str, Any]) -> None:
     run_dir = Path(real["data_dir"]) / "checkpoints" / training.model_id.replace(":", "_")
     shutil.rmtree(run_dir / "weights" / "gone")
     service = tinker.ServiceClient(base_url=real["url"], api_key=KEY)
+    real["services"].append(service)
     with pytest.raises(Exception) as failure:
         service.create_training_client_from_state(path).get_info()
     assert str(Path(real["data_dir"]).resolve()) not in str(failure.value)
