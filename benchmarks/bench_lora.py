@@ -1,4 +1,4 @@
-"""Time the `gather` and `grouped` multi-adapter LoRA kernels against the bare base projection; prints JSON.
+"""Time the `gather`, `indexed` and `grouped` multi-adapter LoRA kernels against the bare base projection; prints JSON.
 
 One projection `x [B, T, D] @ W [D, O]` plus the adapter delta of each row's slot, for a training
 batch (8 rows x 256 tokens) and a decode batch (32 rows x 1 token), with 1, 4 or 16 adapters active
@@ -24,7 +24,7 @@ from tx.lora.kernels import Kernel, lora_delta
 from tx.lora.params import LoRARows
 
 WORKLOADS = {"train": (8, 256), "decode": (32, 1)}
-KERNELS: tuple[Kernel, ...] = ("gather", "grouped")
+KERNELS: tuple[Kernel, ...] = ("gather", "indexed", "grouped")
 
 
 def timed(fn: Callable[[], jax.Array], reps: int) -> float:

@@ -52,7 +52,7 @@ def test_select_lists_used_slots_padded():
         select([S], scale)
 
 
-@pytest.mark.parametrize("kernel", ["gather", "grouped"])
+@pytest.mark.parametrize("kernel", ["gather", "indexed", "grouped"])
 @pytest.mark.parametrize("slots", [[1, 1, 1, 1, 1], [2, 0, 2, 0, 0], [0, 4, 1, 0, 5], [3, 1, 2, 5, 4]])
 def test_compact_equals_full_stack(stack, kernel, slots):
     x, a, b, scale = stack
@@ -67,19 +67,20 @@ def test_compact_equals_full_stack(stack, kernel, slots):
             assert not np.any(np.asarray(got[r]))  # rows without an adapter get exactly nothing
 
 
-def test_compact_gradient_is_the_slot_slice_of_the_full_gradient(stack):
+@pytest.mark.parametrize("kernel", ["gather", "indexed"])
+def test_compact_gradient_is_the_slot_slice_of_the_full_gradient(stack, kernel):
     x, a, b, scale = stack
     slots = [2, 0, 4, 2, 0]
 
     def loss_full(a_, b_):
         rows = LoRARows(jnp.asarray(slots, jnp.int32), jnp.asarray(scale))
-        return jnp.sum(jnp.sin(lora_delta(jnp.asarray(x), rows, a_, b_)))
+        return jnp.sum(jnp.sin(lora_delta(jnp.asarray(x), rows, a_, b_, "gather")))
 
     sel = select(slots, scale)
     assert isinstance(sel, Selection)
 
     def loss_compact(a_, b_):
-        return jnp.sum(jnp.sin(lora_delta(jnp.asarray(x), sel.rows, a_, b_)))
+        return jnp.sum(jnp.sin(lora_delta(jnp.asarray(x), sel.rows, a_, b_, kernel)))
 
     ga, gb = jax.grad(loss_full, argnums=(0, 1))(jnp.asarray(a), jnp.asarray(b))
     cut = take_adapters({("p", "lora_a"): jnp.asarray(a), ("p", "lora_b"): jnp.asarray(b)}, sel)

@@ -1,4 +1,4 @@
-"""The multi-adapter LoRA product `x @ A[slot] @ B[slot] * scale[slot]`, in two interchangeable forms.
+"""The multi-adapter LoRA product `x @ A[slot] @ B[slot] * scale[slot]`, in three interchangeable forms.
 
 `gather` selects each row's adapter (a one-hot matmul over the S slots) and runs two batched einsums:
 its cost grows with the batch, barely with the number of slots, and it is the better form on CPU. For
@@ -16,7 +16,9 @@ active; best of 5): training batch 8 x 256 tokens, gather 85-210 ms vs grouped 1
 Gather won every case but one noisy rank-32 pair, hence the default. The reason is structural off
 TPU: XLA has a native ragged dot only on TPU, and elsewhere `ragged_dot` is rolled out into one
 masked dense product per group, so the cost of `grouped` grows with the slot count S instead of the active
-adapters. Rerun the benchmark on an accelerator before changing the default there.
+adapters. `indexed` is the plain form: each row's A and B taken by index (a scatter-add in the backward
+pass); it is what an accelerator runs until measured there (`tx.tuning`). `gather` and `indexed` share
+the one-token decode form, which reads each adapter once per step on any backend.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 
 from tx.lora.params import LoRARows
 
-Kernel = Literal["gather", "grouped"]
+Kernel = Literal["gather", "indexed", "grouped"]
 DEFAULT_KERNEL: Kernel = "gather"
 
 
@@ -36,7 +38,9 @@ def lora_delta(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array, kernel:
     """x [B, T, I], a [S, I, R], b [S, R, O] -> the adapter contribution [B, T, O] in x's dtype."""
     if kernel == "grouped":
         return _grouped(x, rows, a, b)
-    return _gather(x, rows, a, b)
+    if x.shape[1] == 1:
+        return _decode(x, rows, a, b)
+    return _indexed(x, rows, a, b) if kernel == "indexed" else _gather(x, rows, a, b)
 
 
 def _decode(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -54,8 +58,6 @@ def _decode(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array) -> jax.Arr
 
 
 def _gather(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array) -> jax.Array:
-    if x.shape[1] == 1:
-        return _decode(x, rows, a, b)
     # Rows pick their adapter with a one-hot matmul rather than an index: the backward pass is then a
     # dense [B, S] x [B, I, R] product instead of a scatter-add, which XLA CPU runs element by element
     # (measured: the indexed form cost +20-30% over the base matmul per projection, this one ~0%).
@@ -67,6 +69,15 @@ def _gather(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array) -> jax.Arr
     b_rows = jnp.einsum("bs,sro->bro", pick, b.astype(x.dtype))
     xa = jnp.einsum("bti,bir->btr", x, a_rows) * coef
     return jnp.einsum("btr,bro->bto", xa, b_rows)
+
+
+def _indexed(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array) -> jax.Array:
+    """Each row's adapter taken by index; a row on slot -1 (no adapter) reads slot 0 at zero scale."""
+    live = rows.slot >= 0
+    slot = jnp.where(live, rows.slot, 0)
+    coef = (rows.scale[slot] * live[:, None]).astype(x.dtype)[:, None, :]  # [B, 1, R]
+    xa = jnp.einsum("bti,bir->btr", x, a[slot].astype(x.dtype)) * coef
+    return jnp.einsum("btr,bro->bto", xa, b[slot].astype(x.dtype))
 
 
 def _grouped(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array) -> jax.Array:
