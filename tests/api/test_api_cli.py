@@ -11,6 +11,7 @@ import pytest
 
 from tx.api import __main__ as cli
 from tx.engine.build import resolve_dtype
+from tx.tuning import for_backend
 
 
 def test_help_lists_every_option() -> None:
@@ -25,7 +26,11 @@ def test_defaults_and_repeatable_keys(tmp_path: Path) -> None:
     args = cli.parse_args(["--base-model", "Qwen/Qwen3-0.6B", "--api-key", "tml-a", "--api-key", "tml-b"])
     assert (args.port, args.data_dir, args.host, args.dtype) == (8000, "./smolgym-data", "127.0.0.1", "auto")
     # auto: float32 on CPU (no bfloat16 arithmetic there), bfloat16 on accelerators; None keeps the checkpoint's
-    assert (resolve_dtype("auto"), resolve_dtype(None), resolve_dtype("bfloat16")) == ("float32", None, "bfloat16")
+    cpu, gpu = for_backend("cpu"), for_backend("gpu")
+    assert (resolve_dtype("auto", cpu), resolve_dtype(None, cpu), resolve_dtype("bfloat16", cpu)) == (
+        "float32", None, "bfloat16",
+    )  # fmt: skip
+    assert (resolve_dtype("auto", gpu), resolve_dtype("float32", gpu)) == ("bfloat16", "float32")
     assert args.prompt_cache_mb == 256
     with pytest.raises(SystemExit):
         cli.parse_args(["--base-model", "m", "--prompt-cache-mb", "-1"])

@@ -24,6 +24,7 @@ from tx.lora.params import LoRAParam, LoRARows, slot_scale
 from tx.models.causal_lm import LayerCache, decode_layout, split_layers
 from tx.models.weights import load_model
 from tx.protocol import RequestError, SampleRequest, SampleResult, SamplingParams
+from tx.tuning import CPU
 
 CFG = SamplerConfig(max_rows=8, max_seq_len=64, chunk_steps=4, length_buckets=(32, 64))
 LORA_SLOT = 2
@@ -389,7 +390,7 @@ def test_decode_layout_copy_shares_no_buffer(qwen):
     """A full fine-tuning run's sampler snapshot must survive the run's next AdamW step, which donates
     (frees) the run's weights: no entry of the copy may be one of the originals."""
     weights = {p: jnp.array(v, copy=True) for p, v in flat(qwen.state).items()}
-    snapshot = decode_layout(weights, copy=True)
+    snapshot = decode_layout(weights, CPU, copy=True)
     originals = {v.unsafe_buffer_pointer() for v in weights.values()}
     assert not originals & {v.unsafe_buffer_pointer() for v in snapshot.values()}
     for v in weights.values():

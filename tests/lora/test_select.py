@@ -110,17 +110,21 @@ def test_one_token_rows_match_a_per_row_reference(stack, slots):
 
 
 def test_decode_rows_use_the_weight_major_product():
-    """A decode batch (one token per row, few rows) multiplies weight-major on CPU, [O, I] x [I, B], and the
-    result equals the plain product; XLA must not fold the transpose back (the compiled dot's output is
-    [O, B])."""
-    from tx.lora.layers import FEW_ROWS, linear
+    """A decode batch (one token per row, few rows) multiplies weight-major where the tuning says so (CPU),
+    [O, I] x [I, B], and the result equals the plain product; XLA must not fold the transpose back (the
+    compiled dot's output is [O, B]). The plain tuning (accelerators) and wider batches take x @ W.T."""
+    from tx.lora.layers import linear
+    from tx.tuning import CPU, for_backend
+
+    few = CPU.weight_major_rows
+
+    def product(x: jax.Array, w: jax.Array, rows: int) -> str:
+        return jax.jit(linear, static_argnums=(2, 3)).lower(x, w, None, rows).compile().as_text()
 
     x = jax.random.normal(jax.random.key(0), (8, 1, 48))
     w = jax.random.normal(jax.random.key(1), (96, 48))
-    np.testing.assert_allclose(linear(x, w), jnp.einsum("bti,oi->bto", x, w), rtol=1e-5, atol=1e-5)
-    if jax.default_backend() == "cpu":
-        hlo = jax.jit(linear).lower(x, w).compile().as_text()
-        assert "f32[96,8]" in hlo and "dot(" in hlo
-    wide = jax.random.normal(jax.random.key(2), (FEW_ROWS + 1, 1, 48))  # more rows: the plain product
-    hlo = jax.jit(linear).lower(wide, w).compile().as_text()
-    assert f"f32[96,{FEW_ROWS + 1}]" not in hlo
+    np.testing.assert_allclose(linear(x, w, None, few), jnp.einsum("bti,oi->bto", x, w), rtol=1e-5, atol=1e-5)
+    assert "f32[96,8]" in product(x, w, few) and "dot(" in product(x, w, few)
+    assert "f32[96,8]" not in product(x, w, for_backend("gpu").weight_major_rows)
+    wide = jax.random.normal(jax.random.key(2), (few + 1, 1, 48))  # more rows: the plain product
+    assert f"f32[96,{few + 1}]" not in product(wide, w, few)

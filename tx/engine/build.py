@@ -8,7 +8,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
 from tx.engine.compiles import enable_persistent_cache, install_counter
@@ -22,6 +21,7 @@ from tx.models.causal_lm import decode_layout
 from tx.models.sharding import make_mesh
 from tx.models.weights import load_model, resolve_model_dir
 from tx.protocol import ModelInfo
+from tx.tuning import Tuning, for_backend
 
 log = logging.getLogger("tx.engine")
 
@@ -47,12 +47,10 @@ def _tokenizer(model_dir: Path) -> tuple[Any, list[int]]:
     return tok, eos
 
 
-def resolve_dtype(dtype: str | None) -> str | None:
-    """ "auto" -> bfloat16 on an accelerator, float32 on CPU (no bf16 arithmetic there: emulated, several
-    times slower than fp32); None keeps the checkpoint's own dtype; anything else as given."""
-    if dtype != "auto":
-        return dtype
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+def resolve_dtype(dtype: str | None, tuning: Tuning) -> str | None:
+    """ "auto" -> the backend's `Tuning.auto_dtype` (bfloat16 on an accelerator, float32 on CPU, which has no
+    bf16 arithmetic); None keeps the checkpoint's own dtype; anything else as given."""
+    return tuning.auto_dtype if dtype == "auto" else dtype
 
 
 def build_runner(
@@ -73,13 +71,13 @@ def build_runner(
     install_counter()
     enable_persistent_cache(Path(data_dir) / "compile-cache")
     model_dir = resolve_model_dir(base_model)
-    dtype = resolve_dtype(dtype)
+    tuning = for_backend()
+    dtype = resolve_dtype(dtype, tuning)
     slots = SlotTable(max_lora_adapters, max_lora_rank)
     mesh = make_mesh(1, fsdp_size, tensor_parallel_size)
     log.info("loading %s (%s)", model_dir, dtype or "checkpoint dtype")
-    model, cfg = load_model(
-        str(model_dir), dtype=dtype, lora=LoRASpec(slots.slots, max_lora_rank), mesh=mesh, remat=remat
-    )
+    lora = LoRASpec(slots.slots, max_lora_rank, tuning.lora_kernel)
+    model, cfg = load_model(str(model_dir), dtype=dtype, lora=lora, mesh=mesh, remat=remat, tuning=tuning)
     trainer = Trainer(model, train_micro_batch_tokens)
     tok, eos = _tokenizer(model_dir)
     seq_len = min(max_seq_len, cfg.max_position_embeddings)
@@ -87,7 +85,12 @@ def build_runner(
     def decode(tokens: list[int]) -> str:
         return tok.decode(tokens) if tok is not None else ""
 
-    sampler_cfg = SamplerConfig(max_rows=decode_rows, max_seq_len=seq_len, prompt_cache_bytes=prompt_cache_mb << 20)
+    sampler_cfg = SamplerConfig(
+        max_rows=decode_rows,
+        max_seq_len=seq_len,
+        prompt_cache_bytes=prompt_cache_mb << 20,
+        layer_cache=tuning.per_layer_decode,
+    )
 
     def scale() -> np.ndarray:
         return trainer.scale
@@ -101,10 +104,11 @@ def build_runner(
 
         return Sampler(trainer.steps.graphdef, state, cfg, sampler_cfg, eos, decode, scale, programs, version)
 
-    # The frozen base as the sampler reads it fastest (on CPU a per-layer copy: +1x the base weights).
-    decode_base = decode_layout(trainer.base)
+    # The frozen base as the sampler reads it (on CPU a per-layer copy: +1x the base weights; elsewhere the
+    # trainer's own buffers).
+    decode_base = decode_layout(trainer.base, tuning)
     sampler = make_sampler(lambda: decode_base)
-    io = WeightsIO(base_model, model_dir, mesh)
+    io = WeightsIO(base_model, model_dir, tuning, mesh)
     runner = JaxRunner(
         trainer, sampler, slots, io, base_model, lambda get_base: make_sampler(get_base, sampler.programs),
         checkpoint_root=Path(data_dir).resolve() / "checkpoints",

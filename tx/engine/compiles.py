@@ -15,19 +15,15 @@ from typing import Any
 
 import jax
 
-log = logging.getLogger("tx.engine")
+from tx.tuning import for_backend
 
-# XLA options for the training programs on CPU, where compile time is most of a first step and
-# backend optimisation buys a large-batch training step little: with XLA:CPU's newer fusion emitters
-# off the LoRA gradient program of `small` compiles in 1.7 instead of 2.2 s, and LLVM at -O1 saves
-# another 0.2-0.4 s per first step; steady steps run within 2%. Decode keeps the defaults (the
-# emitters make its steps 5-11% faster). Other backends keep theirs.
-CPU_TRAIN_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
+log = logging.getLogger("tx.engine")
 
 
 class train_jit:  # noqa: N801 - used like jax.jit
-    """`jax.jit(fn, **kwargs)` with the training compiler options of the backend in use, built at first use
-    (so importing the engine does not initialise a JAX backend)."""
+    """`jax.jit(fn, **kwargs)` with the training compiler options of the backend in use (`tx.tuning`), built
+    at first use (so importing the engine does not initialise a JAX backend). Decode programs keep XLA's
+    defaults (on CPU the fusion emitters make its steps 5-11% faster)."""
 
     def __init__(self, fn: Callable[..., Any], **kwargs: Any) -> None:
         self.fn, self.kwargs = fn, kwargs
@@ -37,8 +33,8 @@ class train_jit:  # noqa: N801 - used like jax.jit
     def _get(self) -> Any:
         with _lock:  # one jitted function (one cache) even when a warm-up thread gets here first
             if self._jitted is None:
-                options = CPU_TRAIN_COMPILER_OPTIONS if jax.default_backend() == "cpu" else {}
-                self._jitted = jax.jit(self.fn, compiler_options=dict(options), **self.kwargs)
+                options = for_backend().compiler_options()
+                self._jitted = jax.jit(self.fn, compiler_options=options, **self.kwargs)
         return self._jitted
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

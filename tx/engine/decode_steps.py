@@ -1,7 +1,9 @@
 """The sampler's jitted programs: prompt prefill into the decode cache, a chunk of decode steps, cache resize.
 
-The decode cache is one preallocated `KVCache` [L, B, S, K, E] whose row count B and length S come from
-the sampler's buckets. A decode row feeds one token per step at its own position and attends to every
+The decode cache is preallocated, its row count B and length S from the sampler's buckets, in one of two
+forms kept between chunks: a `LayerCache` (one buffer per layer, for per-layer weights) or the stacked
+`KVCache` [L, B, S, K, E] (for stacked weights); every program takes either, and converts only when the
+cache and the weights disagree. A decode row feeds one token per step at its own position and attends to every
 cache position up to it; every such position was written by the row itself (its prefilled prompt or an
 earlier step), so stale keys left by a previous occupant of the row are never seen. An empty row sits at
 position >= S, where the model drops its writes. Prefill runs the distinct prompts (all tokens but the
@@ -26,6 +28,7 @@ from tx.models.causal_lm import KVCache, LayerCache, per_layer
 # The weights a program reads: an nnx State, or {path: array} whose decoder base weights may be split
 # into per-layer buffers (`tx.models.causal_lm.split_layers`), which decodes about twice as fast on CPU.
 Weights = nnx.State | dict
+Cache = LayerCache | KVCache
 
 
 @jax.tree_util.register_dataclass
@@ -76,8 +79,8 @@ class DecodePrograms:
         self.resize = jax.jit(self._resize, static_argnames="length")
 
     def _decode(
-        self, state: Weights, adapters: Selection | None, cache: LayerCache, rows: DecodeRows
-    ) -> tuple[LayerCache, jax.Array, jax.Array]:
+        self, state: Weights, adapters: Selection | None, cache: Cache, rows: DecodeRows
+    ) -> tuple[Cache, jax.Array, jax.Array]:
         """`chunk_steps` decode steps -> (cache, sampled tokens [B, C], their raw logprobs [B, C]).
 
         `adapters` selects the adapter slots the rows read (None: no row has one), see `tx.lora.select`."""
@@ -94,11 +97,11 @@ class DecodePrograms:
             )
             return (cache, token, position + 1, step + 1), (token, logprob)
 
-        # With per-layer weights the steps carry the per-layer buffers as they are; the scanned model over
-        # stacked weights takes the stacked layout (converted here, twice per chunk).
-        carry: tuple = (cache if layers is not None else cache.stacked(), rows.token, rows.position, rows.step)
+        # Per-layer weights read a LayerCache, the scanned model over stacked weights a KVCache; a cache in the
+        # other form is converted here, twice per chunk (the sampler keeps the form its weights read).
+        carry: tuple = (_as_form(cache, layers is not None), rows.token, rows.position, rows.step)
         (out, *_), (tokens_CB, logprobs_CB) = jax.lax.scan(one_step, carry, length=self.chunk_steps)
-        return out if isinstance(out, LayerCache) else out.per_layer(), tokens_CB.T, logprobs_CB.T
+        return _as_form(out, isinstance(cache, LayerCache)), tokens_CB.T, logprobs_CB.T
 
     def _prefill(
         self, state: Weights, adapters: Selection | None, batch: PrefillBatch, *, scores: bool, topk: int
@@ -126,18 +129,31 @@ class DecodePrograms:
         top_lp, top_ids = jax.lax.top_k(logp_NPV, topk) if topk else (logp_NPV[..., :0], batch.targets[..., :0])
         return fresh, PromptScores(target_NP, top_ids.astype(jnp.int32), top_lp)
 
-    def _insert(self, cache: LayerCache, fresh: KVCache, source: jax.Array) -> LayerCache:
+    def _insert(self, cache: Cache, fresh: KVCache, source: jax.Array) -> Cache:
         """Copy prefill row `source[b]` into the head of decode row b; rows with -1 keep their cache."""
         self.compile_count += 1
+        if isinstance(cache, KVCache):  # every layer at once: rows [B, S, K, E], positions on axis 1
+            copy = jax.vmap(lambda dst, src: _copy_rows(dst, src, source, 1))
+            return KVCache(copy(cache.k, fresh.k), copy(cache.v, fresh.v))
         keys = tuple(_copy_rows(dst, fresh.k[i].transpose(0, 2, 3, 1), source, 3) for i, dst in enumerate(cache.k))
         values = tuple(_copy_rows(dst, fresh.v[i].transpose(0, 2, 1, 3), source, 2) for i, dst in enumerate(cache.v))
         return LayerCache(keys, values)
 
-    def _resize(self, cache: LayerCache, index: jax.Array, *, length: int) -> LayerCache:
+    def _resize(self, cache: Cache, index: jax.Array, *, length: int) -> Cache:
         """Decode rows `index` [B'] of `cache`, cut or zero-padded to `length` positions."""
         self.compile_count += 1
+        if isinstance(cache, KVCache):
+            take = jax.vmap(lambda x: _take_rows(x, index, length, 1))
+            return KVCache(take(cache.k), take(cache.v))
         keys = tuple(_take_rows(k, index, length, 3) for k in cache.k)
         return LayerCache(keys, tuple(_take_rows(v, index, length, 2) for v in cache.v))
+
+
+def _as_form(cache: Cache, per_layer: bool) -> Cache:
+    """`cache` as a LayerCache when `per_layer`, else as a KVCache (converted only if it is the other)."""
+    if per_layer:
+        return cache if isinstance(cache, LayerCache) else cache.per_layer()
+    return cache.stacked() if isinstance(cache, LayerCache) else cache
 
 
 def _select(weights: Weights, adapters: Selection | None) -> tuple[nnx.State, list | None, LoRARows | None]:

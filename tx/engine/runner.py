@@ -259,7 +259,7 @@ class JaxRunner:
     def _save_full_for_sampler(self, run: Run, p: SaveSamplerRequest) -> CheckpointResult:
         """A full fine-tuning run's sampler copy: its own weight set and a sampler over it."""
         assert run.params is not None
-        snapshot = decode_layout(run.params, copy=True)
+        snapshot = decode_layout(run.params, self.io.tuning, copy=True)
         self._add_full_sampler(p.snapshot_id, snapshot)
         size = None
         if p.dest_dir:

@@ -71,6 +71,9 @@ class SamplerConfig:
     prompt_cache_bytes: int = 256 << 20  # prefilled prompts kept for reuse (0 = off)
     row_buckets: tuple[int, ...] = ()  # decode (and prefill) row counts
     length_buckets: tuple[int, ...] = ()  # cache lengths and prompt lengths
+    # The decode cache's form between chunks: per layer (`LayerCache`) for per-layer weights, else stacked
+    # (`KVCache`); it should match the weights' form (`Tuning.per_layer_decode`), or each chunk converts it.
+    layer_cache: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_seq_len", "chunk_steps", "k_cap", "max_prefill_tokens"):
@@ -143,7 +146,7 @@ class Sampler:
         self._waiting: deque[Job] = deque()
         self._outbox: list[Outcome] = []
         self._rows: list[Row | None] = []  # one entry per cache row
-        self._cache: LayerCache | None = None
+        self._cache: LayerCache | KVCache | None = None
         self._decoded: set[tuple[int, int]] = set()  # (rows, length) decode shapes used so far
         self._prefilled: set[tuple[int, int]] = set()  # (rows, prompt length) prefill shapes used so far
 
@@ -245,7 +248,8 @@ class Sampler:
         rows = warm_bucket(count, self.cfg.row_buckets, self._decoded, length)
         self._decoded.add((rows, length))
         if self._cache is None:
-            self._cache = LayerCache.zeros(self.model_cfg, rows, length)
+            form = LayerCache if self.cfg.layer_cache else KVCache
+            self._cache = form.zeros(self.model_cfg, rows, length)
             self._rows = [None] * rows
         elif self.cache_shape != (rows, length):
             live = [i for i, row in enumerate(self._rows) if row is not None]

@@ -16,13 +16,17 @@ from tx.models.causal_lm import decode_layout
 from tx.models.config import ModelConfig
 from tx.models.weights import load_model, save_hf
 from tx.protocol import LoraConfig
+from tx.tuning import Tuning
 
 
 class WeightsIO:
-    def __init__(self, base_model: str, model_dir: Path, mesh: Mesh | None = None) -> None:
+    """`tuning`: the backend choices weight sets are laid out for the sampler with (`decode_layout`)."""
+
+    def __init__(self, base_model: str, model_dir: Path, tuning: Tuning, mesh: Mesh | None = None) -> None:
         self.base_model = base_model
         self.model_dir = model_dir
         self.mesh = mesh
+        self.tuning = tuning
 
     def save_peft(self, dest: Path, trainer: Trainer, slot: int, lora: LoraConfig) -> int:
         targets = lora_targets(lora)
@@ -55,9 +59,10 @@ class WeightsIO:
         return (source / "config.json").is_file() and not (source / peft.CONFIG_NAME).is_file()
 
     def load_full(self, source: Path) -> dict:
-        model, _ = load_model(str(source), mesh=self.mesh, progress=False)
+        model, _ = load_model(str(source), mesh=self.mesh, progress=False, tuning=self.tuning)
         _, base = nnx.split(model, nnx.Param)  # a full checkpoint has no adapter slots
-        return decode_layout({tuple(str(k) for k in p): v.get_value() for p, v in nnx.to_flat_state(base)})
+        flat = {tuple(str(k) for k in p): v.get_value() for p, v in nnx.to_flat_state(base)}
+        return decode_layout(flat, self.tuning)
 
     @staticmethod
     def check_full_finetune_fits(trainer: Trainer) -> None:

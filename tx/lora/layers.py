@@ -48,21 +48,18 @@ def lora_pair(
     return a, b
 
 
-FEW_ROWS = 16  # decode batches up to this many rows take the weight-major product on CPU
-
-
-def linear(x: jax.Array, weight: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
+def linear(
+    x: jax.Array, weight: jax.Array, out_dtype: jnp.dtype | None = None, weight_major_rows: int = 0
+) -> jax.Array:
     """x [..., I] @ weight.T for a weight in [out, in] layout.
 
-    Decode batches on CPU (one token per row, 2..FEW_ROWS rows) compute the product weight-major,
-    `weight @ x.T` -> [O, B], and transpose the small result: XLA:CPU's matmul library streams an [O, I]
-    weight at ~20-25 GB/s that way, against ~9-14 GB/s for x @ weight.T at 4-16 rows (30 GB/s at one row
-    either way). The barrier keeps XLA from folding the transpose back into the product. Decode step,
-    Qwen3-0.6B shape: batch 4 249 -> 131 ms, batch 8 262 -> 164 ms, batch 16 306 -> 234 ms; `small`:
-    batch 4 5.2 -> 3.8 ms, batch 8 7.5 -> 6.4 ms. At 32 rows `small` measured 4% slower, hence the cap.
+    Decode batches of 2..`weight_major_rows` rows (one token each; 0 = never, the plain product) compute
+    the product weight-major, `weight @ x.T` -> [O, B], and transpose the small result: XLA:CPU's matmul
+    library streams the weight about twice as fast that way at 4-16 rows (`tx.tuning.CPU` has the
+    numbers). The barrier keeps XLA from folding the transpose back into the product.
     """
     rows = x.shape[0]
-    if x.ndim == 3 and x.shape[1] == 1 and 2 <= rows <= FEW_ROWS and jax.default_backend() == "cpu":
+    if x.ndim == 3 and x.shape[1] == 1 and 2 <= rows <= weight_major_rows:
         y = jnp.einsum("oi,bi->ob", weight, x[:, 0], preferred_element_type=out_dtype)
         return jax.lax.optimization_barrier(y).T[:, None, :]
     return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=out_dtype)
@@ -85,15 +82,18 @@ class LoRALinear(nnx.Module):
         dtype: jnp.dtype,
         lora: LoRASpec | None = None,
         stack: tuple[int, ...] = (),
+        weight_major_rows: int = 0,
     ) -> None:
+        """`weight_major_rows`: see `linear` (a backend choice, `tx.tuning.Tuning`)."""
         lead = ("layers",) * len(stack)
         self.weight = nnx.Param(jnp.zeros((*stack, d_out, d_in), dtype), logical_axes=(*lead, axes[1], axes[0]))
         self.kernel_form: Kernel = lora.kernel if lora else DEFAULT_KERNEL
+        self.weight_major_rows = weight_major_rows
         if lora is not None:
             self.lora_a, self.lora_b = lora_pair(d_in, d_out, axes, lora, stack)
 
     def __call__(self, x: jax.Array, rows: LoRARows | None) -> jax.Array:
-        y = linear(x, self.weight[...])
+        y = linear(x, self.weight[...], weight_major_rows=self.weight_major_rows)
         if rows is not None and hasattr(self, "lora_a"):
             y = y + lora_delta(x, rows, self.lora_a[...], self.lora_b[...], self.kernel_form)
         return y

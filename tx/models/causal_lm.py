@@ -24,6 +24,7 @@ from tx.lora.layers import LoRASpec, linear, lora_pair
 from tx.lora.params import LoRARows
 from tx.models.config import ModelConfig
 from tx.models.layers import MLP, Attention, AttentionMask, RMSNorm, rope_frequencies
+from tx.tuning import Tuning, for_backend
 
 
 @jax.tree_util.register_dataclass
@@ -38,6 +39,14 @@ class KVCache:
     def zeros(cfg: ModelConfig, batch: int, length: int) -> KVCache:
         shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
         return KVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+
+    @property
+    def rows(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def length(self) -> int:
+        return int(self.k.shape[2])
 
     def per_layer(self) -> LayerCache:
         return LayerCache(tuple(self.k.transpose(0, 1, 3, 4, 2)), tuple(self.v.transpose(0, 1, 3, 2, 4)))
@@ -77,12 +86,12 @@ CacheT = TypeVar("CacheT", KVCache, LayerCache)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...]) -> None:
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...], tuning: Tuning) -> None:
         dt = jnp.dtype(cfg.dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, stack)
-        self.self_attn = Attention(cfg, lora, stack)
+        self.self_attn = Attention(cfg, lora, stack, tuning)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, stack)
-        self.mlp = MLP(cfg, lora, stack)
+        self.mlp = MLP(cfg, lora, stack, tuning)
 
     def __call__(
         self,
@@ -141,17 +150,18 @@ class Embedding(nnx.Module):
 class Model(nnx.Module):
     """HF's `model.*` subtree: embeddings, the stacked decoder layers, the final norm."""
 
-    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None) -> None:
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, tuning: Tuning) -> None:
         dt = jnp.dtype(cfg.dtype)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dt)
-        self.layers = DecoderLayer(cfg, lora, (cfg.num_layers,))
+        self.layers = DecoderLayer(cfg, lora, (cfg.num_layers,), tuning)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
 
 
 class LMHead(nnx.Module):
     """The unembedding: its own [V, D] weight, or the embedding matrix when tied; an adapter either way."""
 
-    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None) -> None:
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, tuning: Tuning) -> None:
+        self.weight_major_rows = tuning.weight_major_rows
         if not cfg.tie_word_embeddings:
             shape = (cfg.vocab_size, cfg.hidden_size)
             self.weight = nnx.Param(jnp.zeros(shape, cfg.dtype), logical_axes=("vocab", "embed"))
@@ -161,17 +171,17 @@ class LMHead(nnx.Module):
 
     def __call__(self, h: jax.Array, embedding: jax.Array, rows: LoRARows | None) -> jax.Array:
         weight = self.weight[...] if hasattr(self, "weight") else embedding  # tied: the [V, D] embedding itself
-        logits = linear(h, weight, jnp.float32)
+        logits = linear(h, weight, jnp.float32, self.weight_major_rows)
         if rows is not None and hasattr(self, "lora_a"):
             logits = logits + lora_delta(h, rows, self.lora_a[...], self.lora_b[...], self.kernel_form)
         return logits
 
 
 class CausalLM(nnx.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None = None, remat: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, remat: bool, tuning: Tuning) -> None:
         self.config = cfg
-        self.model = Model(cfg, lora)
-        self.lm_head = LMHead(cfg, lora)
+        self.model = Model(cfg, lora, tuning)
+        self.lm_head = LMHead(cfg, lora, tuning)
         self.remat = remat
 
     def hidden(
@@ -251,8 +261,9 @@ class CausalLM(nnx.Module):
 # bound by weight reads, that copy doubles the traffic (small, batch 8: 4.5 vs 2.2 ms for the layer
 # matmuls alone). So on CPU the sampler reads its own copy of the weights split into one buffer per
 # layer under HF-like paths (`model/layers/3/self_attn/q_proj/weight`) and runs the layers unrolled
-# over them (`decode_layout`). Training keeps the stacked form: stacking split weights inside the
-# training program cost 24% of a Qwen3-0.6B-shape LoRA step and doubled its first step.
+# over them (`decode_layout`, where `tx.tuning` says so: on CPU only). Training keeps the stacked form:
+# stacking split weights inside the training program cost 24% of a Qwen3-0.6B-shape LoRA step and doubled
+# its first step.
 
 LAYERS = ("model", "layers")
 Flat = dict[tuple[str, ...], jax.Array]
@@ -280,10 +291,11 @@ def split_layers(weights: Flat) -> Flat:
     return out
 
 
-def decode_layout(weights: Flat, copy: bool = False) -> Flat:
-    """The weights as the sampler reads them fastest: split per layer on CPU (new buffers), as they are
-    elsewhere (copied when `copy`: a snapshot of weights that will change)."""
-    if jax.default_backend() == "cpu":
+def decode_layout(weights: Flat, tuning: Tuning, copy: bool = False) -> Flat:
+    """The weights as the sampler reads them: split per layer where `tuning.per_layer_decode` (new buffers),
+    else the same buffers (no second copy of the weights; copied only when `copy`: a snapshot of weights
+    that will change)."""
+    if tuning.per_layer_decode:
         split = split_layers(weights)  # new buffers for the layers; the other entries pass through
         return {p: jnp.array(v, copy=True) if copy and not _is_split(p) else v for p, v in split.items()}
     return {p: jnp.array(v, copy=True) for p, v in weights.items()} if copy else dict(weights)
@@ -318,6 +330,9 @@ def _layer_state(stacked: nnx.State, weights: Mapping[tuple[str, ...], jax.Array
     return nnx.from_flat_state(items)
 
 
-def abstract_model(cfg: ModelConfig, lora: LoRASpec | None = None, remat: bool = False) -> CausalLM:
-    """The model's structure with shapes only: weights are filled by the loader, never initialised."""
-    return nnx.eval_shape(lambda: CausalLM(cfg, lora, remat))
+def abstract_model(
+    cfg: ModelConfig, lora: LoRASpec | None = None, remat: bool = False, tuning: Tuning | None = None
+) -> CausalLM:
+    """The model's structure with shapes only: weights are filled by the loader, never initialised.
+    `tuning`: the backend choices (default: those of the backend JAX runs on)."""
+    return nnx.eval_shape(lambda: CausalLM(cfg, lora, remat, tuning or for_backend()))

@@ -19,6 +19,7 @@ from flax import nnx
 from tx.lora.layers import LoRALinear, LoRASpec
 from tx.lora.params import LoRARows
 from tx.models.config import ModelConfig, RopeScaling
+from tx.tuning import Tuning
 
 NEG_INF = -1e30  # additive mask: exp(NEG_INF - max) is exactly 0 in float32, and a finite value keeps gradients finite
 
@@ -151,13 +152,15 @@ def grouped_attention(
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...]) -> None:
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...], tuning: Tuning) -> None:
         dt = jnp.dtype(cfg.dtype)
         D, H, K, E = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = LoRALinear(D, H * E, axes=("embed", "q_heads"), dtype=dt, lora=lora, stack=stack)
-        self.k_proj = LoRALinear(D, K * E, axes=("embed", "kv_heads"), dtype=dt, lora=lora, stack=stack)
-        self.v_proj = LoRALinear(D, K * E, axes=("embed", "kv_heads"), dtype=dt, lora=lora, stack=stack)
-        self.o_proj = LoRALinear(H * E, D, axes=("q_heads", "embed"), dtype=dt, lora=lora, stack=stack)
+        rows = tuning.weight_major_rows
+        make = functools.partial(LoRALinear, dtype=dt, lora=lora, stack=stack, weight_major_rows=rows)
+        self.q_proj = make(D, H * E, axes=("embed", "q_heads"))
+        self.k_proj = make(D, K * E, axes=("embed", "kv_heads"))
+        self.v_proj = make(D, K * E, axes=("embed", "kv_heads"))
+        self.o_proj = make(H * E, D, axes=("q_heads", "embed"))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(E, cfg.rms_norm_eps, dt, stack)
             self.k_norm = RMSNorm(E, cfg.rms_norm_eps, dt, stack)
@@ -257,12 +260,14 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...]) -> None:
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...], tuning: Tuning) -> None:
         dt = jnp.dtype(cfg.dtype)
         D, F = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = LoRALinear(D, F, axes=("embed", "mlp"), dtype=dt, lora=lora, stack=stack)
-        self.up_proj = LoRALinear(D, F, axes=("embed", "mlp"), dtype=dt, lora=lora, stack=stack)
-        self.down_proj = LoRALinear(F, D, axes=("mlp", "embed"), dtype=dt, lora=lora, stack=stack)
+        rows = tuning.weight_major_rows
+        make = functools.partial(LoRALinear, dtype=dt, lora=lora, stack=stack, weight_major_rows=rows)
+        self.gate_proj = make(D, F, axes=("embed", "mlp"))
+        self.up_proj = make(D, F, axes=("embed", "mlp"))
+        self.down_proj = make(F, D, axes=("mlp", "embed"))
 
     def __call__(self, x: jax.Array, rows: LoRARows | None) -> jax.Array:
         return self.down_proj(swiglu(self.gate_proj(x, rows), self.up_proj(x, rows)), rows)

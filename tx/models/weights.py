@@ -28,6 +28,7 @@ from tx.models.causal_lm import CausalLM, abstract_model
 from tx.models.config import ModelConfig, load_hf_config
 from tx.models.safetensors_io import iter_tensors, shard_files
 from tx.models.sharding import make_mesh, state_shardings
+from tx.tuning import Tuning
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +93,14 @@ def load_model(
     mesh: Mesh | None = None,
     remat: bool = False,
     progress: bool = True,
+    tuning: Tuning | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
-    """Build the model for a HF checkpoint and fill its weights; LoRA slots start at zero."""
+    """Build the model for a HF checkpoint and fill its weights; LoRA slots start at zero. `tuning`: the
+    backend choices the model is built with (default: those of the backend JAX runs on)."""
     model_dir = resolve_model_dir(name_or_dir)
     cfg = load_hf_config(model_dir, dtype)
     mesh = mesh or make_mesh(devices=jax.devices()[:1])
-    abstract = abstract_model(cfg, lora, remat)
+    abstract = abstract_model(cfg, lora, remat, tuning)
     graphdef, state = nnx.split(abstract)
     shardings = state_shardings(state, mesh)
     flat: dict[Path_, nnx.Variable] = {tuple(map(str, p)): v for p, v in nnx.to_flat_state(state)}

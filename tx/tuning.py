@@ -1,0 +1,74 @@
+"""Every backend-specific choice in one table, keyed by `jax.default_backend()`, and passed in from there.
+
+A choice enters `CPU` only with a measurement behind it (the numbers are in the comments below, all from
+XLA:CPU on 2 cores); every other backend takes `PLAIN`, the straightforward form of each piece, until a
+measurement on that backend says otherwise. `for_backend()` is the one place that asks JAX which backend
+runs: the engine calls it at start-up and hands the result to the model (`CausalLM(tuning=...)`), the
+sampler (`SamplerConfig.layer_cache`) and `decode_layout`; modules never ask for themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from tx.lora.kernels import Kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """backend: the name this tuning was chosen for.
+    auto_dtype: what `--dtype auto` means (compute and weight dtype).
+    weight_major_rows: decode batches of 2..this many one-token rows multiply `weight @ x.T` behind an
+        optimization barrier (`tx.lora.layers.linear`); 0 = always the plain `x @ weight.T`.
+    per_layer_decode: the sampler reads its own copy of the decoder weights split into one buffer per
+        layer (`decode_layout`, +1x the base weights in memory) and keeps its decode cache per layer
+        between chunks (`LayerCache`); False = it reads the trainer's stacked weights (no second copy) and
+        keeps the stacked `KVCache`.
+    lora_kernel: the multi-adapter product form (`tx.lora.kernels`).
+    train_compiler_options: XLA options for the training programs (`tx.engine.compiles.train_jit`).
+    """
+
+    backend: str
+    auto_dtype: str
+    weight_major_rows: int
+    per_layer_decode: bool
+    lora_kernel: Kernel
+    train_compiler_options: tuple[tuple[str, Any], ...] = ()
+
+    def compiler_options(self) -> dict[str, Any]:
+        return dict(self.train_compiler_options)
+
+
+# The plain form of every piece: what an accelerator runs until it is measured there.
+PLAIN = Tuning("plain", auto_dtype="bfloat16", weight_major_rows=0, per_layer_decode=False, lora_kernel="indexed")
+
+CPU = Tuning(
+    "cpu",
+    # XLA:CPU has no bfloat16 arithmetic: it is emulated, several times slower than float32.
+    auto_dtype="float32",
+    # The matmul library streams an [O, I] weight at ~20-25 GB/s as weight @ x.T against ~9-14 GB/s as
+    # x @ weight.T at 4-16 rows. Decode step, Qwen3-0.6B shape: batch 4 249 -> 131 ms, batch 8 262 -> 164 ms,
+    # batch 16 306 -> 234 ms; at 32 rows `small` measured 4% slower, hence the cap.
+    weight_major_rows=16,
+    # XLA:CPU copies a dynamic slice of a stacked weight before a library matmul, doubling a decode step's
+    # weight reads (small, batch 8: 4.5 vs 2.2 ms for the layer matmuls); the per-layer cache layout made
+    # decode attention 1.7x faster, and converting the cache per chunk cost 12% of a batch-32 step.
+    per_layer_decode=True,
+    # The indexed form's backward is a scatter-add, which XLA:CPU runs element by element: +20-30% over
+    # the base matmul per projection, against ~0% for the one-hot gather.
+    lora_kernel="gather",
+    # Compile time is most of a first step on CPU: without the fusion emitters the LoRA gradient program of
+    # `small` compiles in 1.7 instead of 2.2 s, LLVM -O1 saves 0.2-0.4 s more; steady steps within 2%.
+    train_compiler_options=(("xla_cpu_use_fusion_emitters", False), ("xla_backend_optimization_level", 1)),
+)
+
+TUNINGS: dict[str, Tuning] = {"cpu": CPU}
+
+
+def for_backend(backend: str | None = None) -> Tuning:
+    """The tuning of `backend` (default: the backend JAX runs on); `PLAIN` under its name when unmeasured."""
+    name = backend or jax.default_backend()
+    return TUNINGS.get(name) or dataclasses.replace(PLAIN, backend=name)
