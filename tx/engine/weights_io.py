@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import numpy as np
 import psutil
 from flax import nnx
@@ -66,12 +67,22 @@ class WeightsIO:
 
     @staticmethod
     def check_full_finetune_fits(trainer: Trainer) -> None:
-        """Refuse full fine-tuning when weights + fp32 gradients + Adam moments exceed free memory."""
+        """Refuse full fine-tuning when weights + fp32 gradients + Adam moments exceed free memory (the
+        accelerators' own memory where they report it, else the host's)."""
         params = sum(int(np.prod(v.shape)) for v in trainer.base.values())
         need = params * (trainer.base[next(iter(trainer.base))].dtype.itemsize + 4 * 3)
-        free = psutil.virtual_memory().available
+        free = free_bytes(next(iter(trainer.base.values())).sharding.device_set)
         if need > 0.9 * free:
             raise MemoryError(
                 f"full fine-tuning needs about {need / 2**30:.1f} GiB (weights copy, fp32 gradients, Adam moments "
                 f"for {params / 1e6:.0f}M parameters) but only {free / 2**30:.1f} GiB is free; use LoRA instead"
             )
+
+
+def free_bytes(devices: set[jax.Device]) -> int:
+    """Free memory over `devices`: their allocators' limits minus use, or the host's when one reports none
+    (CPU)."""
+    stats = [device.memory_stats() for device in devices]
+    if not stats or any(not s or "bytes_limit" not in s for s in stats):
+        return int(psutil.virtual_memory().available)
+    return sum(int(s["bytes_limit"]) - int(s.get("bytes_in_use", 0)) for s in stats if s)
