@@ -233,3 +233,23 @@ def test_rematerialised_layers_give_the_same_gradients(setup):
     for p, g in grads[0].items():
         want = np.asarray(g)
         np.testing.assert_allclose(np.asarray(grads[1][p]), want, rtol=1e-4, atol=2e-6 * np.abs(want).max())
+
+
+def test_bf16_full_finetuning_keeps_fp32_moments_and_compiles_once(setup):
+    """bfloat16 weights (what `--dtype auto` loads on an accelerator) train with float32 Adam moments and
+    hyper-parameters from the first step on; moments born bfloat16 became float32 after one update, so the
+    second step compiled `adam_step` again."""
+    path = setup[0]
+    model, cfg = load_model(str(path), dtype="bfloat16", lora=LoRASpec(slots=4, max_rank=8), progress=False)
+    trainer = Trainer(model)
+    run = trainer.create_full_run("a")
+    trainer.await_warm_up()
+    assert {leaf.dtype for leaf in jax.tree.leaves(run.opt_state) if leaf.dtype.kind == "f"} == {np.dtype("float32")}
+    req = sft_batch(cfg, 9)
+    compiles = []
+    for _ in range(3):
+        trainer.forward_backward([("a", req)])
+        trainer.optim_step("a", AdamParams(learning_rate=1e-3))
+        compiles.append(compile_count())
+    assert compiles[1:] == compiles[:1] * 2, "a later step compiled again"
+    assert {v.dtype for v in run.params.values()} == {jax.numpy.dtype("bfloat16")}

@@ -184,9 +184,11 @@ def copy_weights(weights: Flat) -> Flat:
 
 @functools.partial(_jit, static_argnames="grad_dtype")
 def fresh_state(params: Flat, grad_dtype: Any = None) -> tuple[Flat, Any]:
-    """Zero gradient accumulators (in `grad_dtype`, default the params') and a new AdamW state for `params`."""
+    """Zero gradient accumulators (in `grad_dtype`, default the params') and a new AdamW state for `params`,
+    float32 whatever the params' dtype (as `adam_step` returns it: bfloat16 moments were rounded on the
+    first update and recompiled `adam_step` on the second)."""
     grads = {p: jnp.zeros(v.shape, grad_dtype or v.dtype) for p, v in params.items()}
-    return grads, make_optimizer().init(params)
+    return grads, make_optimizer().init({p: v.astype(jnp.float32) for p, v in params.items()})
 
 
 @functools.partial(_jit, donate_argnums=(0, 1, 2))
