@@ -147,6 +147,8 @@ def test_unused_targets_are_zero_after_write(served):
 def test_mesh_and_kernel_forms_match_single_device(served, kernel, mesh):
     if served.cfg.family != "qwen3":
         pytest.skip("one family is enough for the sharded check")
+    if len(jax.devices()) < 8:  # one accelerator (the device check); the CPU test session simulates 8
+        pytest.skip(f"the mesh needs 8 devices, {len(jax.devices())} here")
     sharded = Served(served.path, LoRASpec(SPEC.slots, SPEC.max_rank, kernel), make_mesh(*mesh))
     before = {p: v.get_value().sharding for p, v in nnx.to_flat_state(nnx.state(sharded.model, LoRAParam))}
     lora = nnx.state(served.model, LoRAParam)
