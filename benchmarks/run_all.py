@@ -6,7 +6,7 @@ cores, memory, jax version and backend, date, commit). A script that fails is re
 with the tail of its stderr, and the others still run. Prints a JSON summary (exit code and seconds
 per script) on stdout; exits 1 if any script failed.
 
-    python benchmarks/run_all.py                         # full sizes -> benchmarks/RESULTS.md
+    python benchmarks/run_all.py                         # full sizes -> benchmarks/results/run_all.md
     python benchmarks/run_all.py --quick --out /tmp/r.md # every script at its CI smoke size
     python benchmarks/run_all.py --only rl_loop api_overhead
 """
@@ -98,20 +98,27 @@ def machine() -> dict[str, str]:
     for line in meminfo.splitlines():
         if line.startswith("MemTotal:"):
             info["memory"] = f"{int(line.split()[1]) / 2**20:.1f} GiB"
-    info["jax"] = jax_description()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    info["commit"] = commit.stdout.strip() or "unknown"
+    found = jax_probe()
+    info["jax"] = (
+        f"{found['jax']}, backend {found['backend']}, {found['devices']}" if "devices" in found else "unavailable"
+    )
+    try:  # a copy of the tree without git (a device machine) has no commit to name
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        info["commit"] = commit.stdout.strip() or "unknown"
+    except OSError:
+        info["commit"] = "unknown"
     return info
 
 
-def jax_description() -> str:
-    """Asked in a child process so this one never takes the accelerator from the benchmarks."""
+def jax_probe(env: dict[str, str] | None = None) -> dict[str, str]:
+    """JAX's version, default backend and devices, asked in a child process so this one never takes the
+    accelerator from the benchmarks."""
     probe = "import jax; d = jax.devices(); print(jax.__version__, jax.default_backend(), len(d), d[0].device_kind)"
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
-        return "unavailable"
+        return {"jax": "unavailable", "backend": "cpu", "error": proc.stderr.strip()[-500:]}
     version, backend, count, kind = proc.stdout.split(maxsplit=3)
-    return f"{version}, backend {backend}, {count} x {kind.strip()}"
+    return {"jax": version, "backend": backend, "devices": f"{count} x {kind.strip()}"}
 
 
 def rows_of(doc: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -182,7 +189,9 @@ def render(info: dict[str, str], outcomes: list[Outcome], quick: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="run every script at its smallest size")
-    p.add_argument("--out", type=Path, default=HERE / "RESULTS.md", help="default benchmarks/RESULTS.md")
+    p.add_argument(
+        "--out", type=Path, default=HERE / "results" / "run_all.md", help="default benchmarks/results/run_all.md"
+    )
     p.add_argument("--only", nargs="+", choices=list(SCRIPTS), help="run only these scripts")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per script (default 3600)")
     args = p.parse_args(argv)
@@ -191,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in SCRIPTS
         if not args.only or name in args.only
     ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(machine(), outcomes, args.quick))
     summary = {o.name: {"returncode": o.returncode, "seconds": o.seconds} for o in outcomes}
     print(json.dumps({"benchmark": "run_all", "out": str(args.out), "scripts": summary}), flush=True)

@@ -10,8 +10,12 @@ a rank-8 adapter in slot 1).
     python benchmarks/sample_throughput.py --full          # ... and B = 128
     python benchmarks/sample_throughput.py --qwen3-0.6b    # the Qwen3-0.6B shape (fp32)
     python benchmarks/sample_throughput.py --quick         # CI smoke, well under 20 s
+    python benchmarks/sample_throughput.py --shapes qwen3-0.6b --dtype bfloat16 --batches 1 64 256 1024 \
+        --variants lora --repeats 1                        # GPU sizes (benchmarks/device_check.sh)
 
-Prints one JSON document (also written to --out when given).
+The sampler gets the backend's tuning (`tx.tuning`): on CPU the per-layer weight copy and cache, elsewhere
+the stacked weights and cache. All of a batch's prompts are admitted in one step (one prefill). Prints one
+JSON line per point as it finishes and one JSON document at the end (also written to --out when given).
 """
 
 from __future__ import annotations
@@ -20,68 +24,46 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 from tx.engine.sampler import Sampler, SamplerConfig
 from tx.engine.train_step import flat
 from tx.lora.layers import LoRASpec
 from tx.lora.params import slot_scale
-from tx.models.causal_lm import abstract_model, split_layers
+from tx.models.causal_lm import decode_layout
 from tx.models.config import ModelConfig
 from tx.protocol import SampleRequest, SamplingParams
+from tx.tuning import for_backend
 
-# Shapes of /work/shared/bench/make_model.py's presets (numbers only).
-SHAPES: dict[str, dict[str, Any]] = {
-    "small": dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8, num_kv_heads=4),
-    "qwen3-0.6b": dict(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8
-    ),
-}
-HEAD_DIM = {"small": 64, "qwen3-0.6b": 128}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import SHAPES, model_config, peak_memory, random_state  # noqa: E402
+
 LORA_RANK = 8
 LORA_SLOTS, MAX_RANK = 9, 32  # the server defaults (--max-lora-adapters 8, --max-lora-rank 32)
 
 
-def model_config(shape: str) -> ModelConfig:
-    return ModelConfig(
-        family="qwen3",
-        head_dim=HEAD_DIM[shape],
-        rms_norm_eps=1e-6,
-        rope_theta=1e6,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        dtype="float32",
-        **SHAPES[shape],
-    )
-
-
-def random_state(cfg: ModelConfig, lora: LoRASpec | None, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
-    """Random weights (norms at one) without materialising an initialised model first."""
-    graphdef, state = nnx.split(abstract_model(cfg, lora))
-    rng = np.random.default_rng(seed)  # numpy: jax.random would compile a kernel per weight shape
-    for path, var in nnx.to_flat_state(state):
-        if str(path[-2]).endswith("norm"):
-            var.set_value(jax.numpy.ones(var.shape, var.dtype))
-        else:
-            var.set_value(jax.numpy.asarray(0.02 * rng.standard_normal(var.shape, np.float32), var.dtype))
-    return graphdef, state
-
-
-def make_sampler(cfg: ModelConfig, lora: bool, max_rows: int, max_seq_len: int) -> Sampler:
+def make_sampler(cfg: ModelConfig, lora: bool, max_rows: int, max_seq_len: int, max_prompt: int) -> Sampler:
     """`lora`: the server's default stack (8 adapter slots + the zero slot, max rank 32) holding one
-    rank-8 adapter in slot 1."""
-    spec = LoRASpec(slots=LORA_SLOTS, max_rank=MAX_RANK) if lora else None
+    rank-8 adapter in slot 1. Weights, cache form and kernel as the engine lays them out on this backend."""
+    tuning = for_backend()
+    spec = LoRASpec(slots=LORA_SLOTS, max_rank=MAX_RANK, kernel=tuning.lora_kernel) if lora else None
     graphdef, state = random_state(cfg, spec)
     scale = np.zeros((LORA_SLOTS, MAX_RANK), np.float32)
     scale[1] = np.asarray(slot_scale(LORA_RANK, 32.0, MAX_RANK))
-    sampler_cfg = SamplerConfig(max_rows=max_rows, max_seq_len=max_seq_len, chunk_steps=16)
-    weights = split_layers(flat(state))  # the engine's form: one buffer per decoder layer
+    sampler_cfg = SamplerConfig(
+        max_rows=max_rows,
+        max_seq_len=max_seq_len,
+        chunk_steps=16,
+        max_prefill_tokens=max(max_rows * max_prompt, 8192),
+        layer_cache=tuning.per_layer_decode,
+    )
+    weights = decode_layout(flat(state), tuning)
     return Sampler(graphdef, lambda: weights, cfg, sampler_cfg, [], lambda ids: "", (lambda: scale) if lora else None)
 
 
@@ -101,10 +83,10 @@ def run_batch(sampler: Sampler, batch: int, prompt_len: int, new_tokens: int, vo
 
 
 def measure(args: argparse.Namespace, shape: str, batches: list[int], variants: list[str]) -> list[dict[str, Any]]:
-    cfg = model_config(shape)
+    cfg = model_config(shape, args.dtype)
     rows = []
     for variant in variants:
-        sampler = make_sampler(cfg, variant == "lora", max(batches), args.prompt + args.new_tokens)
+        sampler = make_sampler(cfg, variant == "lora", max(batches), args.prompt + args.new_tokens, args.prompt)
         slot = 1 if variant == "lora" else 0
         for batch in batches:
             compiles = sampler.compile_count
@@ -117,12 +99,14 @@ def measure(args: argparse.Namespace, shape: str, batches: list[int], variants: 
             row = dict(
                 shape=shape,
                 variant=variant,
+                dtype=args.dtype,
                 batch=batch,
                 first_s=round(first, 3),
                 steady_s=round(steady, 3),
                 compile_s=round(max(first - steady, 0.0), 3),
                 compiles=compiles,
                 tokens_per_s=round(batch * args.new_tokens / steady, 1),
+                **peak_memory(),
             )
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -143,13 +127,13 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return x.nbytes / statistics.median(times)
 
 
-def weight_bytes(shape: str) -> int:
-    """Bytes of weights a decode step reads: every linear layer and the (tied) unembedding, fp32."""
-    s = SHAPES[shape]
-    D, F, L, V = s["hidden_size"], s["intermediate_size"], s["num_layers"], s["vocab_size"]
-    HE, KE = s["num_heads"] * HEAD_DIM[shape], s["num_kv_heads"] * HEAD_DIM[shape]
+def weight_bytes(shape: str, dtype: str) -> int:
+    """Bytes of weights a decode step reads: every linear layer and the (tied) unembedding."""
+    cfg = model_config(shape, dtype)
+    D, F, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
+    HE, KE = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     per_layer = D * HE * 2 + D * KE * 2 + 3 * D * F
-    return 4 * (L * per_layer + V * D)
+    return np.dtype(jax.numpy.dtype(dtype)).itemsize * (L * per_layer + V * D)
 
 
 def add_ceiling(results: list[dict], bandwidth: float) -> None:
@@ -157,7 +141,7 @@ def add_ceiling(results: list[dict], bandwidth: float) -> None:
     (prefill included in the measured rate, so the fraction is a lower bound for decode alone)."""
     for point in results:
         if point["batch"] == 1:
-            ceiling = bandwidth / weight_bytes(point["shape"])
+            ceiling = bandwidth / weight_bytes(point["shape"], point["dtype"])
             point["ceiling_tokens_per_s"] = round(ceiling, 1)
             point["fraction_of_ceiling"] = round(point["tokens_per_s"] / ceiling, 3)
 
@@ -167,17 +151,20 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="also batch 128")
     parser.add_argument("--quick", action="store_true", help="CI smoke: batch 4, short sequences")
     parser.add_argument("--qwen3-0.6b", dest="qwen", action="store_true", help="also the Qwen3-0.6B shape (fp32)")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="these shapes instead (default small)")
+    parser.add_argument("--batches", nargs="+", type=int, help="these batch sizes instead")
+    parser.add_argument("--variants", nargs="+", choices=["base", "lora"], default=["base", "lora"])
+    parser.add_argument("--dtype", default="float32", help="weights, cache and compute (adapters stay float32)")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2, help="steady runs per point (median)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    batches = [1, 8, 32] + ([128] if args.full else [])
+    batches = args.batches or [1, 8, 32] + ([128] if args.full else [])
     if args.quick:
         batches, args.prompt, args.new_tokens, args.repeats = [4], 32, 16, 1
-    results = measure(args, "small", batches, ["base", "lora"])
-    if args.qwen:
-        results += measure(args, "qwen3-0.6b", batches, ["base", "lora"])
+    shapes = args.shapes or ["small"] + (["qwen3-0.6b"] if args.qwen else [])
+    results = [row for shape in shapes for row in measure(args, shape, batches, args.variants)]
     bandwidth = read_bandwidth(64 if args.quick else 512)
     add_ceiling(results, bandwidth)
     doc = dict(

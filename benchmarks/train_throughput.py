@@ -1,8 +1,10 @@
 """Training throughput: tokens/s of forward_backward + optim_step, and first-step compile seconds.
 
 Runs the engine's Trainer in-process on a random-weight model (no server, no files) for LoRA ranks and
-full fine-tuning, and prints one JSON document. Example:
+full fine-tuning, with the backend's tuning (`tx.tuning`), prints one JSON line per mode as it finishes and
+one JSON document at the end. `compile_s` is the first step's time minus a steady step's. Example:
     python benchmarks/train_throughput.py --shape small --batch 8 --length 256
+    python benchmarks/train_throughput.py --shape qwen3-0.6b --dtype bfloat16 --batch 16 --length 1024
     python benchmarks/train_throughput.py --quick          # CI smoke: tiny shape, 2 steps
 """
 
@@ -20,11 +22,12 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import model_config, param_count, random_model  # noqa: E402
+from shapes import SHAPES, model_config, param_count, peak_memory, random_model  # noqa: E402
 
 from tx.engine.trainer import Trainer  # noqa: E402
 from tx.lora.layers import LoRASpec  # noqa: E402
 from tx.protocol import AdamParams, Datum, ForwardBackwardRequest, LoraConfig  # noqa: E402
+from tx.tuning import for_backend  # noqa: E402
 
 
 def workload(vocab: int, batch: int, length: int, seed: int = 0) -> ForwardBackwardRequest:
@@ -36,9 +39,10 @@ def workload(vocab: int, batch: int, length: int, seed: int = 0) -> ForwardBackw
     return ForwardBackwardRequest(data, "cross_entropy")
 
 
-def measure(shape: str, mode: str, batch: int, length: int, steps: int, max_rank: int) -> dict:
+def measure(shape: str, mode: str, batch: int, length: int, steps: int, max_rank: int, dtype: str) -> dict:
     rank = None if mode == "full" else int(mode.split("r")[1])
-    model = random_model(shape, LoRASpec(slots=2, max_rank=max(max_rank, rank or 1)))
+    spec = LoRASpec(slots=2, max_rank=max(max_rank, rank or 1), kernel=for_backend().lora_kernel)
+    model = random_model(shape, spec, dtype)
     trainer = Trainer(model, micro_batch_tokens=max(batch * length, 2048))
     if rank is None:
         trainer.create_full_run("run")
@@ -51,7 +55,7 @@ def measure(shape: str, mode: str, batch: int, length: int, steps: int, max_rank
         start = time.perf_counter()
         trainer.forward_backward([("run", req)])
         trainer.optim_step("run", adam)
-        jax.block_until_ready(trainer.lora)
+        jax.block_until_ready((trainer.lora, trainer.runs["run"].params))
         times.append(time.perf_counter() - start)
     steady = statistics.median(times[1:])
     tokens = batch * length
@@ -60,19 +64,23 @@ def measure(shape: str, mode: str, batch: int, length: int, steps: int, max_rank
     return {
         "shape": shape,
         "mode": mode,
+        "dtype": dtype,
         "batch": batch,
         "length": length,
         "tokens_per_step": tokens,
         "first_step_s": round(times[0], 3),
+        "compile_s": round(max(times[0] - steady, 0.0), 3),
         "steady_step_s": round(steady, 4),
         "tokens_per_s": round(tokens / steady, 1),
         "gflops_per_s": round(flops / steady / 1e9, 1),
+        **peak_memory(),
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="small", choices=["tiny", "small", "qwen3-0.6b"])
+    p.add_argument("--shape", default="small", choices=list(SHAPES))
+    p.add_argument("--dtype", default="float32", help="weights and compute (LoRA masters stay float32)")
     p.add_argument("--modes", default="r8,r32,full", help="comma list of rN (LoRA rank N) and full")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--length", type=int, default=256)
@@ -83,7 +91,10 @@ def main() -> None:
         args.shape, args.batch, args.length, args.steps, args.modes = "tiny", 2, 32, 1, "r8,full"
     modes = args.modes.split(",")
     max_rank = max([int(m[1:]) for m in modes if m.startswith("r")] or [1])
-    results = [measure(args.shape, m, args.batch, args.length, args.steps, max_rank) for m in modes]
+    results = []
+    for mode in modes:
+        results.append(measure(args.shape, mode, args.batch, args.length, args.steps, max_rank, args.dtype))
+        print(json.dumps(results[-1]), flush=True)
     out = {
         "benchmark": "train_throughput",
         "backend": jax.default_backend(),
