@@ -87,7 +87,8 @@ def run_script(name: str, args: list[str], timeout: float) -> Outcome:
     return Outcome(name, args, code, round(seconds, 1), docs, "\n".join(err.strip().splitlines()[-15:]))
 
 
-def machine() -> dict[str, str]:
+def machine(found: dict[str, str] | None = None) -> dict[str, str]:
+    """The machine's description; `found`: a `jax_probe()` already made."""
     info = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "python": platform.python_version()}
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     models = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]

@@ -80,3 +80,68 @@ def test_json_values_reads_lines_and_documents() -> None:
     text = 'progress\n{"a": 1}\n{"b": [1, 2]}\n{\n "c": {"d": 3}\n}\n'
     assert RUN_ALL.json_values(text) == [{"a": 1}, {"b": [1, 2]}, {"c": {"d": 3}}]
     assert strict_json(text.split("\n", 1)[1]) == RUN_ALL.json_values(text)
+
+
+def load_device_check() -> Any:
+    spec = importlib.util.spec_from_file_location("benchmarks_device_check", BENCHMARKS / "device_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def device_check(tmp_path: Path, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess[str], dict]:
+    env = {**child_env(), "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    proc = subprocess.run(
+        ["bash", str(BENCHMARKS / "device_check.sh"), "--dry-run", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads((tmp_path / "device_check.json").read_text())
+
+
+def test_device_check_dry_run(tmp_path: Path) -> None:
+    """Every stage of the GPU check runs on CPU at tiny sizes and lands in the JSON and the markdown."""
+    proc, doc = device_check(tmp_path, timeout=400)
+    stages = {stage["name"]: stage for stage in doc["stages"]}
+    assert {name: s["status"] for name, s in stages.items()} == {
+        "parity": "ok", "train_lora_r32": "ok", "train_full": "ok", "sample": "ok", "qwen3.5": "skipped",
+    }  # fmt: skip
+    assert stages["parity"]["results"][0]["collected"] > 0
+    assert [row["mode"] for row in stages["train_lora_r32"]["results"] + stages["train_full"]["results"]] == [
+        "r32", "full",
+    ]  # fmt: skip
+    assert [row["batch"] for row in stages["sample"]["results"]] == [1, 4]
+    for row in stages["train_full"]["results"] + stages["sample"]["results"]:
+        assert row["tokens_per_s"] > 0 and row["dtype"] == "bfloat16" and row["peak_memory_gib"] > 0
+    text = (tmp_path / "device_check.md").read_text()
+    assert "| sample | ok |" in text and "surogate" in text and "## train_full" in text
+    assert "| qwen3.5 | skipped |" in proc.stdout  # the summary is printed last
+
+
+def test_device_check_stops_at_its_time_limit(tmp_path: Path) -> None:
+    _, doc = device_check(tmp_path, "--time-limit-s", "1", timeout=120)
+    assert {stage["status"] for stage in doc["stages"]} == {"skipped"}
+    assert "time limit" in doc["stages"][0]["reason"]
+
+
+def test_a_stage_past_its_time_is_stopped_and_keeps_its_output() -> None:
+    check = load_device_check()
+    code = "import time; print('{\"batch\": 1}', flush=True); time.sleep(60)"
+    record = check.run_stage(check.Stage("slow", ["-c", code], 2, 0), 2, child_env())
+    assert record.status == "timed out" and record.results == [{"batch": 1}] and record.seconds < 30
+
+
+def test_parity_counts_from_the_summary_or_from_a_run_cut_short() -> None:
+    check = load_device_check()
+    verbose = "tests/a.py::x PASSED [ 10%]\ntests/a.py::y FAILED [ 20%]\ntests/b.py::z[gpu] SKIPPED (why) [ 30%]\n"
+    finished = verbose + "FAILED tests/a.py::y - AssertionError\n==== 1 failed, 1 passed, 1 skipped in 3.1s ====\n"
+    assert check.pytest_results(finished) == [
+        {"failed": 1, "passed": 1, "skipped": 1, "failed_tests": ["tests/a.py::y"]}
+    ]
+    assert check.pytest_results(verbose) == [
+        {"passed": 1, "failed": 1, "skipped": 1, "failed_tests": ["tests/a.py::y"]}
+    ]
+    collected = "<Module a>\n\n60/176 tests collected (116 deselected) in 9.1s\n"
+    assert check.pytest_results(collected) == [{"deselected": 116, "collected": 60, "failed_tests": []}]
