@@ -81,14 +81,17 @@ def test_plain_layout_reads_the_trainers_buffers(pair):
     }
 
 
-def _decode_text(tuned: Tuned, B: int, S: int) -> str:
+def _decode_program(tuned: Tuned, B: int, S: int):  # noqa: ANN202
     form = LayerCache if tuned.tuning.per_layer_decode else KVCache
     rows = DecodeRows(
         *(jax.numpy.zeros(B, jax.numpy.int32) for _ in range(3)), jax.numpy.zeros(B, jax.numpy.uint32),
         jax.numpy.ones(B), jax.numpy.zeros(B, jax.numpy.int32), jax.numpy.ones(B),
     )  # fmt: skip
-    program = tuned.sampler.programs.decode
-    return program.lower(tuned.weights, None, form.zeros(tuned.cfg, B, S), rows).as_text()
+    return tuned.sampler.programs.decode.lower(tuned.weights, None, form.zeros(tuned.cfg, B, S), rows)
+
+
+def _decode_text(tuned: Tuned, B: int, S: int) -> str:
+    return _decode_program(tuned, B, S).as_text()
 
 
 def test_plain_decode_has_no_cpu_tricks(pair):
@@ -101,6 +104,16 @@ def test_plain_decode_has_no_cpu_tricks(pair):
     assert "optimization_barrier" not in text
     relayouts = [line for line in text.splitlines() if "transpose" in line and f"tensor<{L}x8x32x{K}x{E}xf32>" in line]
     assert not relayouts, relayouts[:2]
+
+
+def test_plain_decode_updates_the_stacked_cache_in_place(pair):
+    """The donated stacked cache is written where it lies: no copy of it in the compiled chunk."""
+    gpu = pair[1]
+    text = _decode_program(gpu, 8, 32).compile().as_text()
+    shape = f"[{gpu.cfg.num_layers},8,32,{gpu.cfg.num_kv_heads},{gpu.cfg.head_dim}]"
+    assert shape in text
+    copies = [line for line in text.splitlines() if shape in line and " copy(" in line]
+    assert not copies, copies[:2]
 
 
 def _request(prompt: list[int], n: int, max_tokens: int, temperature: float, scored: bool = False) -> SampleRequest:
