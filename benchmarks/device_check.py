@@ -1,13 +1,14 @@
 """The device check: parity tests on the accelerator, then training and sampling at GPU sizes, in a time limit.
 
 Stages run one at a time, each in its own process (its own peak memory; a stage that hangs or runs out of
-time is killed and recorded, and the next one still runs): the `parity or device` tests, Qwen3-0.6B-shape
-LoRA r32 and full fine-tuning steps (`train_throughput.py`), sampling at batch 1/64/256/1024
-(`sample_throughput.py`), all with random weights in bfloat16. A stage starts only while enough of the
-time limit is left, and gets at most what is left. After every stage `device_check.json` (every number)
-and `device_check.md` (a summary against the published anchors, then one table per stage) are rewritten
-under `--out-dir`, so a run cut short still leaves what it measured. `--dry-run` runs the same stages on
-CPU at tiny sizes and only collects the tests (CI runs it). `benchmarks/device_check.sh` installs first.
+time is killed and recorded, and the next one still runs): the `parity or device` tests; Qwen3-0.6B-shape
+LoRA r32 training, sampling at batch 1/64/256/1024 and full fine-tuning (`train_throughput.py`,
+`sample_throughput.py`), random weights in bfloat16; the multi-adapter kernel forms side by side
+(`bench_lora.py`: the measurement the accelerator rows of `tx.tuning` wait for). A stage starts only while
+enough of the time limit is left, and gets at most what is left. After every stage `device_check.json`
+(every number) and `device_check.md` (a summary against the published anchors, then one table per stage)
+are rewritten under `--out-dir`, so a run cut short still leaves what it measured. `--dry-run` runs the
+same stages on CPU at tiny sizes and only collects the tests (CI runs it). `device_check.sh` installs first.
 
     python benchmarks/device_check.py --dry-run --out-dir /tmp/dc
     python benchmarks/device_check.py --time-limit-s 420 --out-dir "$OUT"
@@ -71,12 +72,15 @@ def stages(sizes: Sizes, dry: bool) -> list[Stage]:
     sample = [str(HERE / "sample_throughput.py"), "--shapes", sizes.shape, "--dtype", sizes.dtype, "--variants"]
     sample += ["lora", "--repeats", "1", "--prompt", str(sizes.prompt), "--new-tokens", str(sizes.new_tokens)]
     tests = ["-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "-m", "parity or device", *TEST_DIRS]
+    kernels = [str(HERE / "bench_lora.py"), "--dtype", sizes.dtype, *(["--quick"] if dry else [])]
     # Sampling before full fine-tuning: if time runs short, the LoRA numbers (the server's main use) come first.
     return [
         Stage("parity", [*tests, "--collect-only", "-q"] if dry else tests, 120, 30),
         Stage("train_lora_r32", [*train, "r32"], 100, 40),
         Stage("sample", [*sample, "--batches", *map(str, sizes.batches)], 180, 60),
         Stage("train_full", [*train, "full"], 100, 40),
+        # The three multi-adapter kernel forms side by side: the measurement `tx.tuning` waits for.
+        Stage("lora_kernels", kernels, 60, 20),
         Stage("qwen3.5", [], 0, 0, f"skipped: {QWEN35}"),
     ]
 
@@ -158,6 +162,9 @@ def summary(record: Record) -> str:
     if record.name == "parity":
         counts = {k: v for k, v in record.results[0].items() if k != "failed_tests"}
         return ", ".join(f"{v} {k}" for k, v in counts.items())
+    winners = [row["summary"] for row in record.results if "summary" in row]
+    if winners:  # bench_lora: the fastest kernel form per workload
+        return "; ".join(f"{w}: {s['winner']} {s['geomean_ms']}" for w, s in winners[-1].items())
     return "; ".join(point(row) for row in record.results)
 
 

@@ -106,8 +106,10 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
     proc, doc = device_check(tmp_path, timeout=400)
     stages = {stage["name"]: stage for stage in doc["stages"]}
     assert {name: s["status"] for name, s in stages.items()} == {
-        "parity": "ok", "train_lora_r32": "ok", "train_full": "ok", "sample": "ok", "qwen3.5": "skipped",
+        "parity": "ok", "train_lora_r32": "ok", "sample": "ok", "train_full": "ok", "lora_kernels": "ok",
+        "qwen3.5": "skipped",
     }  # fmt: skip
+    assert {"train", "decode"} <= set(stages["lora_kernels"]["results"][-1]["summary"])
     assert stages["parity"]["results"][0]["collected"] > 0
     assert [row["mode"] for row in stages["train_lora_r32"]["results"] + stages["train_full"]["results"]] == [
         "r32", "full",
