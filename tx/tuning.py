@@ -3,7 +3,7 @@
 A choice enters `CPU` only with a measurement behind it (the numbers are in the comments below, all from
 XLA:CPU on 2 cores); every other backend takes `PLAIN`, the straightforward form of each piece, until a
 measurement on that backend says otherwise. `for_backend()` is the one place that asks JAX which backend
-runs: the engine calls it at start-up and hands the result to the model (`CausalLM(tuning=...)`), the
+runs: the engine calls it at start-up and hands the result to the model (`load_model(tuning=...)`), the
 sampler (`SamplerConfig.layer_cache`) and `decode_layout`; modules never ask for themselves.
 """
 
@@ -50,8 +50,9 @@ CPU = Tuning(
     # XLA:CPU has no bfloat16 arithmetic: it is emulated, several times slower than float32.
     auto_dtype="float32",
     # The matmul library streams an [O, I] weight at ~20-25 GB/s as weight @ x.T against ~9-14 GB/s as
-    # x @ weight.T at 4-16 rows. Decode step, Qwen3-0.6B shape: batch 4 249 -> 131 ms, batch 8 262 -> 164 ms,
-    # batch 16 306 -> 234 ms; at 32 rows `small` measured 4% slower, hence the cap.
+    # x @ weight.T at 4-16 rows (30 GB/s at one row either way). Decode step, Qwen3-0.6B shape: batch 4
+    # 249 -> 131 ms, batch 8 262 -> 164 ms, batch 16 306 -> 234 ms; `small`: batch 4 5.2 -> 3.8 ms, batch 8
+    # 7.5 -> 6.4 ms. At 32 rows `small` measured 4% slower, hence the cap.
     weight_major_rows=16,
     # XLA:CPU copies a dynamic slice of a stacked weight before a library matmul, doubling a decode step's
     # weight reads (small, batch 8: 4.5 vs 2.2 ms for the layer matmuls); the per-layer cache layout made
