@@ -33,6 +33,7 @@ def test_attention_matches_a_softmax_reference_with_packing_and_gqa():
     `Attention.attend` on a bare module) equals softmax(q k^T / sqrt(E) + mask) v computed head by head."""
     from tx.models.config import ModelConfig
     from tx.models.layers import Attention
+    from tx.tuning import PLAIN
 
     cfg = ModelConfig.from_hf(
         {
@@ -51,7 +52,7 @@ def test_attention_matches_a_softmax_reference_with_packing_and_gqa():
             "tie_word_embeddings": True,
         }
     )
-    attn = Attention(cfg, None, ())
+    attn = Attention(cfg, None, (), PLAIN)
     B, T, H, K, E = 2, 6, 4, 2, 8
     keys = jax.random.split(jax.random.key(1), 3)
     q = jax.random.normal(keys[0], (B, T, H, E))
