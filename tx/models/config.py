@@ -2,7 +2,9 @@
 
 `ModelConfig` is frozen and family-neutral: the registry maps the HF `architectures` entry to a family
 (which only decides details such as Qwen3's per-head q/k norms). Anything we cannot run faithfully is
-rejected here, with the field that caused it, rather than silently approximated.
+rejected here, with the field that caused it, rather than silently approximated. Hybrid families
+(Qwen3.5 / Qwen3.6, `qwen3_5`) add `layer_types` and a `LinearAttention` section; their parsing lives in
+`tx.models.config_qwen3_5`, which reads every field of the HF file and rejects the ones it does not know.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from typing import Any
 ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
 }
+LAYER_TYPES = ("full_attention", "linear_attention")
 
 ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -39,6 +44,34 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearAttention:
+    """The Gated DeltaNet layers' shape (`linear_*` fields of a Qwen3.5 config): key/query heads of
+    `key_head_dim`, value heads of `value_head_dim` (each key head serves value_heads / key_heads of
+    them), and the depthwise causal convolution's kernel width over the concatenated q, k, v channels."""
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"linear attention {f.name} must be >= 1, got {getattr(self, f.name)}")
+        if self.value_heads % self.key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.key_heads})"
+            )
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of `in_proj_qkv` and the convolution: q and k (key heads) then v (value heads)."""
+        return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     family: str
     vocab_size: int
@@ -54,6 +87,10 @@ class ModelConfig:
     tie_word_embeddings: bool
     rope_scaling: RopeScaling | None = None
     dtype: str = "float32"
+    layer_types: tuple[str, ...] = ()  # per layer, from LAYER_TYPES; () = every layer full attention
+    linear: LinearAttention | None = None  # set when any layer is linear attention
+    partial_rotary_factor: float = 1.0  # the leading fraction of each head's dims that rotary rotates
+    checkpoint_prefix: str = "model"  # where the text model's tensors live ("model.language_model": multimodal)
 
     def __post_init__(self) -> None:
         if self.family not in ARCHITECTURES.values():
@@ -65,10 +102,41 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        self._check_layer_types()
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives rotary dim {self.rotary_dim}")
+
+    def _check_layer_types(self) -> None:
+        if not self.layer_types:
+            return
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer_types {unknown} are not supported; supported: {LAYER_TYPES}")
+        if ("linear_attention" in self.layer_types) != (self.linear is not None):
+            raise ValueError("linear attention layers need the linear_* fields, and only they do")
+        if self.family != "qwen3_5":
+            raise ValueError(f"layer_types are only supported for the qwen3_5 family, not {self.family!r}")
 
     @property
     def qk_norm(self) -> bool:
-        return self.family == "qwen3"
+        return self.family in ("qwen3", "qwen3_5")
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Every layer's type, `full_attention` where the config lists none."""
+        return self.layer_types or ("full_attention",) * self.num_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layers_holding(self, module: str) -> tuple[int, ...]:
+        """The HF layer indices, in order, whose weights a stacked decoder sub-module holds: Qwen3.5's
+        `linear_attn` and `self_attn` are stacked over the layers of their own type only."""
+        kind = {"linear_attn": "linear_attention", "self_attn": "full_attention"}.get(module)
+        return tuple(i for i, t in enumerate(self.kinds) if kind is None or t == kind)
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -76,6 +144,10 @@ class ModelConfig:
     @staticmethod
     def from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
         family = family_of(hf)
+        if family == "qwen3_5":
+            from tx.models.config_qwen3_5 import qwen3_5_from_hf  # that module builds a ModelConfig
+
+            return qwen3_5_from_hf(hf, dtype)
         for flag in ("attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise ValueError(f"config.json sets {flag}=true, which SmolGym does not support")
