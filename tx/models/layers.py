@@ -42,12 +42,17 @@ class AttentionMask:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype: jnp.dtype, stack: tuple[int, ...] = ()) -> None:
+    """`(offset + weight) * x / rms(x)`; Qwen3.5 stores its norms zero-centred (offset 1)."""
+
+    def __init__(
+        self, dim: int, eps: float, dtype: jnp.dtype, stack: tuple[int, ...] = (), offset: float = 0.0
+    ) -> None:
         self.weight = nnx.Param(jnp.ones((*stack, dim), dtype), logical_axes=(*("layers",) * len(stack), "norm"))
-        self.eps = eps
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.weight[...], self.eps)
+        weight = self.weight[...]
+        return rms_norm(x, weight + self.offset if self.offset else weight, self.eps)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

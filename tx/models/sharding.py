@@ -25,6 +25,9 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "q_heads": "tp",
     "kv_heads": "tp",
     "mlp": "tp",
+    "v_heads": "tp",  # Gated DeltaNet value heads (z, a, b, out_proj)
+    "conv_channels": "tp",  # Gated DeltaNet q, k, v channels (in_proj_qkv, conv1d)
+    "conv_kernel": None,
     "vocab": "tp",
     "norm": None,
     "adapter": None,

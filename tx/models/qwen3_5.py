@@ -1,0 +1,196 @@
+"""Qwen3.5 / Qwen3.6 text model: a hybrid stack of Gated DeltaNet and gated full-attention layers.
+
+The calling convention is `causal_lm.CausalLM`'s: tokens, positions and segments [B, T] (packed rows:
+attention stays in a segment, and the DeltaNet's conv and recurrent state restart at every segment
+boundary), per-row adapter slots, a cache passed explicitly and returned updated. The weights of each
+decoder sub-module are stacked over the layers that hold it (`ModelConfig.layers_holding`): `mlp` and the
+norms over all L layers, `linear_attn` over the linear layers, `self_attn` over the full ones. The forward
+pass scans over the repeating group of layer types (3 linear + 1 full in released checkpoints), one
+iteration per group with the group's layers unrolled inside, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tx.lora.layers import LoRASpec
+from tx.lora.params import LoRARows
+from tx.models.causal_lm import Embedding, LMHead
+from tx.models.config import ModelConfig
+from tx.models.layers import MLP, RMSNorm, rope_frequencies
+from tx.models.qwen3_5_layers import GatedAttention, GatedDeltaNet, LinearState, TokenFlags
+
+MIXERS = {"linear_attention": "linear_attn", "full_attention": "self_attn"}
+PER_LAYER = ("input_layernorm", "post_attention_layernorm", "mlp")
+
+
+def repeating_group(kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """The shortest pattern whose repetition gives the stack (the whole stack when none is shorter)."""
+    L = len(kinds)
+    return next(kinds[:p] for p in range(1, L + 1) if L % p == 0 and kinds[:p] * (L // p) == kinds)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HybridCache:
+    """Decode state keyed by layer type: the linear layers' `LinearState` stacked [L_linear, ...]."""
+
+    linear: LinearState
+
+    @staticmethod
+    def zeros(cfg: ModelConfig, batch: int) -> HybridCache:
+        lin = cfg.linear
+        assert lin is not None
+        n = len(cfg.layers_holding("linear_attn"))
+        conv = jnp.zeros((n, batch, lin.conv_kernel - 1, lin.conv_dim), cfg.dtype)
+        delta = jnp.zeros((n, batch, lin.value_heads, lin.key_head_dim, lin.value_head_dim), jnp.float32)
+        return HybridCache(LinearState(conv, delta))
+
+
+class HybridLayers(nnx.Module):
+    """HF's `model.layers.*`, each sub-module stacked over the layers that have it."""
+
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None) -> None:
+        dt, L, D = jnp.dtype(cfg.dtype), cfg.num_layers, cfg.hidden_size
+        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, dt, (L,), offset=1.0)
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, dt, (L,), offset=1.0)
+        self.mlp = MLP(cfg, lora, (L,))
+        if cfg.layers_holding("linear_attn"):
+            self.linear_attn = GatedDeltaNet(cfg, lora, (len(cfg.layers_holding("linear_attn")),))
+        if cfg.layers_holding("self_attn"):
+            self.self_attn = GatedAttention(cfg, lora, (len(cfg.layers_holding("self_attn")),))
+
+
+class Model(nnx.Module):
+    """HF's text `model.*` subtree (`model.language_model.*` in the multimodal checkpoint)."""
+
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None) -> None:
+        dt = jnp.dtype(cfg.dtype)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dt)
+        self.layers = HybridLayers(cfg, lora)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, offset=1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What every layer of one call reads besides the hidden states."""
+
+    positions: jax.Array
+    segments: jax.Array
+    flags: TokenFlags
+    inv_freq: jax.Array
+    rows: LoRARows | None
+
+
+class Qwen3_5CausalLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None = None, remat: bool = False) -> None:
+        self.config = cfg
+        self.model = Model(cfg, lora)
+        self.lm_head = LMHead(cfg, lora)
+        self.remat = remat
+
+    def hidden(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segments: jax.Array | None = None,
+        rows: LoRARows | None = None,
+        cache: HybridCache | None = None,
+    ) -> tuple[jax.Array, HybridCache | None]:
+        """tokens, positions [B, T] -> final normed hidden states [B, T, D] (and the updated cache)."""
+        cfg = self.config
+        segments = jnp.ones_like(tokens) if segments is None else segments
+        inv_freq = rope_frequencies(cfg.rotary_dim, cfg.rope_theta, None)
+        inputs = _Inputs(positions, segments, TokenFlags.of(segments), inv_freq, rows)
+        group = repeating_group(cfg.kinds)
+        G = cfg.num_layers // len(group)
+        parts = {name: nnx.split(getattr(self.model.layers, name)) for name in (*PER_LAYER, *_mixers(group))}
+        weights = {name: _by_group(state, G) for name, (_, state) in parts.items()}
+        start = cache if cache is not None else HybridCache.zeros(cfg, tokens.shape[0])
+        linear = _by_group(start.linear, G) if "linear_attention" in group else None
+        graphs = {name: graph for name, (graph, _) in parts.items()}
+
+        def body(h: jax.Array, x: tuple) -> tuple[jax.Array, LinearState | None]:
+            return _group(h, group, graphs, x[0], x[1], inputs)
+
+        if self.remat:
+            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+        h, new = jax.lax.scan(body, self.model.embed_tokens(tokens), (weights, linear))
+        if cache is None or new is None:
+            return self.model.norm(h), cache
+        return self.model.norm(h), HybridCache(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), new))
+
+    def logits(self, h: jax.Array, rows: LoRARows | None = None) -> jax.Array:
+        """[B, T, D] hidden -> [B, T, V] float32 logits."""
+        return self.lm_head(h, self.model.embed_tokens.weight[...], rows)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segments: jax.Array | None = None,
+        rows: LoRARows | None = None,
+        cache: HybridCache | None = None,
+    ) -> tuple[jax.Array, HybridCache | None]:
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        h, cache = self.hidden(tokens, positions, segments, rows, cache)
+        return self.logits(h, rows), cache
+
+
+def _mixers(group: tuple[str, ...]) -> list[str]:
+    return sorted({MIXERS[kind] for kind in group})
+
+
+def _by_group(tree: object, G: int) -> object:
+    """Every array's leading stacked axis [n, ...] -> [G, n / G, ...] (a free reshape)."""
+    return jax.tree.map(lambda a: a.reshape(G, a.shape[0] // G, *a.shape[1:]), tree)
+
+
+def _index(tree: object, index: int) -> Any:
+    return jax.tree.map(lambda a: a[index], tree)
+
+
+def _at(graph: nnx.GraphDef, state: object, index: int) -> nnx.Module:
+    return nnx.merge(graph, _index(state, index))
+
+
+def _group(
+    h: jax.Array,
+    group: tuple[str, ...],
+    graphs: dict[str, nnx.GraphDef],
+    weights: dict[str, object],
+    linear: LinearState | None,
+    inputs: _Inputs,
+) -> tuple[jax.Array, LinearState | None]:
+    """One repetition of the layer pattern, its layers unrolled; returns the linear layers' new states
+    stacked [per group, ...]."""
+    seen = {"linear_attn": 0, "self_attn": 0}
+    states = []
+    for i, kind in enumerate(group):
+        mixer = MIXERS[kind]
+        j = seen[mixer]
+        seen[mixer] += 1
+        x = _at(graphs["input_layernorm"], weights["input_layernorm"], i)(h)
+        module = _at(graphs[mixer], weights[mixer], j)
+        if isinstance(module, GatedDeltaNet):
+            assert linear is not None
+            out, state = module(x, inputs.flags, inputs.rows, _index(linear, j))
+            states.append(state)
+        else:
+            assert isinstance(module, GatedAttention)
+            out = module(x, inputs.positions, inputs.segments, inputs.inv_freq, inputs.rows)
+        h = h + out
+        post = _at(graphs["post_attention_layernorm"], weights["post_attention_layernorm"], i)
+        h = h + _at(graphs["mlp"], weights["mlp"], i)(post(h), inputs.rows)
+    return h, jax.tree.map(lambda *a: jnp.stack(a), *states) if states else None
+
+
+def abstract_qwen3_5(cfg: ModelConfig, lora: LoRASpec | None = None, remat: bool = False) -> Qwen3_5CausalLM:
+    """The model's structure with shapes only: weights are filled by the loader, never initialised."""
+    return nnx.eval_shape(lambda: Qwen3_5CausalLM(cfg, lora, remat))
