@@ -17,7 +17,7 @@ from tx.engine.trainer import Trainer
 from tx.engine.weights_io import WeightsIO
 from tx.lora.layers import LoRASpec
 from tx.lora.slots import SlotTable
-from tx.models.causal_lm import decode_layout
+from tx.models.causal_lm import CausalLM, decode_layout
 from tx.models.sharding import make_mesh
 from tx.models.weights import load_model, resolve_model_dir
 from tx.protocol import ModelInfo
@@ -78,6 +78,8 @@ def build_runner(
     log.info("loading %s (%s)", model_dir, dtype or "checkpoint dtype")
     lora = LoRASpec(slots.slots, max_lora_rank, tuning.lora_kernel)
     model, cfg = load_model(str(model_dir), dtype=dtype, lora=lora, mesh=mesh, remat=remat, tuning=tuning)
+    if not isinstance(model, CausalLM):  # Qwen3.5 loads and trains in tx.models; the sampler lacks its state
+        raise ValueError(f"the engine does not serve the {cfg.family} family yet (no decode state for its layers)")
     trainer = Trainer(model, train_micro_batch_tokens)
     tok, eos = _tokenizer(model_dir)
     seq_len = min(max_seq_len, cfg.max_position_embeddings)

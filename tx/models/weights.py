@@ -4,7 +4,10 @@ The model is created abstractly (shapes only); each base weight is then written 
 go straight to their sharded device array, and per-layer tensors are written into a preallocated
 stacked array with a donated in-place update, so host memory holds one tensor at a time and no random
 initialisation ever runs. Weights keep the checkpoint's layout ([out, in] for linear layers).
-Missing, unexpected or mis-shaped tensors raise an error naming the tensor.
+Missing, unexpected or mis-shaped tensors raise an error naming the tensor. A family whose text model
+sits under another prefix (Qwen3.5's multimodal `model.language_model.*`) is read from there, its other
+towers (`model.visual.*`) and the multi-token-prediction head (`mtp.*`) skipped; a decoder sub-module
+stacked over only some layers (Qwen3.5's `linear_attn`, `self_attn`) takes layer i at its rank among them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from tx.lora.layers import LoRASpec
 from tx.lora.params import LoRAParam
 from tx.models.causal_lm import CausalLM, abstract_model
 from tx.models.config import ModelConfig, load_hf_config
+from tx.models.qwen3_5 import Qwen3_5CausalLM, abstract_qwen3_5
 from tx.models.safetensors_io import iter_tensors, shard_files
 from tx.models.sharding import make_mesh, state_shardings
 from tx.tuning import Tuning
@@ -33,7 +37,8 @@ from tx.tuning import Tuning
 log = logging.getLogger(__name__)
 
 Path_ = tuple[str, ...]
-_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+SKIPPED = {"qwen3_5": ("model.visual.", "mtp.")}  # tensors of parts we do not run, by family
 HF_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.json", "tokenizer*", "*.txt", "*.model")
 
 
@@ -61,19 +66,41 @@ def resolve_model_dir(name_or_dir: str) -> Path:
         ) from err
 
 
-def hf_key_to_path(key: str) -> tuple[Path_, int | None]:
-    """HF tensor name -> (our state path, layer index or None). Layouts are the checkpoint's own."""
+def hf_key_to_path(key: str, prefix: str = "model") -> tuple[Path_, int | None]:
+    """HF tensor name -> (our state path, layer index or None). Layouts are the checkpoint's own; the text
+    model's `prefix` (e.g. "model.language_model") becomes our `model`."""
+    if prefix != "model" and key.startswith(prefix + "."):
+        key = "model" + key[len(prefix) :]
     m = _LAYER_KEY.match(key)
     if m:
-        return ("model", "layers", *m.group(2).split("."), "weight"), int(m.group(1))
+        return ("model", "layers", *m.group(2).split(".")), int(m.group(1))
     return tuple(key.split(".")), None
 
 
-def path_to_hf_key(path: Path_, layer: int | None) -> str:
+def path_to_hf_key(path: Path_, layer: int | None, prefix: str = "model") -> str:
     parts = list(path)
     if layer is not None:
         parts.insert(2, str(layer))
+    if parts[0] == "model":
+        parts[0] = prefix
     return ".".join(parts)
+
+
+def abstract_for(
+    cfg: ModelConfig, lora: LoRASpec | None, remat: bool, tuning: Tuning | None = None
+) -> CausalLM | Qwen3_5CausalLM:
+    """The family's model class, with shapes only (Qwen3.5 has no backend-specific forms yet)."""
+    if cfg.family == "qwen3_5":
+        return abstract_qwen3_5(cfg, lora, remat)
+    return abstract_model(cfg, lora, remat, tuning)
+
+
+def _stack_index(cfg: ModelConfig, path: Path_, layer: int, key: str) -> int:
+    """Layer `layer`'s index in the stacked weight at `path` (its rank among the layers holding it)."""
+    holding = cfg.layers_holding(path[2])
+    if layer not in holding:
+        raise ValueError(f"unexpected tensor {key!r}: layer {layer} has no {path[2]} (of {cfg.num_layers} layers)")
+    return holding.index(layer)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -94,13 +121,13 @@ def load_model(
     remat: bool = False,
     progress: bool = True,
     tuning: Tuning | None = None,
-) -> tuple[CausalLM, ModelConfig]:
+) -> tuple[CausalLM | Qwen3_5CausalLM, ModelConfig]:
     """Build the model for a HF checkpoint and fill its weights; LoRA slots start at zero. `tuning`: the
     backend choices the model is built with (default: those of the backend JAX runs on)."""
     model_dir = resolve_model_dir(name_or_dir)
     cfg = load_hf_config(model_dir, dtype)
     mesh = mesh or make_mesh(devices=jax.devices()[:1])
-    abstract = abstract_model(cfg, lora, remat, tuning)
+    abstract = abstract_for(cfg, lora, remat, tuning)
     graphdef, state = nnx.split(abstract)
     shardings = state_shardings(state, mesh)
     flat: dict[Path_, nnx.Variable] = {tuple(map(str, p)): v for p, v in nnx.to_flat_state(state)}
@@ -121,10 +148,13 @@ def _stream_weights(
     values: dict[Path_, jax.Array] = {}
     files = shard_files(model_dir)
     bar = tqdm(desc=f"loading {model_dir.name}", unit="tensor", disable=not progress, leave=False)
+    skipped = SKIPPED.get(cfg.family, ())
     for file in files:
         for key, array in iter_tensors(file):
             bar.update()
-            path, layer = hf_key_to_path(key)
+            if key.startswith(skipped):
+                continue
+            path, layer = hf_key_to_path(key, cfg.checkpoint_prefix)
             if path == ("lm_head", "weight") and cfg.tie_word_embeddings:
                 continue  # some checkpoints store the tied copy too
             if path not in expected:
@@ -137,11 +167,10 @@ def _stream_weights(
             if layer is None:
                 values[path] = jax.device_put(host, shardings[path])
                 continue
-            if not 0 <= layer < cfg.num_layers:
-                raise ValueError(f"unexpected tensor {key!r}: layer {layer} >= num_hidden_layers {cfg.num_layers}")
+            index = _stack_index(cfg, path, layer, key)
             if path not in values:
                 values[path] = _allocate(var.shape, var.dtype, shardings[path])
-            values[path] = _set_layer(values[path], jnp.int32(layer), host)
+            values[path] = _set_layer(values[path], jnp.int32(index), host)
             layers_seen.setdefault(path, set()).add(layer)
     bar.close()
     _check_complete(expected, values, layers_seen, cfg)
@@ -151,12 +180,14 @@ def _stream_weights(
 def _check_complete(expected: dict, values: dict, layers_seen: dict, cfg: ModelConfig) -> None:
     for path in expected:
         stacked = path[:2] == ("model", "layers")
+        first = cfg.layers_holding(path[2])[0] if stacked else None
         if path not in values:
-            raise ValueError(f"missing tensor {path_to_hf_key(path, 0 if stacked else None)!r} in the checkpoint")
+            raise ValueError(f"missing tensor {path_to_hf_key(path, first, cfg.checkpoint_prefix)!r} in the checkpoint")
         if stacked:
-            missing = sorted(set(range(cfg.num_layers)) - layers_seen[path])
+            missing = sorted(set(cfg.layers_holding(path[2])) - layers_seen[path])
             if missing:
-                raise ValueError(f"missing tensor {path_to_hf_key(path, missing[0])!r} in the checkpoint")
+                key = path_to_hf_key(path, missing[0], cfg.checkpoint_prefix)
+                raise ValueError(f"missing tensor {key!r} in the checkpoint")
 
 
 def save_hf(params: dict[Path_, jax.Array], cfg: ModelConfig, source_dir: Path, out_dir: Path) -> int:
