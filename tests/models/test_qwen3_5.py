@@ -1,0 +1,232 @@
+"""Qwen3.5 against transformers (torch CPU, float32): logits of both checkpoint classes, LoRA and full
+gradients, packed rows, a missing tensor named, and compile size flat in depth."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from tx.lora.layers import LoRASpec
+from tx.lora.params import LoRAParam, LoRARows, slot_scale
+from tx.models.config import ModelConfig
+from tx.models.qwen3_5 import abstract_qwen3_5
+from tx.models.weights import hf_key_to_path, load_model
+
+TEXT = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=6,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    max_position_embeddings=256,
+    initializer_range=0.05,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4)
+
+
+def build(path, multimodal: bool, tied: bool = False):
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    text = {**TEXT, "tie_word_embeddings": tied}
+    if multimodal:
+        model = Qwen3_5ForConditionalGeneration(
+            Qwen3_5Config(text_config=text, vision_config=VISION, tie_word_embeddings=tied)
+        )
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+    with torch.no_grad():  # norms start at 0 (zero-centred) or 1: perturb them, and the gating, to see misplacements
+        for name, p in model.named_parameters():
+            if "norm" in name or "A_log" in name or "dt_bias" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    model.eval().save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    cache: dict = {}
+
+    def get(multimodal: bool = False, tied: bool = False):
+        if (multimodal, tied) not in cache:
+            path = tmp_path_factory.mktemp(f"qwen3_5-{'mm' if multimodal else 'text'}-{tied}")
+            cache[multimodal, tied] = (path, build(path, multimodal, tied))
+        return cache[multimodal, tied]
+
+    return get
+
+
+def tokens_for(cfg: ModelConfig, shape, seed=0) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, cfg.vocab_size, shape).astype(np.int32)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("multimodal,tied", [(False, False), (True, False), (True, True)])
+def test_logits_match_transformers(models, multimodal, tied):
+    path, ref = models(multimodal, tied)
+    model, cfg = load_model(str(path), progress=False)
+    assert cfg.tie_word_embeddings == tied and cfg.checkpoint_prefix.endswith("language_model") == multimodal
+    tokens = tokens_for(cfg, (2, 80))  # two chunks of the delta rule, the second one partial
+    with torch.no_grad():
+        want = ref(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    got, _ = model(tokens)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
+
+
+def torch_param(ref, cfg: ModelConfig, path: tuple[str, ...], index: int | None) -> torch.nn.Parameter:
+    """The torch parameter for our `path` (layer `index` of its stack)."""
+    params = dict(ref.named_parameters())
+    if index is None:
+        return params[".".join(path)]
+    layer = cfg.layers_holding(path[2])[index]
+    return params[".".join((*path[:2], str(layer), *path[2:]))]
+
+
+def loss_weights(cfg: ModelConfig, shape) -> np.ndarray:
+    return np.random.RandomState(7).randn(*shape, cfg.vocab_size).astype(np.float32) / cfg.vocab_size
+
+
+@pytest.mark.parity
+def test_full_gradients_match_torch_autograd(models):
+    path, ref = models()
+    model, cfg = load_model(str(path), progress=False)
+    tokens = tokens_for(cfg, (2, 70), seed=3)
+    w = loss_weights(cfg, tokens.shape)
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params):
+        logits, _ = nnx.merge(graph, params, rest)(tokens)
+        return jnp.sum(jnp.tanh(logits) * w)
+
+    grads = jax.grad(loss)(params)
+    ref.zero_grad()
+    (torch.tanh(ref(torch.tensor(tokens, dtype=torch.long)).logits) * torch.tensor(w)).sum().backward()
+    checked = 0
+    for p, var in nnx.to_flat_state(grads):
+        key = tuple(map(str, p))
+        mine = np.asarray(var.get_value())
+        for i in range(mine.shape[0]) if key[:2] == ("model", "layers") else [None]:
+            want = torch_param(ref, cfg, key, i).grad.numpy()
+            np.testing.assert_allclose(mine if i is None else mine[i], want, atol=1e-4, rtol=0, err_msg=str((key, i)))
+            checked += 1
+    assert checked == len(list(ref.parameters()))
+
+
+def lora_targets(model) -> dict[tuple[str, ...], nnx.Variable]:
+    return {tuple(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, LoRAParam))}
+
+
+@pytest.mark.parity
+def test_lora_gradients_match_peft(models):
+    """Slot 1 holds a random rank-4 adapter on every projection (both layer types and lm_head); our
+    gradients of A and B equal those of the same PEFT adapter on the transformers model."""
+    from peft import LoraConfig, get_peft_model
+
+    path, ref = models()
+    rank, alpha = 4, 8.0
+    model, cfg = load_model(str(path), lora=LoRASpec(2, rank), progress=False)
+    rng = np.random.RandomState(5)
+    for var in lora_targets(model).values():
+        var.set_value(jnp.asarray(0.1 * rng.randn(*var.shape), jnp.float32))
+    names = ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj", "q_proj", "k_proj", "v_proj"]
+    names += ["o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    peft_model = get_peft_model(ref, LoraConfig(r=rank, lora_alpha=alpha, target_modules=names))
+    modules = dict(peft_model.named_modules())
+    flat = lora_targets(model)
+    for key, var in flat.items():
+        module_path, which = key[:-1], key[-1]
+        stacked = module_path[:2] == ("model", "layers")
+        for i in range(var.shape[0]) if stacked else [None]:
+            value = np.asarray(var.get_value())[i, 1] if stacked else np.asarray(var.get_value())[1]
+            layer = None if i is None else cfg.layers_holding(module_path[2])[i]
+            name = ".".join(module_path if layer is None else (*module_path[:2], str(layer), *module_path[2:]))
+            target = getattr(modules["base_model.model." + name], "lora_A" if which == "lora_a" else "lora_B")
+            target["default"].weight.data = torch.tensor(value.T.copy())
+    tokens = tokens_for(cfg, (2, 70), seed=4)
+    w = loss_weights(cfg, tokens.shape)
+    rows = LoRARows(jnp.ones(2, jnp.int32), jnp.stack([jnp.zeros(rank), slot_scale(rank, alpha, rank)]))
+    graph, lora, rest = nnx.split(model, LoRAParam, ...)
+
+    def loss(lora):
+        logits, _ = nnx.merge(graph, lora, rest)(tokens, rows=rows)
+        return jnp.sum(jnp.tanh(logits) * w)
+
+    grads = {tuple(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(jax.grad(loss)(lora))}
+    peft_model.zero_grad()
+    (torch.tanh(peft_model(torch.tensor(tokens, dtype=torch.long)).logits) * torch.tensor(w)).sum().backward()
+    for key, grad in grads.items():
+        module_path, which = key[:-1], key[-1]
+        stacked = module_path[:2] == ("model", "layers")
+        for i in range(grad.shape[0]) if stacked else [None]:
+            layer = None if i is None else cfg.layers_holding(module_path[2])[i]
+            name = ".".join(module_path if layer is None else (*module_path[:2], str(layer), *module_path[2:]))
+            target = getattr(modules["base_model.model." + name], "lora_A" if which == "lora_a" else "lora_B")
+            mine = grad[i, 1] if stacked else grad[1]
+            np.testing.assert_allclose(mine.T, target["default"].weight.grad.numpy(), atol=1e-4, rtol=0, err_msg=name)
+
+
+def test_packed_rows_match_each_sequence_alone(models):
+    """Three sequences in one row (one spans a chunk boundary of the delta rule) and trailing padding."""
+    path, _ = models()
+    model, cfg = load_model(str(path), progress=False)
+    lengths = [5, 70, 9]
+    seqs = [tokens_for(cfg, (1, n), seed=n)[0] for n in lengths]
+    T = 96
+    tokens, segments, positions = (np.zeros((1, T), np.int32) for _ in range(3))
+    start = 0
+    for i, s in enumerate(seqs):
+        tokens[0, start : start + len(s)], segments[0, start : start + len(s)] = s, i + 1
+        positions[0, start : start + len(s)] = np.arange(len(s))
+        start += len(s)
+    packed, _ = model(tokens, positions, segments)
+    start = 0
+    for s in seqs:
+        alone, _ = model(s[None])
+        np.testing.assert_allclose(np.asarray(packed[0, start : start + len(s)]), np.asarray(alone[0]), atol=1e-5)
+        start += len(s)
+
+
+def test_missing_tensor_of_a_linear_layer_is_named(models, tmp_path):
+    path, _ = models(multimodal=True)
+    shutil.copytree(path, tmp_path / "m")
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    assert any(k.startswith("model.visual.") for k in tensors)  # present in the checkpoint, skipped by the loader
+    del tensors["model.language_model.layers.5.linear_attn.A_log"]
+    save_file(tensors, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(ValueError, match="missing tensor 'model.language_model.layers.5.linear_attn.A_log'"):
+        load_model(str(tmp_path / "m"), progress=False)
+    assert hf_key_to_path("model.language_model.layers.5.linear_attn.A_log", "model.language_model") == (
+        ("model", "layers", "linear_attn", "A_log"),
+        5,
+    )
+
+
+def hlo_size(layers: int) -> int:
+    """Lines of the lowered forward pass of a random (abstract) model with `layers` layers, 3:1 pattern."""
+    hf = json.loads(json.dumps({**TEXT, "num_hidden_layers": layers, "architectures": ["Qwen3_5ForCausalLM"]}))
+    hf.pop("initializer_range")
+    cfg = ModelConfig.from_hf(hf)
+    graph, state = nnx.split(abstract_qwen3_5(cfg, LoRASpec(2, 4)))
+    tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    lowered = jax.jit(lambda s, t: nnx.merge(graph, s)(t)[0]).lower(state, tokens)
+    return len(lowered.as_text().splitlines())
+
+
+def test_compiled_program_does_not_grow_with_depth():
+    assert hlo_size(4) == hlo_size(16)
