@@ -1,5 +1,5 @@
 """Qwen3.5 against transformers (torch CPU, float32): logits of both checkpoint classes, LoRA and full
-gradients, packed rows, a missing tensor named, and compile size flat in depth."""
+gradients, packed rows, prefill + decode, a missing tensor named, and compile size flat in depth."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 from tx.lora.layers import LoRASpec
 from tx.lora.params import LoRAParam, LoRARows, slot_scale
 from tx.models.config import ModelConfig
-from tx.models.qwen3_5 import abstract_qwen3_5
+from tx.models.qwen3_5 import HybridCache, abstract_qwen3_5
 from tx.models.weights import hf_key_to_path, load_model
 
 TEXT = dict(
@@ -230,3 +230,41 @@ def hlo_size(layers: int) -> int:
 
 def test_compiled_program_does_not_grow_with_depth():
     assert hlo_size(4) == hlo_size(16)
+
+
+def test_prefill_then_decode_matches_full_forward(models):
+    path, _ = models()
+    model, cfg = load_model(str(path), progress=False)
+    B, P, N = 2, 7, 6
+    tokens = tokens_for(cfg, (B, P + N), seed=2)
+    full, _ = model(tokens)
+    step = jax.jit(lambda t, pos, cache: model(t, pos, cache=cache))
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    logits, cache = step(tokens[:, :P], positions, HybridCache.zeros(cfg, B, 32))
+    outs = [logits]
+    for i in range(P, P + N):
+        logits, cache = step(tokens[:, i : i + 1], jnp.full((B, 1), i, jnp.int32), cache)
+        outs.append(logits)
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), np.asarray(full), atol=1e-5, rtol=0)
+
+
+def test_padded_prefill_and_shared_prompt_state(models):
+    """Rows of different prompt lengths prefilled together (padding has segment 0 and writes nothing), then
+    row 0's state copied to a third row (num_samples > 1), each row decoding its own next token."""
+    path, _ = models()
+    model, cfg = load_model(str(path), progress=False)
+    lengths = [3, 9]
+    seqs = [tokens_for(cfg, (1, n + 1), seed=10 + n)[0] for n in lengths]
+    prompt, segments = np.zeros((2, 9), np.int32), np.zeros((2, 9), np.int32)
+    for r, n in enumerate(lengths):
+        prompt[r, :n], segments[r, :n] = seqs[r][:n], 1
+    positions = np.tile(np.arange(9, dtype=np.int32), (2, 1))
+    positions[0, 3:] = 100  # beyond the cache: row 0's padding writes no keys
+    _, cache = model(prompt, positions, segments, cache=HybridCache.zeros(cfg, 2, 16))
+    cache = cache.take_rows(jnp.array([0, 1, 0]))
+    other = (seqs[0][3] + 1) % cfg.vocab_size
+    last = np.array([[seqs[0][3]], [seqs[1][9]], [other]], np.int32)
+    logits, _ = model(last, np.array([[3], [9], [3]], np.int32), cache=cache)
+    for r, (n, seq) in enumerate([(3, seqs[0]), (9, seqs[1]), (3, np.append(seqs[0][:3], other))]):
+        alone, _ = model(seq[None, : n + 1])
+        np.testing.assert_allclose(np.asarray(logits[r, 0]), np.asarray(alone[0, n]), atol=1e-5, rtol=0)

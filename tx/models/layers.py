@@ -226,42 +226,45 @@ class Attention(nnx.Module):
         start: jax.Array,
         rows: LoRARows | None,
     ) -> jax.Array:
-        """Attention of this call's queries over the cache's earlier positions and this call's own keys.
+        """`cached_attention` through o_proj."""
+        return self.o_proj(cached_attention(q, k, v, k_cache, v_cache, start), rows)
 
-        q [B, T, H, E]; k, v [B, T, K, E] for positions start[b] + 0..T-1; k_cache, v_cache [B, S, K, E]
-        hold positions < start[b] (later cache positions are stale and masked). The two blocks are
-        combined with one softmax, so the cache is read, never copied, and written once per call by the
-        caller.
-        """
-        B, T, H, E = q.shape
-        K = self.kv_heads
-        qg = (q.reshape(B, T, K, H // K, E) / math.sqrt(E)).astype(jnp.float32)
-        low = jnp.finfo(jnp.float32).min
-        old = jnp.arange(k_cache.shape[1])[None, :] < start[:, None]  # [B, S]
-        if T == 1:  # decode: streaming multiply-and-sum beats XLA CPU's tiny batched GEMMs
-            s_old = jnp.sum(qg[:, 0, None] * k_cache[:, :, :, None, :], axis=-1)  # [B, S, K, G]
-            s_old = jnp.where(old[:, :, None, None], s_old, low)
-            s_new = jnp.sum(qg[:, 0] * k[:, 0, :, None, :], axis=-1)[:, None]  # [B, 1, K, G]
-            top = jnp.maximum(s_old.max(axis=1, keepdims=True), s_new)
-            p_old, p_new = jnp.exp(s_old - top), jnp.exp(s_new - top)
-            denom = p_old.sum(axis=1) + p_new[:, 0]  # [B, K, G]
-            num = (
-                jnp.sum(p_old[..., None] * v_cache[:, :, :, None, :], axis=1)
-                + p_new[:, 0, ..., None] * v[:, 0, :, None]
-            )
-            out = (num / denom[..., None]).astype(v.dtype).reshape(B, 1, H * E)
-            return self.o_proj(out, rows)
-        s_old = jnp.einsum("btkge,bske->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
-        s_old = jnp.where(old[:, None, None, None, :], s_old, low)
-        s_new = jnp.einsum("btkge,bske->bkgts", qg, k, preferred_element_type=jnp.float32)
-        causal = jnp.tril(jnp.ones((T, T), bool))
-        s_new = jnp.where(causal, s_new, low)
-        top = jnp.maximum(s_old.max(-1, keepdims=True), s_new.max(-1, keepdims=True))
+
+def cached_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array
+) -> jax.Array:
+    """Attention of this call's queries over the cache's earlier positions and this call's own keys.
+
+    q [B, T, H, E]; k, v [B, T, K, E] for positions start[b] + 0..T-1; k_cache, v_cache [B, S, K, E]
+    hold positions < start[b] (later cache positions are stale and masked) -> the heads' output
+    [B, T, H*E]. The two blocks are combined with one softmax, so the cache is read, never copied, and
+    written once per call by the caller.
+    """
+    B, T, H, E = q.shape
+    K = k.shape[2]
+    qg = (q.reshape(B, T, K, H // K, E) / math.sqrt(E)).astype(jnp.float32)
+    low = jnp.finfo(jnp.float32).min
+    old = jnp.arange(k_cache.shape[1])[None, :] < start[:, None]  # [B, S]
+    if T == 1:  # decode: streaming multiply-and-sum beats XLA CPU's tiny batched GEMMs
+        s_old = jnp.sum(qg[:, 0, None] * k_cache[:, :, :, None, :], axis=-1)  # [B, S, K, G]
+        s_old = jnp.where(old[:, :, None, None], s_old, low)
+        s_new = jnp.sum(qg[:, 0] * k[:, 0, :, None, :], axis=-1)[:, None]  # [B, 1, K, G]
+        top = jnp.maximum(s_old.max(axis=1, keepdims=True), s_new)
         p_old, p_new = jnp.exp(s_old - top), jnp.exp(s_new - top)
-        denom = p_old.sum(-1) + p_new.sum(-1)  # [B, K, G, T]
-        num = jnp.einsum("bkgts,bske->bkgte", p_old, v_cache) + jnp.einsum("bkgts,bske->bkgte", p_new, v)
-        out = (num / denom[..., None]).astype(v.dtype)
-        return self.o_proj(out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E), rows)
+        denom = p_old.sum(axis=1) + p_new[:, 0]  # [B, K, G]
+        num = jnp.sum(p_old[..., None] * v_cache[:, :, :, None, :], axis=1) + p_new[:, 0, ..., None] * v[:, 0, :, None]
+        return (num / denom[..., None]).astype(v.dtype).reshape(B, 1, H * E)
+    s_old = jnp.einsum("btkge,bske->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
+    s_old = jnp.where(old[:, None, None, None, :], s_old, low)
+    s_new = jnp.einsum("btkge,bske->bkgts", qg, k, preferred_element_type=jnp.float32)
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    s_new = jnp.where(causal, s_new, low)
+    top = jnp.maximum(s_old.max(-1, keepdims=True), s_new.max(-1, keepdims=True))
+    p_old, p_new = jnp.exp(s_old - top), jnp.exp(s_new - top)
+    denom = p_old.sum(-1) + p_new.sum(-1)  # [B, K, G, T]
+    num = jnp.einsum("bkgts,bske->bkgte", p_old, v_cache) + jnp.einsum("bkgts,bske->bkgte", p_new, v)
+    out = (num / denom[..., None]).astype(v.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
 
 
 class MLP(nnx.Module):

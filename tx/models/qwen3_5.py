@@ -20,7 +20,7 @@ from flax import nnx
 
 from tx.lora.layers import LoRASpec
 from tx.lora.params import LoRARows
-from tx.models.causal_lm import Embedding, LMHead
+from tx.models.causal_lm import Embedding, KVCache, LMHead, _write_cache
 from tx.models.config import ModelConfig
 from tx.models.layers import MLP, RMSNorm, rope_frequencies
 from tx.models.qwen3_5_layers import GatedAttention, GatedDeltaNet, LinearState, TokenFlags
@@ -38,18 +38,31 @@ def repeating_group(kinds: tuple[str, ...]) -> tuple[str, ...]:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HybridCache:
-    """Decode state keyed by layer type: the linear layers' `LinearState` stacked [L_linear, ...]."""
+    """Decode state keyed by layer type, each stacked over the layers of its type, rows on axis 1:
+    `full`, the full-attention layers' keys and values [L_full, B, S, K, E]; `linear`, the Gated DeltaNet
+    layers' conv windows [L_linear, B, W-1, C] and state matrices [L_linear, B, P, E, M] (float32). Only
+    `full` has a length axis; a row's `linear` state is what the row has read so far, whatever S is."""
 
+    full: KVCache
     linear: LinearState
 
     @staticmethod
-    def zeros(cfg: ModelConfig, batch: int) -> HybridCache:
-        lin = cfg.linear
-        assert lin is not None
-        n = len(cfg.layers_holding("linear_attn"))
-        conv = jnp.zeros((n, batch, lin.conv_kernel - 1, lin.conv_dim), cfg.dtype)
-        delta = jnp.zeros((n, batch, lin.value_heads, lin.key_head_dim, lin.value_head_dim), jnp.float32)
-        return HybridCache(LinearState(conv, delta))
+    def zeros(cfg: ModelConfig, batch: int, length: int) -> HybridCache:
+        shape = (len(cfg.layers_holding("self_attn")), batch, length, cfg.num_kv_heads, cfg.head_dim)
+        return HybridCache(KVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)), _zero_linear(cfg, batch))
+
+    def take_rows(self, index: jax.Array) -> HybridCache:
+        """Rows `index` of every state (a prompt's state shared by its samples, rows admitted or retired)."""
+        return jax.tree.map(lambda a: jnp.take(a, index, axis=1), self)
+
+
+def _zero_linear(cfg: ModelConfig, batch: int) -> LinearState:
+    lin = cfg.linear
+    n = len(cfg.layers_holding("linear_attn"))
+    if lin is None:
+        return LinearState(jnp.zeros((0, batch, 0, 0), cfg.dtype), jnp.zeros((0, batch, 0, 0, 0), jnp.float32))
+    conv = jnp.zeros((n, batch, lin.conv_kernel - 1, lin.conv_dim), cfg.dtype)
+    return LinearState(conv, jnp.zeros((n, batch, lin.value_heads, lin.key_head_dim, lin.value_head_dim), jnp.float32))
 
 
 class HybridLayers(nnx.Module):
@@ -110,20 +123,21 @@ class Qwen3_5CausalLM(nnx.Module):
         group = repeating_group(cfg.kinds)
         G = cfg.num_layers // len(group)
         parts = {name: nnx.split(getattr(self.model.layers, name)) for name in (*PER_LAYER, *_mixers(group))}
-        weights = {name: _by_group(state, G) for name, (_, state) in parts.items()}
-        start = cache if cache is not None else HybridCache.zeros(cfg, tokens.shape[0])
-        linear = _by_group(start.linear, G) if "linear_attention" in group else None
         graphs = {name: graph for name, (graph, _) in parts.items()}
+        linear = cache.linear if cache is not None else _zero_linear(cfg, tokens.shape[0])
+        xs = ({name: state for name, (_, state) in parts.items()}, linear, None if cache is None else cache.full)
 
-        def body(h: jax.Array, x: tuple) -> tuple[jax.Array, LinearState | None]:
-            return _group(h, group, graphs, x[0], x[1], inputs)
+        def body(h: jax.Array, x: tuple) -> tuple[jax.Array, tuple]:
+            return _group(h, group, graphs, x, inputs)
 
         if self.remat:
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-        h, new = jax.lax.scan(body, self.model.embed_tokens(tokens), (weights, linear))
-        if cache is None or new is None:
-            return self.model.norm(h), cache
-        return self.model.norm(h), HybridCache(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), new))
+        h, (linear, kv) = jax.lax.scan(body, self.model.embed_tokens(tokens), _by_group(xs, G))
+        if cache is None:
+            return self.model.norm(h), None
+        k_new, v_new = _ungroup(kv)
+        full = _write_cache(cache.full, k_new, v_new, positions)  # written once, after the scan
+        return self.model.norm(h), HybridCache(full, _ungroup(linear))
 
     def logits(self, h: jax.Array, rows: LoRARows | None = None) -> jax.Array:
         """[B, T, D] hidden -> [B, T, V] float32 logits."""
@@ -147,7 +161,7 @@ def _mixers(group: tuple[str, ...]) -> list[str]:
     return sorted({MIXERS[kind] for kind in group})
 
 
-def _by_group(tree: object, G: int) -> object:
+def _by_group(tree: Any, G: int) -> Any:
     """Every array's leading stacked axis [n, ...] -> [G, n / G, ...] (a free reshape)."""
     return jax.tree.map(lambda a: a.reshape(G, a.shape[0] // G, *a.shape[1:]), tree)
 
@@ -160,35 +174,45 @@ def _at(graph: nnx.GraphDef, state: object, index: int) -> nnx.Module:
     return nnx.merge(graph, _index(state, index))
 
 
-def _group(
-    h: jax.Array,
-    group: tuple[str, ...],
-    graphs: dict[str, nnx.GraphDef],
-    weights: dict[str, object],
-    linear: LinearState | None,
-    inputs: _Inputs,
-) -> tuple[jax.Array, LinearState | None]:
-    """One repetition of the layer pattern, its layers unrolled; returns the linear layers' new states
-    stacked [per group, ...]."""
+def _ungroup(tree: Any) -> Any:
+    """[G, n / G, ...] -> [n, ...]."""
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)
+
+
+def _group(h: jax.Array, group: tuple[str, ...], graphs: dict[str, nnx.GraphDef], x: tuple, inputs: _Inputs) -> tuple:
+    """One repetition of the layer pattern, its layers unrolled. x = (this group's weights, its linear
+    layers' states, its full layers' cache or None) -> (h, (new linear states, new (k, v) or None))."""
+    weights, linear, kv = x
     seen = {"linear_attn": 0, "self_attn": 0}
-    states = []
+    states: list[LinearState] = []
+    written: list[tuple[jax.Array, jax.Array] | None] = []
     for i, kind in enumerate(group):
         mixer = MIXERS[kind]
         j = seen[mixer]
         seen[mixer] += 1
-        x = _at(graphs["input_layernorm"], weights["input_layernorm"], i)(h)
         module = _at(graphs[mixer], weights[mixer], j)
-        if isinstance(module, GatedDeltaNet):
-            assert linear is not None
-            out, state = module(x, inputs.flags, inputs.rows, _index(linear, j))
-            states.append(state)
-        else:
-            assert isinstance(module, GatedAttention)
-            out = module(x, inputs.positions, inputs.segments, inputs.inv_freq, inputs.rows)
-        h = h + out
+        x_in = _at(graphs["input_layernorm"], weights["input_layernorm"], i)(h)
+        out, new = _mix(module, x_in, inputs, _index(linear, j) if mixer == "linear_attn" else _index(kv, j))
+        (states if mixer == "linear_attn" else written).append(new)
         post = _at(graphs["post_attention_layernorm"], weights["post_attention_layernorm"], i)
+        h = h + out
         h = h + _at(graphs["mlp"], weights["mlp"], i)(post(h), inputs.rows)
-    return h, jax.tree.map(lambda *a: jnp.stack(a), *states) if states else None
+    return h, (_stack(states), _stack(written) if kv is not None else None)
+
+
+def _mix(module: nnx.Module, x: jax.Array, inputs: _Inputs, state: Any) -> tuple[jax.Array, Any]:
+    """One layer's token mixer -> (its output, its new state: a `LinearState`, this call's (k, v), or None)."""
+    if isinstance(module, GatedDeltaNet):
+        return module(x, inputs.flags, inputs.rows, state)
+    assert isinstance(module, GatedAttention)
+    if state is None:
+        return module(x, inputs.positions, inputs.segments, inputs.inv_freq, inputs.rows), None
+    out, k, v = module.cached(x, inputs.positions, inputs.inv_freq, inputs.rows, state.k, state.v)
+    return out, (k, v)
+
+
+def _stack(items: list) -> Any:
+    return jax.tree.map(lambda *a: jnp.stack(a), *items) if items and items[0] is not None else None
 
 
 def abstract_qwen3_5(cfg: ModelConfig, lora: LoRASpec | None = None, remat: bool = False) -> Qwen3_5CausalLM:

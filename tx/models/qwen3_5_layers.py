@@ -20,7 +20,7 @@ from tx.lora.layers import LoRALinear, LoRASpec
 from tx.lora.params import LoRARows
 from tx.models.config import ModelConfig
 from tx.models.delta_rule import chunked_delta_rule, recurrent_delta_rule
-from tx.models.layers import AttentionMask, RMSNorm, apply_rope, grouped_attention, rms_norm
+from tx.models.layers import AttentionMask, RMSNorm, apply_rope, cached_attention, grouped_attention, rms_norm
 
 
 @jax.tree_util.register_dataclass
@@ -188,6 +188,21 @@ class GatedAttention(nnx.Module):
         mask = AttentionMask(segments, segments, positions, positions)
         out = grouped_attention(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask.allowed())
         return self.gated_output(out, gate, rows)
+
+    def cached(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        inv_freq: jax.Array,
+        rows: LoRARows | None,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Tokens at consecutive positions from positions[:, 0] over the cache [B, S, K, E] of the earlier
+        ones -> (output [B, T, D], this call's k and v [B, T, K, E] for the caller to write)."""
+        q, k, v, gate = self.project(x, positions, inv_freq, rows)
+        heads = cached_attention(q, k, v, k_cache, v_cache, positions[:, 0])
+        return self.gated_output(heads, gate, rows), k, v
 
     def gated_output(self, out: jax.Array, gate: jax.Array, rows: LoRARows | None) -> jax.Array:
         """The heads' output [B, T, H*E] times sigmoid(gate), through o_proj."""
