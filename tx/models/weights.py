@@ -207,18 +207,28 @@ def save_hf(params: dict[Path_, jax.Array], cfg: ModelConfig, source_dir: Path, 
     for f in source_dir.iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and not f.name.endswith(".index.json"):
             shutil.copy2(f, tmp / f.name)
-    tensors: dict[str, np.ndarray] = {}
+    tensors = _skipped_tensors(source_dir, cfg)  # towers we do not run are written back unchanged
+    prefix = cfg.checkpoint_prefix
     for path, value in params.items():
         host = np.asarray(jax.device_get(value))
         if path[:2] == ("model", "layers") and path[2].isdigit():  # one layer's own buffer (split_layers)
-            tensors[path_to_hf_key((*path[:2], *path[3:]), int(path[2]))] = host
+            layer = cfg.layers_holding(path[3])[int(path[2])]
+            tensors[path_to_hf_key((*path[:2], *path[3:]), layer, prefix)] = host
         elif path[:2] == ("model", "layers"):
-            for i in range(cfg.num_layers):
-                tensors[path_to_hf_key(path, i)] = np.ascontiguousarray(host[i])
+            for index, layer in enumerate(cfg.layers_holding(path[2])):
+                tensors[path_to_hf_key(path, layer, prefix)] = np.ascontiguousarray(host[index])
         else:
-            tensors[path_to_hf_key(path, None)] = host
+            tensors[path_to_hf_key(path, None, prefix)] = host
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(out_dir)
     return sum(f.stat().st_size for f in out_dir.iterdir())
+
+
+def _skipped_tensors(source_dir: Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The source checkpoint's tensors that loading skips (e.g. Qwen3.5's vision tower), as stored."""
+    skipped = SKIPPED.get(cfg.family, ())
+    if not skipped:
+        return {}
+    return {k: np.array(a) for f in shard_files(source_dir) for k, a in iter_tensors(f) if k.startswith(skipped)}
