@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tx.models.delta_rule import chunked_delta_rule, recurrent_delta_rule
+from tx.models.delta_rule import chunked_delta_rule, recurrent_delta_rule, unit_lower_inverse
 
 B, T, H, E, M = 2, 37, 3, 8, 6
 
@@ -58,3 +58,10 @@ def test_a_reset_forgets_everything_before_it():
     o_alone, s_alone = chunked_delta_rule(*(x[:, 20:] for x in (q, k, v, g, beta)), resets[:, 20:], 0 * state, chunk=8)
     np.testing.assert_allclose(o[:, 20:], o_alone, atol=2e-6, rtol=0)
     np.testing.assert_allclose(s, s_alone, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("size", [1, 5, 8, 37, 64])
+def test_unit_lower_inverse_equals_the_float64_inverse(size):
+    A = jnp.tril(0.3 * jax.random.normal(jax.random.key(size), (3, 2, size, size)), -1)
+    want = np.linalg.inv(np.eye(size) + np.asarray(A, np.float64))
+    np.testing.assert_allclose(unit_lower_inverse(A), want, atol=1e-5 * max(1.0, np.abs(want).max()), rtol=0)

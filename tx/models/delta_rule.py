@@ -6,9 +6,10 @@ with q, k already L2-normalised (q also scaled by 1/sqrt(E)), g_t <= 0 the log d
 
 The chunked form computes the same thing exactly (up to float rounding) with matrix products: inside a chunk
 of C tokens the corrections d = beta (v - S^T k) satisfy a unit lower-triangular system (the WY form of
-DeltaNet), solved once per chunk; the state then crosses chunk boundaries in a scan. Cost is linear in the
-length, and each scan step holds only one chunk's [C, C] and [C, E + M] blocks (the step is rematerialised
-in the backward pass, so the residuals are the chunk inputs and one state per chunk).
+DeltaNet), solved once per chunk by a blocked inverse made of matrix products; the state then crosses
+chunk boundaries in a scan. Cost is linear in the length, and each scan step holds only one chunk's
+[C, C] and [C, E + M] blocks (the step is rematerialised in the backward pass, so the residuals are the
+chunk inputs and one state per chunk).
 
 Packed rows: `resets` [B, T] marks tokens that start a new sequence; the state is zeroed before them. Padding
 is made neutral by the caller (beta = 0 and g = 0 leave the state unchanged). Letters: B batch, T length,
@@ -97,4 +98,41 @@ def _corrections(
     strict_CC = jnp.tril(jnp.ones((C, C), bool), -1)
     A_BHCC = jnp.where(strict_CC, beta[..., None] * jnp.einsum("bhie,bhje->bhij", k, k) * decay_BHCC, 0.0)
     rhs_BHCM = beta[..., None] * (v - from_state_BHC[..., None] * jnp.einsum("bhce,bhem->bhcm", k, S_BHEM))
-    return jax.scipy.linalg.solve_triangular(A_BHCC, rhs_BHCM, lower=True, unit_diagonal=True)
+    return unit_lower_inverse(A_BHCC) @ rhs_BHCM
+
+
+BASE = 8  # diagonal blocks inverted by substitution; larger blocks are joined by matrix products
+
+
+def unit_lower_inverse(A: jax.Array) -> jax.Array:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C], by blocks: the 8x8 diagonal blocks by
+    forward substitution, then pairs of inverted blocks joined as [[X, 0], [-Y L21 X, Y]] until the whole.
+    All matrix products: XLA:CPU's batched `solve_triangular` took 101 ms for a [4, 8, 64, 64] system with
+    128 right-hand sides, this 1.3 ms (a training step's delta rule was 10x slower than the recurrence)."""
+    C = A.shape[-1]
+    n = max(BASE, 1 << (C - 1).bit_length())
+    A = jnp.pad(A, [(0, 0)] * (A.ndim - 2) + [(0, n - C), (0, n - C)])  # zero rows and columns: identity there
+    inv, size = _substitute(_diagonal_blocks(A, BASE)), BASE
+    while size < n:
+        lower = _diagonal_blocks(A, 2 * size)[..., size:, :size]
+        first, second = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        top = jnp.concatenate([first, jnp.zeros_like(first)], -1)
+        inv, size = jnp.concatenate([top, jnp.concatenate([-second @ lower @ first, second], -1)], -2), 2 * size
+    return inv[..., 0, :C, :C]
+
+
+def _diagonal_blocks(A: jax.Array, size: int) -> jax.Array:
+    """[..., n, n] -> its diagonal blocks [..., n / size, size, size]."""
+    m = A.shape[-1] // size
+    blocks = A.reshape(*A.shape[:-2], m, size, m, size)
+    return jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)
+
+
+def _substitute(A: jax.Array) -> jax.Array:
+    """(I + A)^-1 of small strictly lower blocks [..., b, b], one row at a time (unrolled)."""
+    b = A.shape[-1]
+    eye = jnp.eye(b, dtype=A.dtype)
+    rows = [jnp.broadcast_to(eye[0], A.shape[:-1])]
+    for i in range(1, b):
+        rows.append(eye[i] - jnp.einsum("...j,...jk->...k", A[..., i, :i], jnp.stack(rows, -2)))
+    return jnp.stack(rows, -2)
