@@ -24,6 +24,7 @@ from tx.models.causal_lm import Embedding, KVCache, LMHead, _write_cache
 from tx.models.config import ModelConfig
 from tx.models.layers import MLP, RMSNorm, rope_frequencies
 from tx.models.qwen3_5_layers import GatedAttention, GatedDeltaNet, LinearState, TokenFlags
+from tx.tuning import PLAIN
 
 MIXERS = {"linear_attention": "linear_attn", "full_attention": "self_attn"}
 PER_LAYER = ("input_layernorm", "post_attention_layernorm", "mlp")
@@ -72,7 +73,7 @@ class HybridLayers(nnx.Module):
         dt, L, D = jnp.dtype(cfg.dtype), cfg.num_layers, cfg.hidden_size
         self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, dt, (L,), offset=1.0)
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, dt, (L,), offset=1.0)
-        self.mlp = MLP(cfg, lora, (L,))
+        self.mlp = MLP(cfg, lora, (L,), PLAIN)  # no backend-specific form measured for this family yet
         if cfg.layers_holding("linear_attn"):
             self.linear_attn = GatedDeltaNet(cfg, lora, (len(cfg.layers_holding("linear_attn")),))
         if cfg.layers_holding("self_attn"):
@@ -104,7 +105,7 @@ class Qwen3_5CausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, lora: LoRASpec | None = None, remat: bool = False) -> None:
         self.config = cfg
         self.model = Model(cfg, lora)
-        self.lm_head = LMHead(cfg, lora)
+        self.lm_head = LMHead(cfg, lora, PLAIN)
         self.remat = remat
 
     def hidden(
