@@ -16,7 +16,7 @@ import torch
 from tx.engine import losses
 from tx.engine.losses import LossInputs
 
-N, K = 80, 3
+N, K = 96, 3
 # (loss, loss_fn_config, number of tokens); the spare tokens are padding.
 DATUMS: list[tuple[str, dict[str, float] | None, int]] = [
     ("cross_entropy", None, 6),  # soft targets over K columns
@@ -30,7 +30,18 @@ DATUMS: list[tuple[str, dict[str, float] | None, int]] = [
     ("gspo", {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}, 7),  # sequence ratio inside the bounds
     ("gspo", None, 5),  # default bounds: the sequence ratio is clipped
     ("stable_reinforce", {"truncation": 1.1, "kl_coeff": 0.1}, 6),
+    ("dro", None, 4),
+    ("stable_reinforce", None, 5),
 ]
+# The defaults as the protocol (shared/tinker-protocol.md §7.7) and tx.engine.losses' docstring state them,
+# written out here so a wrong default in the implementation's table cannot also fill the reference's.
+DEFAULTS: dict[str, dict[str, float]] = {
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    "dro": {"beta": 0.05},
+    "gspo": {"clip_low_threshold": 0.9997, "clip_high_threshold": 1.0004},
+    "stable_reinforce": {"truncation": 2.0, "kl_coeff": 0.0},
+}
 D = len(DATUMS)
 
 
@@ -72,6 +83,9 @@ def make_case(seed: int) -> Case:
     weights[ce_soft[0], 2] = 0.0
     weights[ce_custom, 0] = rng.normal(0.0, 2.0, size=len(ce_custom))
     weights[positions[2], 0] *= 0.5
+    sr = positions[-1][:3]  # default stable_reinforce: ratios above the default truncation and between 1.5 and 2
+    q[sr] = p[sr, 0] - np.array([1.0, 0.6, -0.2], np.float32)
+    weights[sr, 0] = 1.0
     # Unused top-K columns and padding may hold anything; none of it may leak.
     p[:, 1:][weights[:, 1:] == 0] = -np.inf
     p[~valid] = np.nan
@@ -136,7 +150,8 @@ def reference(case: Case) -> tuple[np.ndarray, np.ndarray]:
             "adv": torch.tensor(inp.advantages, dtype=torch.float64)[idx],
             "mask": torch.tensor(inp.ratio_mask)[idx],
         }
-        loss_N = loss_N.index_put((idx,), reference_loss(name, losses.validate_loss(name, cfg), p_all[idx], t))
+        full_cfg = {**DEFAULTS.get(name, {}), **(cfg or {})}
+        loss_N = loss_N.index_put((idx,), reference_loss(name, full_cfg, p_all[idx], t))
     loss_N.sum().backward()
     assert p_all.grad is not None
     return loss_N.detach().numpy(), p_all.grad.numpy()
