@@ -39,7 +39,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_server(model_dir: Path, data_dir: Path, database_url: str | None = None) -> tuple[str, callable]:
+def start_server(
+    model_dir: Path, data_dir: Path, database_url: str | None = None, max_lora_adapters: int = 10
+) -> tuple[str, callable]:
     from tx.api.app import create_app
     from tx.api.context import Settings
     from tx.db import open_database
@@ -51,7 +53,7 @@ def start_server(model_dir: Path, data_dir: Path, database_url: str | None = Non
     runner, info = build_runner(
         base_model=str(model_dir),
         data_dir=data_dir,
-        max_lora_adapters=10,
+        max_lora_adapters=max_lora_adapters,
         max_lora_rank=16,
         max_seq_len=256,
         decode_rows=16,
