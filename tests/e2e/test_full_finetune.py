@@ -28,7 +28,7 @@ def test_full_finetune_trains_samples_and_exports(live, service):
     # the base model (another client's view) is untouched by full fine-tuning
     base = service.create_sampling_client(base_model=live.base_model).sample(prompt, 1, greedy).result()
     assert base.sequences[0].tokens == before.sequences[0].tokens
-    assert after.sequences[0].tokens != before.sequences[0].tokens or losses[-1] < losses[0]
+    assert after.sequences[0].logprobs != pytest.approx(before.sequences[0].logprobs, abs=1e-3), "sync saw no update"
 
     path = client.save_weights_for_sampler("full-final").result().path
     run_id, name = path.removeprefix("tinker://").split("/", 1)
@@ -41,6 +41,14 @@ def test_full_finetune_trains_samples_and_exports(live, service):
     targets = torch.tensor(batch[0].loss_fn_inputs["target_tokens"].tolist())
     ref = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0].numpy()
     np.testing.assert_allclose(ours, ref, atol=1e-4)
+    # the synced sampler sampled exactly these weights: the exported model's greedy continuation and logprobs
+    seq, context = after.sequences[0], prompt.to_ints()
+    with torch.no_grad():
+        for token, logprob in zip(seq.tokens, seq.logprobs, strict=True):
+            step_lp = torch.log_softmax(exported(torch.tensor([context])).logits[0, -1], -1)
+            assert token == int(step_lp.argmax())
+            np.testing.assert_allclose(logprob, float(step_lp[token]), atol=1e-4)
+            context.append(token)
 
 
 def test_full_snapshots_are_bounded_and_named_ones_reload(live, service):
