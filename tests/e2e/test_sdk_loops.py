@@ -139,8 +139,24 @@ def test_stable_reinforce_with_provenance(live, service):
             )
         )
     out = client.forward_backward(data, "stable_reinforce").result()
-    assert np.isfinite(out.metrics["loss:sum"])
-    client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    # the loss with the default config (truncation 2, no KL term), from the learner logprobs it returned
+    expected = 0.0
+    for d, o in zip(data, out.loss_fn_outputs, strict=True):
+        p, q = o["logprobs"].to_numpy(), d.loss_fn_inputs["logprobs"].to_numpy()
+        adv = d.loss_fn_inputs["advantages"].to_numpy()
+        expected += float(np.sum(-np.minimum(np.exp(p - q), 2.0) * adv * p))
+    np.testing.assert_allclose(out.metrics["loss:sum"], expected, rtol=1e-4)
+    # the sampler and the learner hold the same weights: on-policy, the sampled tokens' logprobs agree
+    for d, o in zip(data, out.loss_fn_outputs, strict=True):
+        sampled = d.loss_fn_inputs["advantages"].to_numpy() != 0
+        p, q = o["logprobs"].to_numpy(), d.loss_fn_inputs["logprobs"].to_numpy()
+        np.testing.assert_allclose(p[sampled], q[sampled], atol=1e-4)
+    client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    # positive advantages on every sampled token: the step makes those tokens more likely
+    after = client.forward(data, "stable_reinforce").result().loss_fn_outputs
+    for d, before, now in zip(data, out.loss_fn_outputs, after, strict=True):
+        sampled = d.loss_fn_inputs["advantages"].to_numpy() != 0
+        assert now["logprobs"].to_numpy()[sampled].sum() > before["logprobs"].to_numpy()[sampled].sum()
 
 
 def test_bad_input_is_a_clear_error(live, service):
