@@ -125,7 +125,16 @@ def test_completion_updates_linked_rows(db: Database) -> None:
     assert db.records.get_checkpoint(run.id, "weights/a", OWNER, ready=False) is None
     failed = db.queue.get(save.future_id)
     assert failed is not None and (failed.error, failed.error_category) == ("disk full", "server")
-    db.queue.complete(created.future_id, CheckpointResult(path="p"))  # idempotent overwrite is harmless
+    first = db.queue.get(created.future_id)
+    assert first is not None and first.status == "done" and first.result is not None
+    # A late duplicate completion (a retried engine write) leaves a done future done and its run ready.
+    db.queue.complete(created.future_id, CreateModelResult(run.id))
+    again = db.queue.get(created.future_id)
+    assert again is not None and (again.status, again.result) == ("done", first.result)
+    assert db.records.get_run(run.id, OWNER).status == "ready"  # type: ignore[union-attr]
+    # Completing a future that was never submitted is ignored, not an error.
+    db.queue.complete("987654", CheckpointResult(path="p"))
+    assert db.queue.get("987654") is None
 
 
 def test_recover_fails_unfinished_work(db: Database) -> None:
