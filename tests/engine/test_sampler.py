@@ -196,7 +196,11 @@ def test_stop_tokens_and_strings_end_the_sequence(llama):
     prompt = PROMPTS[3]
     greedy = llama.hf_greedy(prompt, 16)
     i = first_new_index(greedy, 3)
-    pair = char_decode(greedy[i + 1 : i + 3])
+    # a two-token stop string whose first occurrence ends at token j + 2 (none earlier, prompt excluded)
+    j = next(
+        j for j in range(i, len(greedy) - 2) if char_decode(greedy[j + 1 : j + 3]) not in char_decode(greedy[: j + 2])
+    )
+    pair = char_decode(greedy[j + 1 : j + 3])
     reqs = {
         "tok": (make_req(prompt, 16, temperature=0.0, stop_token_ids=[greedy[i]]), 0),
         "str": (make_req(prompt, 16, temperature=0.0, stop_strings=[pair]), 0),
@@ -205,9 +209,8 @@ def test_stop_tokens_and_strings_end_the_sequence(llama):
     results, _ = run(llama.sampler, reqs)
     assert tokens_of(results["tok"]) == [greedy[: i + 1]]
     assert results["tok"].sequences[0].stop_reason == "stop"
-    if pair not in char_decode(greedy[: i + 2]):
-        assert tokens_of(results["str"]) == [greedy[: i + 3]]
-        assert results["str"].sequences[0].stop_reason == "stop"
+    assert tokens_of(results["str"]) == [greedy[: j + 3]]
+    assert results["str"].sequences[0].stop_reason == "stop"
     assert tokens_of(results["none"]) == [greedy] and results["none"].sequences[0].stop_reason == "length"
 
 
