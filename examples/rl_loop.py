@@ -23,6 +23,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--learning-rate", type=float, default=5e-2)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8, help="completions sampled per step")
+    p.add_argument("--seed", type=int, default=None, help="seed the sampling (step i: seed + i) for a repeatable run")
     return p.parse_args()
 
 
@@ -70,9 +71,10 @@ def main() -> None:
         tokenizer = load_tokenizer(client, args.base_model)
         targets = word_token_ids(tokenizer)
         prompt = tokenizer.encode("Say a word:", add_special_tokens=False)
-        params = types.SamplingParams(max_tokens=8, temperature=1.0)
         adam = types.AdamParams(learning_rate=args.learning_rate)
         for step in range(args.steps):
+            seed = None if args.seed is None else args.seed + step
+            params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=seed)
             sampler = client.save_weights_and_get_sampling_client().result()
             result = sampler.sample(
                 types.ModelInput.from_ints(prompt), num_samples=args.group_size, sampling_params=params

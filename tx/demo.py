@@ -34,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--data-dir", default="./smolgym-data", help="server data directory (default ./smolgym-data)")
     p.add_argument("--keep-server", action="store_true", help="leave the server running after the examples")
+    p.add_argument("--seed", type=int, default=None, help="seed the RL loop's sampling (a repeatable run)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server to start")
     return p.parse_args(argv)
 
@@ -101,9 +102,9 @@ def _drain(lines: queue.Queue[str | None]) -> None:
         print(f"[server] {line}", end="", flush=True)
 
 
-def run_example(name: str, steps: int, env: dict[str, str]) -> int:
+def run_example(name: str, steps: int, env: dict[str, str], *extra: str) -> int:
     print(f"\n=== examples/{name} ===", flush=True)
-    return subprocess.call([sys.executable, str(EXAMPLES / name), "--steps", str(steps)], env=env)
+    return subprocess.call([sys.executable, str(EXAMPLES / name), "--steps", str(steps), *extra], env=env)
 
 
 def stop(server: subprocess.Popen[str]) -> None:
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     code = 1
     try:
         wait_ready(server, args.timeout)
-        code = run_example("rl_loop.py", args.steps, env) or run_example("sl_loop.py", args.steps, env)
+        seed = () if args.seed is None else ("--seed", str(args.seed))
+        code = run_example("rl_loop.py", args.steps, env, *seed) or run_example("sl_loop.py", args.steps, env)
         if args.keep_server and code == 0:
             print(f"\nserver still running on {url} (Ctrl-C to stop)", flush=True)
             server.wait()
