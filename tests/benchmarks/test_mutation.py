@@ -1,0 +1,62 @@
+"""benchmarks/mutation.py's mutator: which mutants a source gets, and that each changes exactly one thing."""
+
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("benchmarks_mutation", ROOT / "benchmarks" / "mutation.py")
+assert spec is not None and spec.loader is not None
+mutation = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = mutation
+spec.loader.exec_module(mutation)
+
+SOURCE = '''
+"""Docstring with 1 < 2 is left alone."""
+import logging
+
+log = logging.getLogger("x")
+
+
+def f(a: int, b: float = 0.5) -> bool:
+    """Nor is this one."""
+    log.info("value %d", a + 1)
+    if not a and -b < 2:
+        return a * b >= 3
+    return f"{a + 1}" == "2"
+'''
+
+
+def test_mutants_cover_operators_and_constants_but_not_docs_logs_or_fstrings() -> None:
+    found = [(line, desc) for _, desc, line in mutation.mutation_points(ast.parse(SOURCE))]
+    assert sorted(found) == sorted(
+        [
+            (8, "0.5 -> 1.5"),
+            (11, "And -> Or"),
+            (11, "drop Not"),
+            (11, "0:Lt -> LtE"),
+            (11, "drop USub"),
+            (11, "2 -> 3"),
+            (12, "Mult -> Div"),
+            (12, "0:GtE -> Gt"),
+            (12, "3 -> 4"),
+            (13, "0:Eq -> NotEq"),
+        ]
+    )
+
+
+def test_each_mutant_changes_one_node_and_parses() -> None:
+    original = ast.dump(ast.parse(SOURCE))
+    count = len(mutation.mutation_points(ast.parse(SOURCE)))
+    mutated = {mutation.mutate(SOURCE, i)[0] for i in range(count)}
+    assert len(mutated) == count  # all different from each other
+    for source in mutated:
+        assert ast.dump(ast.parse(source)) != original
+    assert (
+        "return a * b > 3"
+        in mutation.mutate(
+            SOURCE,
+            next(i for i, (_, d, _) in enumerate(mutation.mutation_points(ast.parse(SOURCE))) if d == "0:GtE -> Gt"),
+        )[0]
+    )
