@@ -21,6 +21,8 @@ from tx.protocol import (
     LoraConfig,
     RequestError,
     SaveStateRequest,
+    UnloadModelRequest,
+    UnloadResult,
 )
 
 OWNER = owner_of("tml-test")
@@ -135,6 +137,35 @@ def test_completion_updates_linked_rows(db: Database) -> None:
     # Completing a future that was never submitted is ignored, not an error.
     db.queue.complete("987654", CheckpointResult(path="p"))
     assert db.queue.get("987654") is None
+
+
+def test_checkpoint_size_unload_and_recovery_reach_the_records(db: Database) -> None:
+    run = TrainingRunRow(id="u:train:0", session_id="u", owner=OWNER, base_model="b", lora_rank=4)
+    created = db.queue.submit(kind="create_model", payload=CreateModelRequest("b", LoraConfig(4)), owner=OWNER,
+                              model_id=run.id, rows=[run], dedupe_key="u:train:0#1")  # fmt: skip
+    assert db.queue.get_by_key("u:train:0#1").id == int(created.future_id)  # type: ignore[union-attr]
+    assert db.queue.get_by_key("u:train:0#2") is None
+    ckpt = CheckpointRow(run_id=run.id, checkpoint_id="weights/s", checkpoint_type="training",
+                         tinker_path="tinker://u:train:0/weights/s", owner=OWNER, directory="/tmp/s")  # fmt: skip
+    save = db.queue.submit(kind="save_state", payload=SaveStateRequest("s", "/tmp/s", ckpt.tinker_path), owner=OWNER,
+                           model_id=run.id, rows=[ckpt])  # fmt: skip
+    db.queue.claim(10)
+    db.queue.complete(created.future_id, CreateModelResult(run.id))
+    db.queue.complete(save.future_id, CheckpointResult(path=ckpt.tinker_path, size_bytes=12345))
+    assert db.records.get_checkpoint(run.id, "weights/s", OWNER).size_bytes == 12345  # type: ignore[union-attr]
+    unload = db.queue.submit(kind="unload_model", payload=UnloadModelRequest(), owner=OWNER, model_id=run.id)
+    db.queue.claim(10)
+    db.queue.complete(unload.future_id, UnloadResult(run.id))
+    assert db.records.get_run(run.id, OWNER).status == "unloaded"  # type: ignore[union-attr]
+    # A restart unloads every run that was ready (its adapter lived in the old process).
+    other = TrainingRunRow(id="v:train:0", session_id="v", owner=OWNER, base_model="b", lora_rank=4)
+    made = db.queue.submit(kind="create_model", payload=CreateModelRequest("b", LoraConfig(4)), owner=OWNER,
+                           model_id=other.id, rows=[other])  # fmt: skip
+    db.queue.claim(10)
+    db.queue.complete(made.future_id, CreateModelResult(other.id))
+    assert db.records.get_run(other.id, OWNER).status == "ready"  # type: ignore[union-attr]
+    db.queue.recover()
+    assert db.records.get_run(other.id, OWNER).status == "unloaded"  # type: ignore[union-attr]
 
 
 def test_recover_fails_unfinished_work(db: Database) -> None:
