@@ -26,15 +26,18 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def trained(live, service):
-    """(training client, its batch, its forward logprobs) after two steps, and the REST client."""
-    client = service.create_lora_training_client(base_model=live.base_model, rank=4).result()
-    batch = sl_batch(21)
-    for _ in range(2):
-        client.forward_backward(batch, "cross_entropy").result()
-        client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
-    logprobs = [o["logprobs"].to_numpy() for o in client.forward(batch, "cross_entropy").result().loss_fn_outputs]
-    return client, batch, logprobs, tinker.RestClient(base_url=live.url, api_key=KEY)
+def trained(live):
+    """(training client, its batch, its forward logprobs) after two steps, and the REST client. In a session
+    of its own, ended with the module: the shared server's adapter slots are few, and other modules need them."""
+    with tinker.ServiceClient(base_url=live.url, api_key=KEY) as service:
+        client = service.create_lora_training_client(base_model=live.base_model, rank=4).result()
+        batch = sl_batch(21)
+        for _ in range(2):
+            client.forward_backward(batch, "cross_entropy").result()
+            client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        outputs = client.forward(batch, "cross_entropy").result().loss_fn_outputs
+        logprobs = [o["logprobs"].to_numpy() for o in outputs]
+        yield client, batch, logprobs, tinker.RestClient(base_url=live.url, api_key=KEY)
 
 
 def directory_of(live, path: str):
