@@ -2,7 +2,7 @@
 with the server's logits, and an evicted named snapshot reloads from them.
 
 A server of its own with two adapter slots: the run holds one, so each new sampler snapshot evicts the
-previous one.
+previous one. Each test runs in its own session, whose end unloads its runs and frees their slots.
 """
 
 import copy
@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+import tinker
 import torch
 from peft import PeftModel
 from tinker import types
@@ -24,13 +25,10 @@ ATTN_MLP = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 
 @pytest.fixture(scope="module")
 def two_slots(hf_models, tmp_path_factory):
-    import tinker
-
     model_dir, torch_model = hf_models("qwen3", 2, False)
     data_dir = tmp_path_factory.mktemp("e2e-two-slots")
     url, stop = start_server(model_dir, data_dir, max_lora_adapters=2)
-    service = tinker.ServiceClient(base_url=url, api_key=KEY)
-    yield service, str(model_dir), torch_model, data_dir
+    yield url, str(model_dir), torch_model, data_dir
     stop()
 
 
@@ -50,7 +48,12 @@ def peft_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 
 
 def test_trained_adapter_loads_in_peft_and_an_evicted_named_snapshot_reloads(two_slots):
-    service, base_model, torch_model, data_dir = two_slots
+    url, base_model, torch_model, data_dir = two_slots
+    with tinker.ServiceClient(base_url=url, api_key=KEY) as service:
+        export_train_and_reload(service, base_model, torch_model, data_dir)
+
+
+def export_train_and_reload(service, base_model, torch_model, data_dir) -> None:
     client = service.create_lora_training_client(base_model=base_model, rank=4, train_unembed=False).result()
     batch = sl_batch(11)
     for _ in range(3):
@@ -88,3 +91,21 @@ def test_trained_adapter_loads_in_peft_and_an_evicted_named_snapshot_reloads(two
     assert again.tokens == first.tokens and again.logprobs == pytest.approx(first.logprobs, abs=1e-5)
     with pytest.raises(Exception, match="not available"):
         ephemeral.sample(types.ModelInput.from_ints(prompt), 1, greedy).result()
+
+
+def test_a_new_run_takes_a_snapshot_slot_and_then_runs_are_refused_clearly(two_slots):
+    """Runs are never evicted: a new run evicts a sampler snapshot; with every slot held by runs, the next
+    one is a user error that names the flag to raise."""
+    url, base_model, _, _ = two_slots
+    prompt, greedy = types.ModelInput.from_ints([3, 4, 5]), types.SamplingParams(max_tokens=2, temperature=0.0)
+    with tinker.ServiceClient(base_url=url, api_key=KEY) as service:
+        first = service.create_lora_training_client(base_model=base_model, rank=4).result()
+        snapshot = first.save_weights_and_get_sampling_client().result()
+        assert len(snapshot.sample(prompt, 1, greedy).result().sequences[0].tokens) == 2
+        second = service.create_lora_training_client(base_model=base_model, rank=4).result()
+        with pytest.raises(tinker.RequestFailedError, match="not available"):
+            snapshot.sample(prompt, 1, greedy).result()
+        full = r"all 2 LoRA slots are in use \(2 runs, 0 sampler snapshots\).*--max-lora-adapters 4"
+        with pytest.raises(tinker.RequestFailedError, match=full):
+            service.create_lora_training_client(base_model=base_model, rank=4).result()
+        assert second.forward(sl_batch(2), "cross_entropy").result().metrics["loss:sum"] > 0  # still serving
