@@ -12,6 +12,7 @@ import pytest
 from tx.db import Database, DuplicateRequestError, owner_of
 from tx.db.tables import CheckpointRow, TrainingRunRow
 from tx.protocol import (
+    AdamParams,
     CheckpointResult,
     CreateModelRequest,
     CreateModelResult,
@@ -19,6 +20,8 @@ from tx.protocol import (
     ForwardBackwardRequest,
     ForwardBackwardResult,
     LoraConfig,
+    OptimStepRequest,
+    OptimStepResult,
     RequestError,
     SaveStateRequest,
     UnloadModelRequest,
@@ -166,6 +169,23 @@ def test_checkpoint_size_unload_and_recovery_reach_the_records(db: Database) -> 
     assert db.records.get_run(other.id, OWNER).status == "ready"  # type: ignore[union-attr]
     db.queue.recover()
     assert db.records.get_run(other.id, OWNER).status == "unloaded"  # type: ignore[union-attr]
+
+
+def test_metrics_and_last_request_time_are_recorded_for_the_run(db: Database) -> None:
+    run = TrainingRunRow(id="w:train:0", session_id="w", owner=OWNER, base_model="b", lora_rank=4)
+    created = db.queue.submit(kind="create_model", payload=CreateModelRequest("b", LoraConfig(4)), owner=OWNER,
+                              model_id=run.id, rows=[run])  # fmt: skip
+    fb = db.queue.submit(kind="forward_backward", payload=_fb([1, 2]), owner=OWNER, model_id=run.id)
+    step = db.queue.submit(kind="optim_step", payload=OptimStepRequest(AdamParams()), owner=OWNER, model_id=run.id)
+    db.queue.claim(10)
+    db.queue.complete(created.future_id, CreateModelResult(run.id))
+    created_at = db.records.get_run(run.id, OWNER).last_request_at  # type: ignore[union-attr]
+    time.sleep(0.01)
+    db.queue.complete(fb.future_id, ForwardBackwardResult([], {"loss:sum": 2.5}))
+    db.queue.complete(step.future_id, OptimStepResult({"grad_norm:mean": 0.75}))
+    metrics = {(m.kind, m.name, m.value) for m in db.records.latest_metrics(run.id)}
+    assert metrics == {("forward_backward", "loss:sum", 2.5), ("optim_step", "grad_norm:mean", 0.75)}
+    assert db.records.get_run(run.id, OWNER).last_request_at > created_at  # type: ignore[union-attr,operator]
 
 
 def test_recover_fails_unfinished_work(db: Database) -> None:
