@@ -49,6 +49,13 @@ def test_datum_and_token_counts() -> None:
     assert wide.max_request_tokens == 1024 * 16 and wide.max_tensor_elements == 16 * 64
     assert Limits(max_seq_len=10**6, vocab_size=100).max_request_tokens == 10**6
     assert Limits(max_seq_len=4096, vocab_size=100).max_request_tokens == 1 << 19
+    long_info = ModelInfo(base_model="m", vocab_size=100, max_seq_len=1 << 19, tokenizer_id="t")
+    long_limits = Limits(max_seq_len=1 << 19, vocab_size=100)
+    half = [1] * (1 << 18)
+    request = ForwardBackwardRequest([_ce(half), _ce(half)], "cross_entropy", {})
+    validate.check_forward_backward(request, long_info, long_limits)  # exactly the request token limit
+    request.data.append(_ce([1]))
+    _refused("524289 tokens in all", validate.check_forward_backward, request, long_info, long_limits)
 
 
 def test_loss_names_config_and_required_inputs() -> None:
@@ -66,6 +73,7 @@ def test_input_shapes_dtypes_and_values() -> None:
     _refused("advantages has shape", _fb, [_ce(advantages=np.zeros((3, 1), np.float32))])
     _refused("integer token ids", _fb, [_ce(target_tokens=np.zeros(3, np.float32))])
     _refused("NaN or infinite", _fb, [_ce(weights=np.array([1, math.inf, 1], np.float32))])
+    _fb([_ce(target_tokens=np.array([0, 99, 0]))])
     _refused("ids outside the vocabulary", _fb, [_ce(target_tokens=np.array([1, 100, 2]))])
     _refused("ids outside the vocabulary", _fb, [_ce(target_tokens=np.array([1, -1, 2]))])
     _refused("weights has shape \\[3\\] but target_tokens has \\[3, 2\\]", _fb,
@@ -88,6 +96,7 @@ def test_top_k_targets() -> None:
         ("learning_rate", 0.0, -1e-9),
         ("beta1", 0.0, 1.0),
         ("beta2", 0.999, -0.1),
+        ("beta2", 0.0, 1.0),
         ("eps", 1e-30, 0.0),
         ("weight_decay", 0.0, -1e-9),
         ("grad_clip_norm", 0.0, -1.0),
