@@ -71,3 +71,47 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory):
         return cache[key]
 
     return get
+
+
+# A tiny Qwen3.5: eight layers in the released 3 linear + 1 full pattern, DeltaNet heads of both kinds.
+QWEN3_5_TEXT: dict[str, Any] = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=6,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    max_position_embeddings=256,
+    initializer_range=0.05,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+QWEN3_5_VISION: dict[str, Any] = dict(
+    depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4
+)
+
+
+def build_qwen3_5(path: Path, multimodal: bool, tied: bool = False, **text_extra: Any):
+    """A tiny random Qwen3.5 saved to `path`: the hub's multimodal class (with its vision tower) or the
+    text-only one. Returns the torch model (eval, fp32)."""
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    text = {**QWEN3_5_TEXT, **text_extra, "tie_word_embeddings": tied}
+    if multimodal:
+        config = Qwen3_5Config(text_config=text, vision_config=QWEN3_5_VISION, tie_word_embeddings=tied)
+        model = Qwen3_5ForConditionalGeneration(config)
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+    with torch.no_grad():  # norms start at 0 (zero-centred) or 1: perturb them, and the gating, to see misplacements
+        for name, p in model.named_parameters():
+            if "norm" in name or "A_log" in name or "dt_bias" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    model.eval().save_pretrained(path)
+    return model

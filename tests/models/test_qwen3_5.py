@@ -11,52 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import QWEN3_5_TEXT as TEXT
+from conftest import build_qwen3_5 as build
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from tx.lora.layers import LoRASpec
 from tx.lora.params import LoRAParam, LoRARows, slot_scale
+from tx.models.cache import HybridCache
 from tx.models.config import ModelConfig
-from tx.models.qwen3_5 import HybridCache, abstract_qwen3_5
+from tx.models.qwen3_5 import abstract_qwen3_5
 from tx.models.weights import hf_key_to_path, load_model
-
-TEXT = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=8,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=6,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    max_position_embeddings=256,
-    initializer_range=0.05,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-)
-VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4)
-
-
-def build(path, multimodal: bool, tied: bool = False):
-    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
-
-    torch.manual_seed(0)
-    text = {**TEXT, "tie_word_embeddings": tied}
-    if multimodal:
-        model = Qwen3_5ForConditionalGeneration(
-            Qwen3_5Config(text_config=text, vision_config=VISION, tie_word_embeddings=tied)
-        )
-    else:
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
-    with torch.no_grad():  # norms start at 0 (zero-centred) or 1: perturb them, and the gating, to see misplacements
-        for name, p in model.named_parameters():
-            if "norm" in name or "A_log" in name or "dt_bias" in name:
-                p.add_(0.3 * torch.randn_like(p))
-    model.eval().save_pretrained(path)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +226,7 @@ def test_padded_prefill_and_shared_prompt_state(models):
     positions = np.tile(np.arange(9, dtype=np.int32), (2, 1))
     positions[0, 3:] = 100  # beyond the cache: row 0's padding writes no keys
     _, cache = model(prompt, positions, segments, cache=HybridCache.zeros(cfg, 2, 16))
-    cache = cache.take_rows(jnp.array([0, 1, 0]))
+    cache = cache.take(jnp.array([0, 1, 0]), 16)
     other = (seqs[0][3] + 1) % cfg.vocab_size
     last = np.array([[seqs[0][3]], [seqs[1][9]], [other]], np.int32)
     logits, _ = model(last, np.array([[3], [9], [3]], np.int32), cache=cache)

@@ -23,12 +23,14 @@ from flax import nnx
 from tx.engine.sampling import row_keys, select_tokens
 from tx.lora.params import LoRARows
 from tx.lora.select import Selection, take_adapters
-from tx.models.causal_lm import KVCache, LayerCache, per_layer
+from tx.models.cache import HybridCache, KVCache, LayerCache, prefill_cache
+from tx.models.causal_lm import per_layer
 
 # The weights a program reads: an nnx State, or {path: array} whose decoder base weights may be split
 # into per-layer buffers (`tx.models.causal_lm.split_layers`), which decodes about twice as fast on CPU.
 Weights = nnx.State | dict
-Cache = LayerCache | KVCache
+Cache = LayerCache | KVCache | HybridCache
+Fresh = KVCache | HybridCache  # what a prefill writes: the stacked form of every layer's state
 
 
 @jax.tree_util.register_dataclass
@@ -77,6 +79,7 @@ class DecodePrograms:
         self.prefill = jax.jit(self._prefill, static_argnames=("scores", "topk"))
         self.insert = jax.jit(self._insert, donate_argnames="cache")
         self.resize = jax.jit(self._resize, static_argnames="length")
+        self.clear = jax.jit(self._clear, donate_argnames="cache")
 
     def _decode(
         self, state: Weights, adapters: Selection | None, cache: Cache, rows: DecodeRows
@@ -90,7 +93,8 @@ class DecodePrograms:
         def one_step(carry: tuple, _: None) -> tuple[tuple, tuple[jax.Array, jax.Array]]:
             cache, token, position, step = carry
             model = nnx.merge(self.graphdef, state)
-            logits, cache = model(token[:, None], position[:, None], rows=lora, cache=cache, layers=layers)
+            live = (position < cache.length).astype(jnp.int32)[:, None]  # empty rows leave their state alone
+            logits, cache = model(token[:, None], position[:, None], live, rows=lora, cache=cache, layers=layers)
             keys = row_keys(rows.seed, step)
             token, logprob = select_tokens(
                 logits[:, 0], keys, rows.temperature, rows.top_k, rows.top_p, k_cap=self.k_cap
@@ -105,8 +109,8 @@ class DecodePrograms:
 
     def _prefill(
         self, state: Weights, adapters: Selection | None, batch: PrefillBatch, *, scores: bool, topk: int
-    ) -> tuple[KVCache, PromptScores | None]:
-        """The prompts' own cache [L, N, P, K, E], and their scores when `scores`.
+    ) -> tuple[Fresh, PromptScores | None]:
+        """The prompts' own cache (N rows of P positions), and their scores when `scores`.
 
         Kept apart from `insert` so that this, the expensive compile, does not depend on the decode shape.
         """
@@ -114,11 +118,13 @@ class DecodePrograms:
         state, layers, lora = _select(state, adapters)
         model = nnx.merge(self.graphdef, state)
         N, P = batch.tokens.shape
-        empty = KVCache.zeros(model.config, N, P)
+        empty = prefill_cache(model.config, N, P)
+        live = (batch.positions < P).astype(jnp.int32)  # padding is neutral to recurrent state
         if layers is None:
-            h_NPD, fresh = model.hidden(batch.tokens, batch.positions, rows=lora, cache=empty)
+            h_NPD, fresh = model.hidden(batch.tokens, batch.positions, live, rows=lora, cache=empty)
         else:
-            h_NPD, own = model.hidden(batch.tokens, batch.positions, rows=lora, cache=empty.per_layer(), layers=layers)
+            assert isinstance(empty, KVCache)
+            h_NPD, own = model.hidden(batch.tokens, batch.positions, live, lora, empty.per_layer(), layers)
             fresh = None if own is None else own.stacked()
         assert fresh is not None
         if not scores:
@@ -129,24 +135,20 @@ class DecodePrograms:
         top_lp, top_ids = jax.lax.top_k(logp_NPV, topk) if topk else (logp_NPV[..., :0], batch.targets[..., :0])
         return fresh, PromptScores(target_NP, top_ids.astype(jnp.int32), top_lp)
 
-    def _insert(self, cache: Cache, fresh: KVCache, source: jax.Array) -> Cache:
+    def _insert(self, cache: Cache, fresh: Fresh, source: jax.Array) -> Cache:
         """Copy prefill row `source[b]` into the head of decode row b; rows with -1 keep their cache."""
         self.compile_count += 1
-        if isinstance(cache, KVCache):  # every layer at once: rows [B, S, K, E], positions on axis 1
-            copy = jax.vmap(lambda dst, src: _copy_rows(dst, src, source, 1))
-            return KVCache(copy(cache.k, fresh.k), copy(cache.v, fresh.v))
-        keys = tuple(_copy_rows(dst, fresh.k[i].transpose(0, 2, 3, 1), source, 3) for i, dst in enumerate(cache.k))
-        values = tuple(_copy_rows(dst, fresh.v[i].transpose(0, 2, 1, 3), source, 2) for i, dst in enumerate(cache.v))
-        return LayerCache(keys, values)
+        return cache.insert(fresh, source)  # type: ignore[arg-type]
 
     def _resize(self, cache: Cache, index: jax.Array, *, length: int) -> Cache:
         """Decode rows `index` [B'] of `cache`, cut or zero-padded to `length` positions."""
         self.compile_count += 1
-        if isinstance(cache, KVCache):
-            take = jax.vmap(lambda x: _take_rows(x, index, length, 1))
-            return KVCache(take(cache.k), take(cache.v))
-        keys = tuple(_take_rows(k, index, length, 3) for k in cache.k)
-        return LayerCache(keys, tuple(_take_rows(v, index, length, 2) for v in cache.v))
+        return cache.take(index, length)
+
+    def _clear(self, cache: Cache, new: jax.Array) -> Cache:
+        """Rows `new` [B] (bool) start from an empty state (only stateful caches hold any)."""
+        self.compile_count += 1
+        return cache.clear(new)
 
 
 def _as_form(cache: Cache, per_layer: bool) -> Cache:
@@ -165,23 +167,3 @@ def _select(weights: Weights, adapters: Selection | None) -> tuple[nnx.State, li
         flat = take_adapters(flat, adapters)
     rest, layers = per_layer(flat)
     return nnx.from_flat_state(list(rest.items())), layers, None if adapters is None else adapters.rows
-
-
-def _copy_rows(dst: jax.Array, src: jax.Array, source_B: jax.Array, axis: int) -> jax.Array:
-    """dst [B, ...] rows get src [N, ...] row `source[b]` at the head of their position `axis` (P of S)."""
-    P = src.shape[axis]
-    rows = jnp.take(src, jnp.maximum(source_B, 0), axis=0)
-    keep = (source_B < 0).reshape(-1, *(1,) * (dst.ndim - 1))
-    head = jnp.where(keep, jax.lax.slice_in_dim(dst, 0, P, axis=axis), rows.astype(dst.dtype))
-    return jax.lax.dynamic_update_slice_in_dim(dst, head, 0, axis=axis)
-
-
-def _take_rows(x: jax.Array, index: jax.Array, length: int, axis: int) -> jax.Array:
-    """Rows `index` of x [B, ...], cut or zero-padded to `length` along the position `axis`."""
-    x = jnp.take(x, index, axis=0)
-    S = x.shape[axis]
-    if length <= S:
-        return jax.lax.slice_in_dim(x, 0, length, axis=axis)
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, length - S)
-    return jnp.pad(x, widths)

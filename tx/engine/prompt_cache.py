@@ -5,8 +5,9 @@ recently with the same weights copies that prompt's cache into its decode rows i
 over it again: repeated evaluation prompts, a GRPO group sent as separate `sample` calls, a client that
 retries. The key is (weights version, adapter slot, prompt tokens); the owner of the weights bumps the
 version whenever any adapter weight or scale changes, so an entry never outlives the weights it was
-computed with. Entries are on-device arrays [L, 1, P, K, E] cut to the prompt's own length bucket, held in
-LRU order within a byte budget.
+computed with. An entry is the prompt's decode state as prefill wrote it, one row (`tx.models.cache`: keys
+and values [L, 1, P, K, E] cut to the prompt's own length bucket, and for recurrent layers their state at
+the prompt's end), held in LRU order within a byte budget.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from tx.models.causal_lm import KVCache
+from tx.models.cache import HybridCache, KVCache
+
+Entry = KVCache | HybridCache
 
 Key = tuple[Hashable, int, tuple[int, ...]]
 
@@ -24,27 +27,27 @@ class PromptCache:
         self.max_bytes = max_bytes
         self.bytes = 0
         self.hits = 0
-        self._entries: OrderedDict[Key, KVCache] = OrderedDict()
+        self._entries: OrderedDict[Key, Entry] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: Key) -> KVCache | None:
+    def get(self, key: Key) -> Entry | None:
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
             self.hits += 1
         return entry
 
-    def put(self, key: Key, entry: KVCache) -> None:
-        size = int(entry.k.nbytes + entry.v.nbytes)
+    def put(self, key: Key, entry: Entry) -> None:
+        size = entry.nbytes
         if size > self.max_bytes or key in self._entries:
             return
         self._entries[key] = entry
         self.bytes += size
         while self.bytes > self.max_bytes:
             _, old = self._entries.popitem(last=False)
-            self.bytes -= int(old.k.nbytes + old.v.nbytes)
+            self.bytes -= old.nbytes
 
     def clear(self) -> None:
         self._entries.clear()

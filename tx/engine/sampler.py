@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from tx.engine.batching import bucket_size
-from tx.engine.decode_steps import DecodePrograms, Weights
+from tx.engine.decode_steps import Cache, DecodePrograms, Fresh, Weights
 from tx.engine.prompt_cache import Key, PromptCache
 from tx.engine.sampler_rows import (
     Job,
@@ -40,7 +40,7 @@ from tx.engine.sampler_rows import (
 )
 from tx.engine.sampling import StopChecker, resolve_seed, sample_seeds
 from tx.lora.select import Selection, select
-from tx.models.causal_lm import KVCache, LayerCache
+from tx.models.cache import decode_cache
 from tx.models.config import ModelConfig
 from tx.protocol import RequestError, SampleRequest, SampleResult
 
@@ -146,7 +146,7 @@ class Sampler:
         self._waiting: deque[Job] = deque()
         self._outbox: list[Outcome] = []
         self._rows: list[Row | None] = []  # one entry per cache row
-        self._cache: LayerCache | KVCache | None = None
+        self._cache: Cache | None = None
         self._decoded: set[tuple[int, int]] = set()  # (rows, length) decode shapes used so far
         self._prefilled: set[tuple[int, int]] = set()  # (rows, prompt length) prefill shapes used so far
 
@@ -248,8 +248,7 @@ class Sampler:
         rows = warm_bucket(count, self.cfg.row_buckets, self._decoded, length)
         self._decoded.add((rows, length))
         if self._cache is None:
-            form = LayerCache if self.cfg.layer_cache else KVCache
-            self._cache = form.zeros(self.model_cfg, rows, length)
+            self._cache = decode_cache(self.model_cfg, rows, length, self.cfg.layer_cache)
             self._rows = [None] * rows
         elif self.cache_shape != (rows, length):
             live = [i for i, row in enumerate(self._rows) if row is not None]
@@ -259,6 +258,10 @@ class Sampler:
         free = (i for i, row in enumerate(self._rows) if row is None)
         for row, index in zip(new_rows, free, strict=False):
             self._rows[index] = row
+        if new_rows and self._cache.stateful:  # recurrent state left by a row's previous occupant
+            placed = {id(row) for row in new_rows}
+            new = np.array([row is not None and id(row) in placed for row in self._rows])
+            self._cache = self.programs.clear(self._cache, new)
 
     def _prefill(self, new_rows: list[Row]) -> None:
         """Give every admitted row its prompt's cache: each distinct prompt is prefilled once (rows of one
@@ -270,7 +273,7 @@ class Sampler:
         pieces: list[Job] = []  # one prefill row each
         piece_of: dict[int, int] = {}  # id(job) -> its prefill row
         first_of: dict[Key, int] = {}
-        hits: dict[Key, tuple[KVCache, list[Job]]] = {}
+        hits: dict[Key, tuple[Fresh, list[Job]]] = {}
         for job in jobs:
             key = self._prompt_key(job)
             if key is not None and key in first_of:  # the same prompt and weights earlier in this admission
@@ -307,8 +310,7 @@ class Sampler:
         self.prefill_count += len(pieces)
         for key, index in keys.items():  # keep each prompt's own length bucket of its rows
             length = bucket_size(len(pieces[index].req.prompt) - 1, self.cfg.length_buckets)
-            part = slice(index, index + 1)
-            self._prompt_cache.put(key, KVCache(fresh.k[:, part, :length], fresh.v[:, part, :length]))
+            self._prompt_cache.put(key, fresh.head(index, length))
         if scores is not None:
             prompt_results(pieces, scores)
 

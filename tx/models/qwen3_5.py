@@ -20,10 +20,11 @@ from flax import nnx
 
 from tx.lora.layers import LoRASpec
 from tx.lora.params import LoRARows
-from tx.models.causal_lm import Embedding, KVCache, LMHead, _write_cache
+from tx.models.cache import HybridCache, LinearState
+from tx.models.causal_lm import Embedding, LMHead, _write_cache
 from tx.models.config import ModelConfig
 from tx.models.layers import MLP, RMSNorm, rope_frequencies
-from tx.models.qwen3_5_layers import GatedAttention, GatedDeltaNet, LinearState, TokenFlags
+from tx.models.qwen3_5_layers import GatedAttention, GatedDeltaNet, TokenFlags
 from tx.tuning import PLAIN
 
 MIXERS = {"linear_attention": "linear_attn", "full_attention": "self_attn"}
@@ -34,36 +35,6 @@ def repeating_group(kinds: tuple[str, ...]) -> tuple[str, ...]:
     """The shortest pattern whose repetition gives the stack (the whole stack when none is shorter)."""
     L = len(kinds)
     return next(kinds[:p] for p in range(1, L + 1) if L % p == 0 and kinds[:p] * (L // p) == kinds)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class HybridCache:
-    """Decode state keyed by layer type, each stacked over the layers of its type, rows on axis 1:
-    `full`, the full-attention layers' keys and values [L_full, B, S, K, E]; `linear`, the Gated DeltaNet
-    layers' conv windows [L_linear, B, W-1, C] and state matrices [L_linear, B, P, E, M] (float32). Only
-    `full` has a length axis; a row's `linear` state is what the row has read so far, whatever S is."""
-
-    full: KVCache
-    linear: LinearState
-
-    @staticmethod
-    def zeros(cfg: ModelConfig, batch: int, length: int) -> HybridCache:
-        shape = (len(cfg.layers_holding("self_attn")), batch, length, cfg.num_kv_heads, cfg.head_dim)
-        return HybridCache(KVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)), _zero_linear(cfg, batch))
-
-    def take_rows(self, index: jax.Array) -> HybridCache:
-        """Rows `index` of every state (a prompt's state shared by its samples, rows admitted or retired)."""
-        return jax.tree.map(lambda a: jnp.take(a, index, axis=1), self)
-
-
-def _zero_linear(cfg: ModelConfig, batch: int) -> LinearState:
-    lin = cfg.linear
-    n = len(cfg.layers_holding("linear_attn"))
-    if lin is None:
-        return LinearState(jnp.zeros((0, batch, 0, 0), cfg.dtype), jnp.zeros((0, batch, 0, 0, 0), jnp.float32))
-    conv = jnp.zeros((n, batch, lin.conv_kernel - 1, lin.conv_dim), cfg.dtype)
-    return LinearState(conv, jnp.zeros((n, batch, lin.value_heads, lin.key_head_dim, lin.value_head_dim), jnp.float32))
 
 
 class HybridLayers(nnx.Module):
@@ -115,8 +86,11 @@ class Qwen3_5CausalLM(nnx.Module):
         segments: jax.Array | None = None,
         rows: LoRARows | None = None,
         cache: HybridCache | None = None,
+        layers: None = None,
     ) -> tuple[jax.Array, HybridCache | None]:
-        """tokens, positions [B, T] -> final normed hidden states [B, T, D] (and the updated cache)."""
+        """tokens, positions [B, T] -> final normed hidden states [B, T, D] (and the updated cache).
+        `layers` is CausalLM's per-layer weights form, which this family does not have (always None)."""
+        assert layers is None, "Qwen3.5 reads its stacked weights only"
         cfg = self.config
         segments = jnp.ones_like(tokens) if segments is None else segments
         inv_freq = rope_frequencies(cfg.rotary_dim, cfg.rope_theta, None)
@@ -125,7 +99,8 @@ class Qwen3_5CausalLM(nnx.Module):
         G = cfg.num_layers // len(group)
         parts = {name: nnx.split(getattr(self.model.layers, name)) for name in (*PER_LAYER, *_mixers(group))}
         graphs = {name: graph for name, (graph, _) in parts.items()}
-        linear = cache.linear if cache is not None else _zero_linear(cfg, tokens.shape[0])
+        n_linear = len(cfg.layers_holding("linear_attn"))
+        linear = cache.linear if cache is not None else LinearState.zeros(cfg, tokens.shape[0], n_linear)
         xs = ({name: state for name, (_, state) in parts.items()}, linear, None if cache is None else cache.full)
 
         def body(h: jax.Array, x: tuple) -> tuple[jax.Array, tuple]:
@@ -151,10 +126,11 @@ class Qwen3_5CausalLM(nnx.Module):
         segments: jax.Array | None = None,
         rows: LoRARows | None = None,
         cache: HybridCache | None = None,
+        layers: None = None,
     ) -> tuple[jax.Array, HybridCache | None]:
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        h, cache = self.hidden(tokens, positions, segments, rows, cache)
+        h, cache = self.hidden(tokens, positions, segments, rows, cache, layers)
         return self.logits(h, rows), cache
 
 

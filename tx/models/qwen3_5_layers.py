@@ -18,6 +18,7 @@ from flax import nnx
 
 from tx.lora.layers import LoRALinear, LoRASpec
 from tx.lora.params import LoRARows
+from tx.models.cache import LinearState
 from tx.models.config import ModelConfig
 from tx.models.delta_rule import chunked_delta_rule, recurrent_delta_rule
 from tx.models.layers import AttentionMask, RMSNorm, apply_rope, cached_attention, grouped_attention, rms_norm
@@ -42,16 +43,6 @@ class TokenFlags:
     def runs(self) -> jax.Array:
         """[B, T] int32: tokens of one sequence share a run id; a call's first run continues its input state."""
         return jnp.cumsum(self.resets.astype(jnp.int32), axis=1)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LinearState:
-    """A Gated DeltaNet layer's decode state, [*layers] leading: the last W-1 conv inputs [B, W-1, C] and
-    the per-head state matrix [B, P, E, M] (float32)."""
-
-    conv: jax.Array
-    delta: jax.Array
 
 
 def causal_conv(
@@ -135,11 +126,6 @@ class GatedDeltaNet(nnx.Module):
         z = self.in_proj_z(x, rows).reshape(v_BTPM.shape)
         gated = rms_norm(o.astype(x.dtype), self.norm.weight[...], self.norm.eps) * jax.nn.silu(z.astype(jnp.float32))
         return self.out_proj(gated.astype(x.dtype).reshape(B, T, -1), rows), LinearState(window, delta)
-
-    def zero_state(self, batch: int, dtype: jnp.dtype) -> LinearState:
-        lin = self.shape
-        conv = jnp.zeros((batch, lin.conv_kernel - 1, lin.conv_dim), dtype)
-        return LinearState(conv, jnp.zeros((batch, lin.value_heads, lin.key_head_dim, lin.value_head_dim), jnp.float32))
 
 
 class GatedAttention(nnx.Module):
