@@ -65,7 +65,8 @@ def test_missing_rl_inputs(http: httpx.Client, ids: dict[str, str]) -> None:
 def test_image_chunk_rejected(http: httpx.Client, ids: dict[str, str]) -> None:
     request = pb.ForwardBackwardRequest(model_id=ids["model"], seq_id=1, loss_fn="cross_entropy")
     request.data.add().model_input.add().image.data = b"\x89PNG"
-    _assert_400(_fb(http, request.SerializeToString()), "data[0].model_input", "image chunks are not supported")
+    message = "image input is not supported yet for this model"
+    _assert_400(_fb(http, request.SerializeToString()), "data[0].model_input", message)
 
 
 def test_malformed_protobuf(http: httpx.Client) -> None:

@@ -22,7 +22,10 @@ from tx.lora.adapters import adapter_targets, read_slot, write_slot  # noqa: E40
 from tx.lora.layers import LoRASpec  # noqa: E402
 from tx.lora.merge import merge_to_hf  # noqa: E402
 from tx.lora.params import LoRAParam, LoRARows  # noqa: E402
-from tx.lora.peft import SUPPORTED_TARGETS, AdapterConfig, load_peft, save_peft  # noqa: E402
+from tx.lora.peft import AdapterConfig, load_peft, save_peft  # noqa: E402
+from tx.lora.targets import MLP, SOFTMAX_ATTN, UNEMBED  # noqa: E402
+
+QWEN3_TARGETS = (*SOFTMAX_ATTN, *MLP, *UNEMBED)  # what a Qwen3 model adapts
 from tx.lora.select import select, take_adapters  # noqa: E402
 from tx.lora.slots import SlotTable  # noqa: E402
 from tx.models.sharding import make_mesh  # noqa: E402
@@ -121,8 +124,8 @@ def test_read_slot_exports_to_peft_and_merge(served, tmp_path):
     info = served.table.owner_of(slot)
     weights = read_slot(nnx.state(served.model, LoRAParam), slot, info.rank, info.targets)
     assert len(weights) == 7 * served.cfg.num_layers + 1
-    assert adapter_targets(nnx.state(served.model, LoRAParam)) == frozenset(SUPPORTED_TARGETS)
-    targets = tuple(t for t in SUPPORTED_TARGETS if t in info.targets)
+    assert adapter_targets(nnx.state(served.model, LoRAParam)) == frozenset(QWEN3_TARGETS)
+    targets = tuple(t for t in QWEN3_TARGETS if t in info.targets)
     exported = AdapterConfig(info.rank, info.alpha, targets, str(served.path), info.use_rslora)
     save_peft(tmp_path / "adapter", exported, weights)
     with warnings.catch_warnings():
@@ -137,7 +140,7 @@ def test_read_slot_exports_to_peft_and_merge(served, tmp_path):
 
 def test_unused_targets_are_zero_after_write(served):
     slot, _, _ = served.adapters["two"]
-    weights = read_slot(nnx.state(served.model, LoRAParam), slot, SPEC.max_rank, frozenset(SUPPORTED_TARGETS))
+    weights = read_slot(nnx.state(served.model, LoRAParam), slot, SPEC.max_rank, frozenset(QWEN3_TARGETS))
     for name, (a, b) in weights.items():
         live = name.rsplit(".", 1)[-1] in ("q_proj", "v_proj")
         assert bool(np.any(a)) == live and bool(np.any(b)) == live, name

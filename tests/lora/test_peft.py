@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from tx.lora import peft as txpeft  # noqa: E402
-from tx.lora.peft import SUPPORTED_TARGETS, AdapterConfig, load_peft, save_peft  # noqa: E402
+from tx.lora.peft import AdapterConfig, load_peft, save_peft  # noqa: E402
 
 pytestmark = pytest.mark.parity
 
@@ -99,7 +99,16 @@ def test_load_matches_peft_state_dict(base, tmp_path):
     model = saved_peft(tmp_path / "a", base, use_rslora=False)
     config, weights = load_peft(tmp_path / "a")
     assert (config.rank, config.alpha, config.scaling, config.use_rslora) == (4, 8.0, 2.0, False)
-    assert config.target_modules == SUPPORTED_TARGETS
+    assert config.target_modules == (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "lm_head",
+    )
     state = model.state_dict()
     assert len(weights) == 2 * 7 + 1
     for module, (a, b) in weights.items():

@@ -102,7 +102,7 @@ def _proto_datum(datum: Any, index: int, limits: Limits) -> Datum:
     for chunk in datum.model_input:
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
-            raise WireError(f"{where}: {kind or 'empty'} chunks are not supported (text only)")
+            raise WireError(_not_text(where, kind))
         pieces.append(chunk.encoded_text.tokens)
     raw = b"".join(pieces)
     if len(raw) % 4:
@@ -193,6 +193,12 @@ def _json_datum(datum: Any, index: int, limits: Limits) -> Datum:
 
 
 @wire_errors
+def _not_text(where: str, kind: object) -> str:
+    if isinstance(kind, str) and kind.startswith("image"):
+        return f"{where}: image input is not supported yet for this model (send encoded_text chunks only)"
+    return f"{where}: {kind or 'empty'} chunks are not supported (encoded_text only)"
+
+
 def model_input_tokens(model_input: Any, where: str, max_tokens: int) -> list[int]:
     """Flatten a JSON ModelInput (`{"chunks": [...]}`) into tokens; non-text chunks are rejected."""
     if not isinstance(model_input, dict) or not isinstance(model_input.get("chunks"), list):
@@ -201,7 +207,7 @@ def model_input_tokens(model_input: Any, where: str, max_tokens: int) -> list[in
     for chunk in model_input["chunks"]:
         kind = chunk.get("type", "encoded_text") if isinstance(chunk, dict) else None
         if kind != "encoded_text":
-            raise WireError(f"{where}: {kind} chunks are not supported (text only)")
+            raise WireError(_not_text(where, kind))
         chunk_tokens = chunk.get("tokens")
         if not isinstance(chunk_tokens, list) or not all(type(t) is int for t in chunk_tokens):
             raise WireError(f"{where}: encoded_text.tokens must be a list of integers")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
@@ -78,8 +79,8 @@ def build_runner(
     log.info("loading %s (%s)", model_dir, dtype or "checkpoint dtype")
     lora = LoRASpec(slots.slots, max_lora_rank, tuning.lora_kernel)
     model, cfg = load_model(str(model_dir), dtype=dtype, lora=lora, mesh=mesh, remat=remat, tuning=tuning)
-    if not isinstance(model, CausalLM):  # Qwen3.5 loads and trains in tx.models; the sampler lacks its state
-        raise ValueError(f"the engine does not serve the {cfg.family} family yet (no decode state for its layers)")
+    if not isinstance(model, CausalLM):  # only CausalLM runs over per-layer weights; the others decode stacked
+        tuning = dataclasses.replace(tuning, per_layer_decode=False)
     trainer = Trainer(model, train_micro_batch_tokens)
     tok, eos = _tokenizer(model_dir)
     seq_len = min(max_seq_len, cfg.max_position_embeddings)
@@ -110,7 +111,7 @@ def build_runner(
     # trainer's own buffers).
     decode_base = decode_layout(trainer.base, tuning)
     sampler = make_sampler(lambda: decode_base)
-    io = WeightsIO(base_model, model_dir, tuning, mesh)
+    io = WeightsIO(base_model, model_dir, cfg, tuning, mesh)
     runner = JaxRunner(
         trainer, sampler, slots, io, base_model, lambda get_base: make_sampler(get_base, sampler.programs),
         checkpoint_root=Path(data_dir).resolve() / "checkpoints",

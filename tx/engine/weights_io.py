@@ -1,5 +1,9 @@
 """Moving adapter slots to and from disk (PEFT format), full weight sets too, and the full fine-tuning
-memory check. Adapter slots are read and written through the trainer's typed view (`lora_view`)."""
+memory check. Adapter slots are read and written through the trainer's typed view (`lora_view`).
+
+PEFT module names are the text model's (`model.layers.N.<module>`, what `AutoModelForCausalLM` builds from
+either Qwen3.5 checkpoint class), numbered by model layer; adapters named for the multimodal class
+(`model.language_model.layers.N...`) load too."""
 
 from __future__ import annotations
 
@@ -13,9 +17,10 @@ from jax.sharding import Mesh
 
 from tx.engine.trainer import Trainer, lora_targets
 from tx.lora import adapters, peft
+from tx.lora.targets import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
 from tx.models.causal_lm import decode_layout
 from tx.models.config import ModelConfig
-from tx.models.weights import load_model, save_hf
+from tx.models.weights import load_model, save_hf, text_module_name
 from tx.protocol import LoraConfig
 from tx.tuning import Tuning
 
@@ -23,15 +28,19 @@ from tx.tuning import Tuning
 class WeightsIO:
     """`tuning`: the backend choices weight sets are laid out for the sampler with (`decode_layout`)."""
 
-    def __init__(self, base_model: str, model_dir: Path, tuning: Tuning, mesh: Mesh | None = None) -> None:
+    def __init__(
+        self, base_model: str, model_dir: Path, cfg: ModelConfig, tuning: Tuning, mesh: Mesh | None = None
+    ) -> None:
         self.base_model = base_model
         self.model_dir = model_dir
+        self.cfg = cfg
         self.mesh = mesh
         self.tuning = tuning
 
     def save_peft(self, dest: Path, trainer: Trainer, slot: int, lora: LoraConfig) -> int:
-        targets = lora_targets(lora)
-        weights = adapters.read_slot(trainer.lora_view(), slot, lora.rank, targets)
+        view = trainer.lora_view()
+        targets = lora_targets(lora) & adapters.adapter_targets(view)  # the flags' names this model has
+        weights = adapters.read_slot(view, slot, lora.rank, targets, self._layer_of)
         config = peft.AdapterConfig(lora.rank, lora.alpha, tuple(sorted(targets)), self.base_model)
         peft.save_peft(dest, config, weights)
         return sum(f.stat().st_size for f in dest.iterdir() if f.is_file())
@@ -42,15 +51,20 @@ class WeightsIO:
         return LoraConfig(
             rank=config.rank,
             alpha=config.alpha,
-            train_attn=bool(t & {"q_proj", "k_proj", "v_proj", "o_proj"}),
-            train_mlp=bool(t & {"gate_proj", "up_proj", "down_proj"}),
-            train_unembed="lm_head" in t,
+            train_attn=bool(t & ATTN_TARGETS),
+            train_mlp=bool(t & MLP_TARGETS),
+            train_unembed=bool(t & UNEMBED_TARGETS),
         )
 
     def load_peft(self, source: Path, trainer: Trainer, slot: int) -> None:
         config, weights = peft.load_peft(source)
-        trainer.take_lora(adapters.write_slot(trainer.lora_view(), slot, config, weights))
+        weights = {text_module_name(name, self.cfg): pair for name, pair in weights.items()}
+        trainer.take_lora(adapters.write_slot(trainer.lora_view(), slot, config, weights, self._layer_of))
         trainer.scale[slot] = np.where(np.arange(trainer.max_rank) < config.rank, config.scaling, 0.0)
+
+    def _layer_of(self, path: tuple[str, ...], index: int) -> int:
+        """The model layer of entry `index` of a stacked sub-module (Qwen3.5's mixers skip layers)."""
+        return self.cfg.layers_holding(path[2])[index]
 
     def save_full(self, dest: Path, weights: dict, cfg: ModelConfig) -> int:
         return save_hf(weights, cfg, self.model_dir, dest)

@@ -26,6 +26,8 @@ from flax import nnx
 from tx.lora.params import LoRAParam
 from tx.lora.peft import AdapterConfig, AdapterWeights
 
+LayerOf = Callable[[tuple[str, ...], int], int]  # (module path, stacked index) -> model layer number
+
 
 @dataclasses.dataclass(frozen=True)
 class _Module:
@@ -41,12 +43,15 @@ class _Module:
     def short(self) -> str:
         return self.path[-1]
 
-    def hf_names(self) -> list[str]:
-        """HF module names, one per layer: the layer index follows the `layers` container in the path."""
+    def hf_names(self, layer_of: LayerOf | None = None) -> list[str]:
+        """HF module names, one per stacked entry: the layer number follows the `layers` container in the
+        path. `layer_of(path, i)`: the model layer that stacked entry i is (default i; a model whose
+        sub-modules are stacked over only some layers, as Qwen3.5's mixers are, maps them)."""
         if self.layers is None:
             return [".".join(self.path)]
         at = self.path.index("layers") + 1
-        return [".".join((*self.path[:at], str(i), *self.path[at:])) for i in range(self.layers)]
+        number = layer_of or (lambda _, i: i)
+        return [".".join((*self.path[:at], str(number(self.path, i)), *self.path[at:])) for i in range(self.layers)]
 
 
 def _axes(path: tuple[str, ...], var: nnx.Variable) -> tuple[str | None, ...]:
@@ -129,7 +134,9 @@ def _run(kind: str, var: nnx.Variable, axis: int, *args: object) -> jax.Array:
 # ------------------------------------------------------------------------------------------ public API
 
 
-def read_slot(lora_state: nnx.State, slot: int, rank: int, targets: frozenset[str]) -> AdapterWeights:
+def read_slot(
+    lora_state: nnx.State, slot: int, rank: int, targets: frozenset[str], layer_of: LayerOf | None = None
+) -> AdapterWeights:
     """The adapter in `slot` as {HF module name: (A [in, rank], B [rank, out])} float32, for `targets` only."""
     flat = _lora_flat(lora_state)
     weights: AdapterWeights = {}
@@ -141,13 +148,17 @@ def read_slot(lora_state: nnx.State, slot: int, rank: int, targets: frozenset[st
         a = np.asarray(jax.device_get(jnp.take(a_var.get_value(), slot, axis=module.slot_axis)), np.float32)
         b = np.asarray(jax.device_get(jnp.take(b_var.get_value(), slot, axis=module.slot_axis)), np.float32)
         a, b = (a[None], b[None]) if module.layers is None else (a, b)
-        for i, name in enumerate(module.hf_names()):
+        for i, name in enumerate(module.hf_names(layer_of)):
             weights[name] = (np.ascontiguousarray(a[i, :, :rank]), np.ascontiguousarray(b[i, :rank, :]))
     return weights
 
 
 def write_slot(
-    lora_state: nnx.State, slot: int, config: AdapterConfig, weights: Mapping[str, tuple[np.ndarray, np.ndarray]]
+    lora_state: nnx.State,
+    slot: int,
+    config: AdapterConfig,
+    weights: Mapping[str, tuple[np.ndarray, np.ndarray]],
+    layer_of: LayerOf | None = None,
 ) -> nnx.State:
     """Load an adapter into `slot`: zero-padded to the stacked rank; every module not in `weights` is zeroed.
 
@@ -156,7 +167,7 @@ def write_slot(
     flat = _lora_flat(lora_state)
     modules = _modules(flat)
     _check_rank(config.rank, flat, modules)
-    names = {name: (module, i) for module in modules.values() for i, name in enumerate(module.hf_names())}
+    names = {name: (module, i) for module in modules.values() for i, name in enumerate(module.hf_names(layer_of))}
     _check_names(config, weights, names)
     values: dict[tuple[str, ...], jax.Array] = {}
     for module in modules.values():
@@ -165,7 +176,7 @@ def write_slot(
         a_host = np.zeros(_slot_shape(a_var, module.slot_axis), np.float32)
         b_host = np.zeros(_slot_shape(b_var, module.slot_axis), np.float32)
         a3, b3 = (a_host[None], b_host[None]) if module.layers is None else (a_host, b_host)
-        for i, name in enumerate(module.hf_names()):
+        for i, name in enumerate(module.hf_names(layer_of)):
             if name in weights:
                 a3[i, :, : config.rank], b3[i, : config.rank, :] = _fitted(name, config.rank, weights[name], a3, b3)
         values[module.a] = _run("put", a_var, module.slot_axis, slot, a_host)

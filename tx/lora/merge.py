@@ -29,12 +29,14 @@ from tx.lora.peft import AdapterConfig, atomic_dir, lora_delta
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 EMBED = "model.embed_tokens.weight"
+MULTIMODAL_TEXT = "model.language_model."  # where a multimodal checkpoint (Qwen3.5's hub class) keeps its text model
 LM_HEAD = "lm_head.weight"
 # Weight files of any format are never copied verbatim: the merged safetensors replace them.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
 DTypeLike = str | np.dtype[Any] | type | None
+Pair = tuple[np.ndarray, np.ndarray]
 
 
 def merge_to_hf(
@@ -53,14 +55,15 @@ def merge_to_hf(
     out_dtype = _resolve_dtype(dtype)
     shards = _shard_files(base)
     names = {name: shard for shard in shards for name in _tensor_names(base / shard)}
-    _check_modules(weights, names)
+    weights, embed = _as_stored(weights, names)
+    _check_modules(weights, names, embed)
     targets_lm_head = "lm_head" in weights
     add_lm_head = targets_lm_head and LM_HEAD not in names
     with atomic_dir(out_dir) as tmp:
         weight_map: dict[str, str] = {}
         sizes: dict[str, tuple[int, int]] = {}
         for shard in shards:
-            written = _merge_shard(base / shard, tmp / shard, config, weights, out_dtype, add_lm_head)
+            written = _merge_shard(base / shard, tmp / shard, config, weights, out_dtype, add_lm_head, embed)
             weight_map.update({name: shard for name in written})
             sizes.update(written)
         if (base / INDEX_NAME).exists():
@@ -98,9 +101,23 @@ def _tensor_names(file: Path) -> list[str]:
         return list(f.keys())
 
 
-def _check_modules(weights: Mapping[str, tuple[np.ndarray, np.ndarray]], names: Mapping[str, str]) -> None:
+def _as_stored(weights: Mapping[str, Pair], names: Mapping[str, str]) -> tuple[dict[str, Pair], str]:
+    """Adapter modules (the text model's names, `model.layers.N...`) renamed as the checkpoint stores them
+    (a multimodal one keeps the text model under `model.language_model`), and its embedding's name."""
+    if not any(name.startswith(MULTIMODAL_TEXT) for name in names):
+        return dict(weights), EMBED
+
+    def stored(module: str) -> str:
+        text = module.startswith("model.") and not module.startswith(MULTIMODAL_TEXT)
+        return MULTIMODAL_TEXT + module.removeprefix("model.") if text else module
+
+    moved = {stored(module): pair for module, pair in weights.items()}
+    return moved, MULTIMODAL_TEXT + EMBED.removeprefix("model.")
+
+
+def _check_modules(weights: Mapping[str, Pair], names: Mapping[str, str], embed: str) -> None:
     wanted = {f"{module}.weight" for module in weights}
-    missing = sorted(n for n in wanted if n not in names and not (n == LM_HEAD and EMBED in names))
+    missing = sorted(n for n in wanted if n not in names and not (n == LM_HEAD and embed in names))
     if missing:
         raise ValueError(f"the base checkpoint has no tensors {missing} for the adapter's modules")
 
@@ -112,6 +129,7 @@ def _merge_shard(
     weights: Mapping[str, tuple[np.ndarray, np.ndarray]],
     dtype: np.dtype[Any] | None,
     add_lm_head: bool,
+    embed: str,
 ) -> dict[str, tuple[int, int]]:
     """Merge one shard into `dst`; returns (bytes, elements) of each tensor written (lm_head too when untying)."""
     out: dict[str, np.ndarray] = {}
@@ -120,7 +138,7 @@ def _merge_shard(
         for name in f.keys():
             tensor = f.get_tensor(name)
             out[name] = _merged(tensor, weights.get(name.removesuffix(".weight")), config, dtype)
-            if add_lm_head and name == EMBED:
+            if add_lm_head and name == embed:
                 out[LM_HEAD] = _merged(tensor, weights["lm_head"], config, dtype)
     # transformers refuses safetensors files whose metadata lacks a known "format".
     save_file(out, str(dst), metadata={**metadata, "format": metadata.get("format", "pt")})

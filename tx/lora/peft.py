@@ -32,9 +32,11 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from tx.lora.targets import ALL
+
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
-SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+SUPPORTED_TARGETS = ALL
 
 # PEFT wraps the HF model twice (PeftModel.base_model = LoraModel, LoraModel.model = HF model).
 _PREFIX = "base_model.model."

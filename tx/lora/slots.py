@@ -19,14 +19,12 @@ from typing import Literal
 
 import numpy as np
 
+from tx.lora.targets import ALL_TARGETS, ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
+
 OwnerKind = Literal["run", "sampler"]
 
 # Tinker fixes alpha at 32 for every adapter (scale = 32 / rank); see shared/tinker-protocol.md §7.1.
 DEFAULT_ALPHA = 32.0
-ATTN_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
-MLP_TARGETS = frozenset({"gate_proj", "up_proj", "down_proj"})
-UNEMBED_TARGETS = frozenset({"lm_head"})
-ALL_TARGETS = ATTN_TARGETS | MLP_TARGETS | UNEMBED_TARGETS
 
 
 class SlotsExhausted(RuntimeError):

@@ -86,6 +86,13 @@ def path_to_hf_key(path: Path_, layer: int | None, prefix: str = "model") -> str
     return ".".join(parts)
 
 
+def text_module_name(name: str, cfg: ModelConfig) -> str:
+    """A module name under the checkpoint's text prefix (`model.language_model.layers.3.mlp`) as the text
+    model spells it (`model.layers.3.mlp`); other names unchanged."""
+    prefix = cfg.checkpoint_prefix + "."
+    return "model." + name[len(prefix) :] if cfg.checkpoint_prefix != "model" and name.startswith(prefix) else name
+
+
 def abstract_for(
     cfg: ModelConfig, lora: LoRASpec | None, remat: bool, tuning: Tuning | None = None
 ) -> CausalLM | Qwen3_5CausalLM:

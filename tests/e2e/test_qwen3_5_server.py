@@ -1,0 +1,121 @@
+"""Qwen3.5 served end to end: the real SDK against a server on a tiny hub-style Qwen3.5 (the multimodal
+checkpoint class, vision tower included), checked against transformers and peft.
+
+LoRA on every projection of both layer kinds trains, exports to PEFT files that `peft` loads onto
+`AutoModelForCausalLM` with the server's logprobs, samples like that PEFT model, and merges into the
+hub checkpoint; full fine-tuning exports a directory transformers loads; image chunks are refused.
+"""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import tinker
+import torch
+from conftest import build_qwen3_5
+from peft import PeftModel
+from tinker import types
+
+from e2e.conftest import KEY, start_server
+from e2e.test_peft_export import peft_greedy, peft_logprobs
+from tx.api.paths import checkpoint_dir, parse_tinker_path
+from tx.lora.merge import merge_to_hf
+from tx.lora.peft import load_peft
+
+pytestmark = pytest.mark.e2e
+DELTANET = {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"}
+SOFTMAX = {"q_proj", "k_proj", "v_proj", "o_proj"}
+MLP = {"gate_proj", "up_proj", "down_proj"}
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("qwen3_5-hub")
+    hf = build_qwen3_5(model_dir, multimodal=True, initializer_range=0.2)
+    data_dir = tmp_path_factory.mktemp("qwen3_5-e2e")
+    url, stop = start_server(model_dir, data_dir, max_lora_adapters=4)
+    with tinker.ServiceClient(base_url=url, api_key=KEY) as service:
+        yield service, str(model_dir), hf, data_dir
+    stop()
+
+
+def batch(seed: int) -> list[types.Datum]:
+    rng = np.random.RandomState(seed)
+    out = []
+    for _ in range(3):
+        tokens = rng.randint(0, VOCAB, int(rng.randint(8, 40))).tolist()
+        out.append(types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+        ))  # fmt: skip
+    return out
+
+
+def text_model(model_dir: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def train(client, data: list[types.Datum], steps: int, lr: float) -> None:
+    for _ in range(steps):
+        client.forward_backward(data, "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=lr)).result()
+
+
+def test_lora_on_both_layer_kinds_exports_to_peft_samples_and_merges(qwen3_5, tmp_path):
+    service, base_model, _, data_dir = qwen3_5
+    client = service.create_lora_training_client(base_model=base_model, rank=4).result()
+    data = batch(1)
+    train(client, data, 3, 1e-2)
+    path = client.save_weights_for_sampler("trained").result().path
+    directory = checkpoint_dir(data_dir, parse_tinker_path(path))
+    config = json.loads((directory / "adapter_config.json").read_text())
+    assert set(config["target_modules"]) == DELTANET | SOFTMAX | MLP | {"lm_head"}
+
+    base = text_model(base_model)
+    exported = PeftModel.from_pretrained(copy.deepcopy(base), str(directory)).eval()
+    served = client.forward(data, "cross_entropy").result().loss_fn_outputs
+    for datum, out in zip(data, served, strict=True):
+        ref = peft_logprobs(exported, datum)
+        np.testing.assert_allclose(out["logprobs"].to_numpy(), ref, atol=1e-4)
+        assert np.abs(ref - peft_logprobs(base, datum)).max() > 1e-2, "training moved the logits"
+
+    prompt = data[0].model_input.to_ints()[:6]
+    greedy = types.SamplingParams(max_tokens=8, temperature=0.0)
+    sampler = service.create_sampling_client(model_path=path)
+    got = sampler.sample(types.ModelInput.from_ints(prompt), 2, greedy).result().sequences
+    assert [s.tokens for s in got] == [peft_greedy(exported, prompt, 8)] * 2
+
+    from transformers import AutoModelForImageTextToText
+
+    merge_to_hf(base_model, tmp_path / "merged", *load_peft(directory))
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    tokens = torch.tensor([data[1].model_input.to_ints()])
+    with torch.no_grad():
+        np.testing.assert_allclose(merged(tokens).logits.numpy(), exported(tokens).logits.numpy(), atol=1e-4)
+    assert any(name.startswith("model.visual.") for name, _ in merged.named_parameters())
+
+
+def test_full_fine_tuning_exports_a_directory_transformers_loads(qwen3_5):
+    service, base_model, _, data_dir = qwen3_5
+    client = service.create_lora_training_client(base_model=base_model, rank=0).result()
+    data = batch(2)
+    before = client.forward(data, "cross_entropy").result().loss_fn_outputs
+    train(client, data, 1, 1e-3)
+    served = client.forward(data, "cross_entropy").result().loss_fn_outputs
+    path = client.save_weights_for_sampler("full").result().path
+    exported = text_model(str(checkpoint_dir(data_dir, parse_tinker_path(path))))
+    for datum, out, old in zip(data, served, before, strict=True):
+        np.testing.assert_allclose(out["logprobs"].to_numpy(), peft_logprobs(exported, datum), atol=1e-4)
+        assert np.abs(out["logprobs"].to_numpy() - old["logprobs"].to_numpy()).max() > 1e-3
+
+
+def test_image_chunks_are_refused_with_a_clear_error(qwen3_5):
+    service, base_model, _, _ = qwen3_5
+    sampler = service.create_sampling_client(base_model=base_model)
+    image = types.ModelInput(chunks=[types.ImageChunk(data=b"\x89PNG\r\n", format="png", expected_tokens=4)])
+    with pytest.raises(tinker.BadRequestError, match="image input is not supported yet for this model"):
+        sampler.sample(image, 1, types.SamplingParams(max_tokens=2)).result()
