@@ -5,6 +5,8 @@
 rejected here, with the field that caused it, rather than silently approximated. Hybrid families
 (Qwen3.5 / Qwen3.6, `qwen3_5`) add `layer_types` and a `LinearAttention` section; their parsing lives in
 `tx.models.config_qwen3_5`, which reads every field of the HF file and rejects the ones it does not know.
+Mixture-of-experts families (Qwen3-MoE, `qwen3_moe`) add a `MoE` section, parsed the same way in
+`tx.models.config_qwen3_moe`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 LAYER_TYPES = ("full_attention", "linear_attention")
 
@@ -72,6 +75,29 @@ class LinearAttention:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoE:
+    """The sparse MLP's shape: each token's `top_k` of `experts` routed experts (SwiGLU MLPs of width
+    `expert_size`), weighted by the router's softmax probabilities, renormalised over the chosen ones
+    when `norm_topk_prob`; `shared_expert_size` > 0 adds a dense expert behind a sigmoid gate
+    (Qwen3.5-MoE). `sparse_layers`: the layers whose MLP is this block (the others are dense)."""
+
+    experts: int
+    top_k: int
+    expert_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
+    shared_expert_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.experts < 1 or self.expert_size < 1:
+            raise ValueError(
+                f"num_experts ({self.experts}) and moe_intermediate_size ({self.expert_size}) must be >= 1"
+            )
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..num_experts ({self.experts}), got {self.top_k}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     family: str
     vocab_size: int
@@ -91,6 +117,7 @@ class ModelConfig:
     linear: LinearAttention | None = None  # set when any layer is linear attention
     partial_rotary_factor: float = 1.0  # the leading fraction of each head's dims that rotary rotates
     checkpoint_prefix: str = "model"  # where the text model's tensors live ("model.language_model": multimodal)
+    moe: MoE | None = None  # set for mixture-of-experts families
 
     def __post_init__(self) -> None:
         if self.family not in ARCHITECTURES.values():
@@ -105,6 +132,10 @@ class ModelConfig:
         self._check_layer_types()
         if self.rotary_dim < 2 or self.rotary_dim % 2:
             raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives rotary dim {self.rotary_dim}")
+        if (self.moe is not None) != (self.family == "qwen3_moe"):
+            raise ValueError(f"a moe section goes with the qwen3_moe family only, not {self.family!r}")
+        if self.moe is not None and any(not 0 <= i < self.num_layers for i in self.moe.sparse_layers):
+            raise ValueError(f"sparse layers {self.moe.sparse_layers} outside 0..{self.num_layers - 1}")
 
     def _check_layer_types(self) -> None:
         if not self.layer_types:
@@ -121,7 +152,7 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.family in ("qwen3", "qwen3_5")
+        return self.family in ("qwen3", "qwen3_5", "qwen3_moe")
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -148,6 +179,10 @@ class ModelConfig:
             from tx.models.config_qwen3_5 import qwen3_5_from_hf  # that module builds a ModelConfig
 
             return qwen3_5_from_hf(hf, dtype)
+        if family == "qwen3_moe":
+            from tx.models.config_qwen3_moe import qwen3_moe_from_hf  # that module builds a ModelConfig
+
+            return qwen3_moe_from_hf(hf, dtype)
         for flag in ("attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise ValueError(f"config.json sets {flag}=true, which SmolGym does not support")
