@@ -29,6 +29,8 @@ class Tuning:
         keeps the stacked `KVCache`.
     lora_kernel: the multi-adapter product form (`tx.lora.kernels`).
     train_compiler_options: XLA options for the training programs (`tx.engine.compiles.train_jit`).
+    moe_dense_max_experts: a mixture-of-experts block of at most this many experts runs every expert on
+        every token (`tx.models.moe.dense_experts`); above it, or at 0, the sort-by-expert ragged product.
     """
 
     backend: str
@@ -37,6 +39,7 @@ class Tuning:
     per_layer_decode: bool
     lora_kernel: Kernel
     train_compiler_options: tuple[tuple[str, Any], ...] = ()
+    moe_dense_max_experts: int = 0
 
     def compiler_options(self) -> dict[str, Any]:
         return dict(self.train_compiler_options)

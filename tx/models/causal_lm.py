@@ -1,4 +1,4 @@
-"""Decoder-only causal LM (Qwen3, Llama 3) as one Flax NNX definition with scanned layers.
+"""Decoder-only causal LM (Qwen3, Llama 3, Qwen3-MoE) as one Flax NNX definition with scanned layers.
 
 All decoder layers live in one `DecoderLayer` whose weights carry a leading layer axis; the forward
 pass scans over it, so compile time does not grow with depth. The module tree mirrors the HF
@@ -7,6 +7,7 @@ segment ids (packed rows: attention stays inside a segment, positions restart) a
 slots explicitly; with a `KVCache`, a call's tokens occupy consecutive positions from `positions[:, 0]`:
 they attend to the cache's earlier positions and to each other, and their keys/values are written into
 the fixed-shape cache once, after the layer scan (prefill and decode are the same code path).
+Qwen3-MoE differs from Qwen3 only in its MLP, the routed `tx.models.moe.SparseMoeBlock` in every layer.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tx.lora.params import LoRARows
 from tx.models.cache import KVCache, LayerCache
 from tx.models.config import ModelConfig
 from tx.models.layers import MLP, Attention, AttentionMask, RMSNorm, rope_frequencies
+from tx.models.moe import SparseMoeBlock
 from tx.tuning import Tuning, for_backend
 
 CacheT = TypeVar("CacheT", KVCache, LayerCache)
@@ -35,7 +37,7 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, stack)
         self.self_attn = Attention(cfg, lora, stack, tuning)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, stack)
-        self.mlp = MLP(cfg, lora, stack, tuning)
+        self.mlp = SparseMoeBlock(cfg, lora, stack, tuning) if cfg.moe else MLP(cfg, lora, stack, tuning)
 
     def __call__(
         self,

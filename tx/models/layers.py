@@ -268,9 +268,12 @@ def cached_attention(
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...], tuning: Tuning) -> None:
+    def __init__(
+        self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...], tuning: Tuning, size: int = 0
+    ) -> None:
+        """`size`: the width F (default `cfg.intermediate_size`; a MoE's shared expert has its own)."""
         dt = jnp.dtype(cfg.dtype)
-        D, F = cfg.hidden_size, cfg.intermediate_size
+        D, F = cfg.hidden_size, size or cfg.intermediate_size
         rows = tuning.weight_major_rows
         make = functools.partial(LoRALinear, dtype=dt, lora=lora, stack=stack, weight_major_rows=rows)
         self.gate_proj = make(D, F, axes=("embed", "mlp"))

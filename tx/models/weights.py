@@ -8,6 +8,9 @@ Missing, unexpected or mis-shaped tensors raise an error naming the tensor. A fa
 sits under another prefix (Qwen3.5's multimodal `model.language_model.*`) is read from there, its other
 towers (`model.visual.*`) and the multi-token-prediction head (`mtp.*`) skipped; a decoder sub-module
 stacked over only some layers (Qwen3.5's `linear_attn`, `self_attn`) takes layer i at its rank among them.
+A mixture-of-experts block's per-expert tensors (`mlp.experts.{i}.gate_proj.weight`, the hub's layout and
+what transformers' `save_pretrained` writes) are stacked on the expert axis as they stream; transformers 5's
+fused in-memory form (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) is read too, split per expert.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import functools
 import logging
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -77,8 +81,10 @@ def hf_key_to_path(key: str, prefix: str = "model") -> tuple[Path_, int | None]:
     return tuple(key.split(".")), None
 
 
-def path_to_hf_key(path: Path_, layer: int | None, prefix: str = "model") -> str:
+def path_to_hf_key(path: Path_, layer: int | None, prefix: str = "model", expert: int | None = None) -> str:
     parts = list(path)
+    if expert is not None:
+        parts.insert(parts.index("experts") + 1, str(expert))
     if layer is not None:
         parts.insert(2, str(layer))
     if parts[0] == "model":
@@ -91,6 +97,29 @@ def text_module_name(name: str, cfg: ModelConfig) -> str:
     model spells it (`model.layers.3.mlp`); other names unchanged."""
     prefix = cfg.checkpoint_prefix + "."
     return "model." + name[len(prefix) :] if cfg.checkpoint_prefix != "model" and name.startswith(prefix) else name
+
+
+def split_expert(path: Path_) -> tuple[Path_, int | None]:
+    """(..., "experts", "3", "gate_proj", "weight") -> ((..., "experts", "gate_proj", "weight"), 3)."""
+    for i, part in enumerate(path[:-1]):
+        if part == "experts" and path[i + 1].isdigit():
+            return (*path[: i + 1], *path[i + 2 :]), int(path[i + 1])
+    return path, None
+
+
+def hub_layout(key: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """transformers 5's fused expert tensors, `experts.gate_up_proj` [X, 2F, D] (gate rows first) and
+    `experts.down_proj` [X, D, F], as the hub's per-expert [out, in] tensors; any other tensor as it is."""
+    if key.endswith(".experts.gate_up_proj"):
+        base, F = key[: -len("gate_up_proj")], array.shape[1] // 2
+        for e in range(array.shape[0]):
+            yield f"{base}{e}.gate_proj.weight", array[e, :F]
+            yield f"{base}{e}.up_proj.weight", array[e, F:]
+    elif key.endswith(".experts.down_proj"):
+        for e in range(array.shape[0]):
+            yield f"{key[: -len('down_proj')]}{e}.down_proj.weight", array[e]
+    else:
+        yield key, array
 
 
 def abstract_for(
@@ -111,8 +140,11 @@ def _stack_index(cfg: ModelConfig, path: Path_, layer: int, key: str) -> int:
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _set_layer(stacked: jax.Array, index: jax.Array, value: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_update_index_in_dim(stacked, value.astype(stacked.dtype), index, 0)
+def _set_at(stacked: jax.Array, index: jax.Array, value: jax.Array) -> jax.Array:
+    """stacked[*index] = value, in place; `index` [n] int32 over the leading (layer, expert) axes."""
+    lead = index.shape[0]
+    start = (*index, *(jnp.int32(0),) * value.ndim)
+    return jax.lax.dynamic_update_slice(stacked, value.astype(stacked.dtype).reshape((1,) * lead + value.shape), start)
 
 
 def _allocate(shape: tuple[int, ...], dtype: jnp.dtype, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -151,50 +183,71 @@ def _stream_weights(
     model_dir: Path, cfg: ModelConfig, flat: dict, shardings: dict, progress: bool
 ) -> dict[Path_, jax.Array]:
     expected = {p: v for p, v in flat.items() if not isinstance(v, LoRAParam)}
-    layers_seen: dict[Path_, set[int]] = {}
+    layers_seen: dict[Path_, set[tuple[int | None, int | None]]] = {}  # (layer, expert) written
     values: dict[Path_, jax.Array] = {}
     files = shard_files(model_dir)
     bar = tqdm(desc=f"loading {model_dir.name}", unit="tensor", disable=not progress, leave=False)
     skipped = SKIPPED.get(cfg.family, ())
     for file in files:
-        for key, array in iter_tensors(file):
+        for key, array in (pair for raw in iter_tensors(file) for pair in hub_layout(*raw)):
             bar.update()
             if key.startswith(skipped):
                 continue
             path, layer = hf_key_to_path(key, cfg.checkpoint_prefix)
+            path, expert = split_expert(path)
             if path == ("lm_head", "weight") and cfg.tie_word_embeddings:
                 continue  # some checkpoints store the tied copy too
             if path not in expected:
                 raise ValueError(f"unexpected tensor {key!r} in {file.name}: no such weight in a {cfg.family} model")
             var = expected[path]
-            want = var.shape[1:] if layer is not None else var.shape
+            index = _indices(cfg, path, var, layer, expert, key)
+            want = var.shape[len(index) :]
             host = np.asarray(array).astype(var.dtype)
             if host.shape != tuple(want):
                 raise ValueError(f"tensor {key!r} has shape {array.shape}, expected {tuple(want)}")
-            if layer is None:
+            if not index:
                 values[path] = jax.device_put(host, shardings[path])
                 continue
-            index = _stack_index(cfg, path, layer, key)
             if path not in values:
                 values[path] = _allocate(var.shape, var.dtype, shardings[path])
-            values[path] = _set_layer(values[path], jnp.int32(index), host)
-            layers_seen.setdefault(path, set()).add(layer)
+            values[path] = _set_at(values[path], jnp.asarray(index, jnp.int32), host)
+            layers_seen.setdefault(path, set()).add((layer, expert))
     bar.close()
     _check_complete(expected, values, layers_seen, cfg)
     return values
 
 
+def _has_experts(var: nnx.Variable) -> bool:
+    return "expert" in (var.get_metadata().get("logical_axes") or ())
+
+
+def _indices(
+    cfg: ModelConfig, path: Path_, var: nnx.Variable, layer: int | None, expert: int | None, key: str
+) -> tuple:
+    """Where a checkpoint tensor goes in its stacked weight: () whole, (layer rank,), or (layer rank, expert)."""
+    if (expert is not None) != _has_experts(var):
+        layout = "per expert" if _has_experts(var) else "whole"
+        raise ValueError(f"unexpected tensor {key!r}: this model keeps {'.'.join(path)} {layout}")
+    if layer is None:
+        return ()
+    index = (_stack_index(cfg, path, layer, key),)
+    if expert is None:
+        return index
+    if expert >= var.shape[1]:
+        raise ValueError(f"unexpected tensor {key!r}: expert {expert} of a model with {var.shape[1]} experts")
+    return (*index, expert)
+
+
 def _check_complete(expected: dict, values: dict, layers_seen: dict, cfg: ModelConfig) -> None:
-    for path in expected:
+    for path, var in expected.items():
         stacked = path[:2] == ("model", "layers")
-        first = cfg.layers_holding(path[2])[0] if stacked else None
-        if path not in values:
-            raise ValueError(f"missing tensor {path_to_hf_key(path, first, cfg.checkpoint_prefix)!r} in the checkpoint")
-        if stacked:
-            missing = sorted(set(cfg.layers_holding(path[2])) - layers_seen[path])
-            if missing:
-                key = path_to_hf_key(path, missing[0], cfg.checkpoint_prefix)
-                raise ValueError(f"missing tensor {key!r} in the checkpoint")
+        experts = range(var.shape[1]) if _has_experts(var) else [None]
+        want = [(layer, e) for layer in cfg.layers_holding(path[2]) for e in experts] if stacked else [(None, None)]
+        seen = layers_seen.get(path, set()) if stacked else {(None, None)} if path in values else set()
+        missing = [w for w in want if w not in seen]
+        if missing:
+            key = path_to_hf_key(path, missing[0][0], cfg.checkpoint_prefix, missing[0][1])
+            raise ValueError(f"missing tensor {key!r} in the checkpoint")
 
 
 def save_hf(params: dict[Path_, jax.Array], cfg: ModelConfig, source_dir: Path, out_dir: Path) -> int:
@@ -215,22 +268,33 @@ def save_hf(params: dict[Path_, jax.Array], cfg: ModelConfig, source_dir: Path, 
         if f.is_file() and not f.name.endswith(".safetensors") and not f.name.endswith(".index.json"):
             shutil.copy2(f, tmp / f.name)
     tensors = _skipped_tensors(source_dir, cfg)  # towers we do not run are written back unchanged
-    prefix = cfg.checkpoint_prefix
     for path, value in params.items():
-        host = np.asarray(jax.device_get(value))
-        if path[:2] == ("model", "layers") and path[2].isdigit():  # one layer's own buffer (split_layers)
-            layer = cfg.layers_holding(path[3])[int(path[2])]
-            tensors[path_to_hf_key((*path[:2], *path[3:]), layer, prefix)] = host
-        elif path[:2] == ("model", "layers"):
-            for index, layer in enumerate(cfg.layers_holding(path[2])):
-                tensors[path_to_hf_key(path, layer, prefix)] = np.ascontiguousarray(host[index])
-        else:
-            tensors[path_to_hf_key(path, None, prefix)] = host
+        tensors.update(_hf_tensors(path, np.asarray(jax.device_get(value)), cfg))
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(out_dir)
     return sum(f.stat().st_size for f in out_dir.iterdir())
+
+
+def _hf_tensors(path: Path_, host: np.ndarray, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """One weight of ours (stacked, or one layer's own buffer from `split_layers`) as checkpoint tensors:
+    one per layer, and one per expert of a stacked expert weight."""
+    prefix = cfg.checkpoint_prefix
+    if path[:2] != ("model", "layers"):
+        yield path_to_hf_key(path, None, prefix), host
+        return
+    if path[2].isdigit():  # one layer's own buffer
+        path, layers, host = (*path[:2], *path[3:]), [cfg.layers_holding(path[3])[int(path[2])]], host[None]
+    else:
+        layers = list(cfg.layers_holding(path[2]))
+    experts = "experts" in path  # routed expert weights: [L, X, out, in]
+    for index, layer in enumerate(layers):
+        if not experts:
+            yield path_to_hf_key(path, layer, prefix), np.ascontiguousarray(host[index])
+            continue
+        for e in range(host.shape[1]):
+            yield path_to_hf_key(path, layer, prefix, e), np.ascontiguousarray(host[index, e])
 
 
 def _skipped_tensors(source_dir: Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
