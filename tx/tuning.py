@@ -67,6 +67,12 @@ CPU = Tuning(
     # Compile time is most of a first step on CPU: without the fusion emitters the LoRA gradient program of
     # `small` compiles in 1.7 instead of 2.2 s, LLVM -O1 saves 0.2-0.4 s more; steady steps within 2%.
     train_compiler_options=(("xla_cpu_use_fusion_emitters", False), ("xla_backend_optimization_level", 1)),
+    # XLA:CPU has no native ragged dot: it runs one masked product per expert over all N*k sorted rows, so
+    # `ragged` costs k times `dense` (every expert on every token). bench_moe.py, D=512, F=384, k=2, fp32
+    # matmul peak 89 GFLOP/s: training step on 2048 tokens dense vs ragged 0.90 vs 1.20 s at X=4, 1.74 vs
+    # 2.28 s at 8, 3.79 vs 4.93 s at 16; decode of 32 tokens 3.2 vs 6.1 ms at 4, 54 vs 180 ms at 32. At
+    # X=128 (one repetition) decode still favoured dense (361 vs 566 ms), prefill ragged (13.2 vs 17.7 s).
+    moe_dense_max_experts=32,
 )
 
 TUNINGS: dict[str, Tuning] = {"cpu": CPU}
