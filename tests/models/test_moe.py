@@ -1,0 +1,104 @@
+"""The MoE block alone: with a shared expert against transformers' Qwen3.5-MoE block (outputs and
+gradients, both forms), and the two expert-product forms against each other when an expert gets no token."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from tx.models.config import ModelConfig, MoE
+from tx.models.moe import Routing, SparseMoeBlock, dense_experts, ragged_experts
+from tx.tuning import CPU
+
+D, F, SHARED, X, K = 16, 8, 12, 4, 2
+
+
+def config() -> ModelConfig:
+    moe = MoE(experts=X, top_k=K, expert_size=F, norm_topk_prob=True, sparse_layers=(0,), shared_expert_size=SHARED)
+    return ModelConfig(
+        "qwen3_moe", vocab_size=8, hidden_size=D, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+        head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=8, tie_word_embeddings=False, moe=moe,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    hf = Qwen3_5MoeTextConfig(
+        hidden_size=D, moe_intermediate_size=F, shared_expert_intermediate_size=SHARED, num_experts=X,
+        num_experts_per_tok=K,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    block = Qwen3_5MoeSparseMoeBlock(hf)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.5)
+    return block
+
+
+def ours(reference, form_max: int) -> SparseMoeBlock:
+    """Our block with the reference's weights; `form_max`: `Tuning.moe_dense_max_experts`."""
+    block = SparseMoeBlock(config(), None, (), dataclasses.replace(CPU, moe_dense_max_experts=form_max))
+    w = {name: jnp.asarray(p.detach().numpy()) for name, p in reference.named_parameters()}
+    block.gate.weight.set_value(w["gate.weight"])
+    block.experts.gate_proj.weight.set_value(w["experts.gate_up_proj"][:, :F])
+    block.experts.up_proj.weight.set_value(w["experts.gate_up_proj"][:, F:])
+    block.experts.down_proj.weight.set_value(w["experts.down_proj"])
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        getattr(block.shared_expert, name).weight.set_value(w[f"shared_expert.{name}.weight"])
+    block.shared_expert_gate.weight.set_value(w["shared_expert_gate.weight"])
+    return block
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("form_max", [0, X])
+def test_shared_expert_block_matches_transformers(reference, form_max):
+    block = ours(reference, form_max)
+    assert block.form == ("dense" if form_max else "ragged")
+    x = np.random.RandomState(0).randn(2, 5, D).astype(np.float32)
+    xt = torch.tensor(x, requires_grad=True)
+    want = reference(xt)
+    np.testing.assert_allclose(np.asarray(block(jnp.asarray(x), None)), want.detach().numpy(), atol=1e-4, rtol=0)
+    reference.zero_grad()
+    torch.sum(torch.tanh(want)).backward()
+    graph, params = nnx.split(block, nnx.Param)
+    dx, grads = jax.grad(lambda x, p: jnp.sum(jnp.tanh(nnx.merge(graph, p)(x, None))), argnums=(0, 1))(x, params)
+    np.testing.assert_allclose(np.asarray(dx), xt.grad.numpy(), atol=1e-4, rtol=0)
+    g = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
+    torch_grads = {name: p.grad.numpy() for name, p in reference.named_parameters()}
+    gate_up = np.concatenate([g["experts.gate_proj.weight"], g["experts.up_proj.weight"]], axis=1)
+    np.testing.assert_allclose(gate_up, torch_grads.pop("experts.gate_up_proj"), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(g["experts.down_proj.weight"], torch_grads.pop("experts.down_proj"), atol=1e-4, rtol=0)
+    for name, want_grad in torch_grads.items():
+        np.testing.assert_allclose(g[name], want_grad, atol=1e-4, rtol=0, err_msg=name)
+
+
+def test_forms_agree_when_an_expert_gets_no_token():
+    """Expert 2 is never chosen (an empty ragged group); gradients of the inputs and every expert agree."""
+    rng = np.random.RandomState(1)
+    N = 9
+    x = jnp.asarray(rng.randn(N, D), jnp.float32)
+    choices = np.array([[0, 1], [3, 0], [1, 3]] * 3, np.int32)
+    routing = Routing(jnp.asarray(choices), jnp.asarray(rng.rand(N, K), jnp.float32))
+    gate, up = (jnp.asarray(rng.randn(X, F, D) / np.sqrt(D), jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.randn(X, D, F) / np.sqrt(F), jnp.float32)
+
+    def grads(product):
+        return jax.grad(lambda *a: jnp.sum(jnp.sin(product(a[0], routing, *a[1:]))), argnums=(0, 1, 2, 3))(
+            x, gate, up, down
+        )
+
+    np.testing.assert_allclose(
+        ragged_experts(x, routing, gate, up, down), dense_experts(x, routing, gate, up, down), atol=1e-4
+    )
+    for mine, want in zip(grads(ragged_experts), grads(dense_experts), strict=True):
+        np.testing.assert_allclose(mine, want, atol=1e-5, rtol=0)
+    assert not np.any(np.asarray(grads(ragged_experts)[1][2]))  # the unused expert gets no gradient
