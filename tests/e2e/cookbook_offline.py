@@ -8,6 +8,8 @@ renderer qwen3) and writes tiny stand-ins for the two datasets into the datasets
 and the cookbook resolve everything locally.
 
     python tests/e2e/cookbook_offline.py --model-dir /tmp/models/tiny --hf-home /tmp/cbhf
+    python tests/e2e/cookbook_offline.py --tiny-qwen3-5 /tmp/models/q35 --hf-home /tmp/cbhf \
+        --model-name Qwen/Qwen3.5-9B-Base    # the recipes' default model, a tiny hub-style Qwen3.5
 
 Needs `datasets` and `pyarrow` (run it with the cookbook's interpreter). Not a test: pytest skips it.
 """
@@ -15,6 +17,7 @@ Needs `datasets` and `pyarrow` (run it with the cookbook's interpreter). Not a t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -85,13 +88,47 @@ def install_dataset(hf_home: Path, repo: str, config: str, make, n_train: int = 
     return dst
 
 
+def write_tiny_qwen3_5(out: Path) -> Path:
+    """A tiny random Qwen3.5 as the hub ships it (`Qwen3_5ForConditionalGeneration`, vision tower
+    included) with SmolGym's tiny BPE tokenizer and chat template."""
+    import sys
+
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tx.models import tiny
+
+    tokenizer = tiny.train_tokenizer()
+    eos = tokenizer.token_to_id(tiny.EOS)
+    text = dict(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512,
+        eos_token_id=eos, tie_word_embeddings=True,
+    )  # fmt: skip
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4)
+    torch.manual_seed(0)
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True, eos_token_id=eos)
+    Qwen3_5ForConditionalGeneration(config).eval().save_pretrained(out)
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tiny.tokenizer_config(), indent=2))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, required=True, help="local HF model dir with tokenizer")
+    parser.add_argument("--model-dir", type=Path, help="local HF model dir with tokenizer")
     parser.add_argument("--hf-home", type=Path, required=True)
     parser.add_argument("--model-name", default="Qwen/Qwen3-8B", help="hub name the recipes and server use")
+    parser.add_argument(
+        "--tiny-qwen3-5", type=Path, help="build a tiny hub-style Qwen3.5 here and publish it (instead of --model-dir)"
+    )
     args = parser.parse_args()
-    install_model(args.hf_home, args.model_dir, args.model_name)
+    if (args.model_dir is None) == (args.tiny_qwen3_5 is None):
+        parser.error("give exactly one of --model-dir and --tiny-qwen3-5")
+    model_dir = args.model_dir or write_tiny_qwen3_5(args.tiny_qwen3_5)
+    install_model(args.hf_home, model_dir, args.model_name)
     print(install_dataset(args.hf_home, "HuggingFaceH4/no_robots", "default", _conversation))
     print(install_dataset(args.hf_home, "openai/gsm8k", "main", _gsm8k))
     print(f"export HF_HOME={args.hf_home} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1; model name {args.model_name}")

@@ -44,11 +44,12 @@ REQUIRED: dict[str, Any] = {
 }
 ROPE_KEYS = {"rope_type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
 # The multimodal wrapper's own fields: token ids of image/video placeholders and the vision tower's config.
-# Text-only input never contains those tokens, and the vision tower is not loaded.
+# Text-only input never contains those tokens, and the vision tower is not loaded. Its special-token ids
+# (eos/bos/pad) are read where stop tokens are decided (generation_config.json, then config.json), not here.
 WRAPPER = {
     "architectures", "model_type", "text_config", "vision_config", "image_token_id", "video_token_id",
     "vision_start_token_id", "vision_end_token_id", "tie_word_embeddings", "transformers_version", "dtype",
-    "torch_dtype",
+    "torch_dtype", "eos_token_id", "bos_token_id", "pad_token_id",
 }  # fmt: skip
 
 
