@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,29 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from limits import matmul_peak, timed  # noqa: E402
 from run_all import machine  # noqa: E402
 
 from tx.models.moe import FORMS, route  # noqa: E402
 
 WORKLOADS = {"train": 2048, "prefill": 2048, "decode": 32}  # tokens per call
-
-
-def timed(fn: Callable[[], Any], reps: int) -> float:
-    """Fastest of `reps` calls in milliseconds after a warm-up (compiling) call: other load only adds time."""
-    jax.block_until_ready(fn())
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        samples.append((time.perf_counter() - start) * 1e3)
-    return min(samples)
-
-
-def matmul_peak(size: int, reps: int) -> float:
-    """GFLOP/s of the best [size, size] x [size, size] float32 matmul."""
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-    product = jax.jit(lambda a: a @ a)
-    return 2 * size**3 / timed(lambda: product(a), reps) / 1e6
 
 
 def inputs(N: int, D: int, F: int, X: int, k: int) -> tuple:

@@ -38,11 +38,13 @@ from tx.lora.layers import LoRASpec
 from tx.lora.params import slot_scale
 from tx.models.causal_lm import decode_layout
 from tx.models.config import ModelConfig
+from tx.models.weights import family_tuning
 from tx.protocol import SampleRequest, SamplingParams
 from tx.tuning import for_backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import SHAPES, model_config, peak_memory, random_state  # noqa: E402
+from limits import read_bandwidth  # noqa: E402
+from shapes import SHAPES, model_config, param_count, peak_memory, random_state  # noqa: E402
 
 LORA_RANK = 8
 LORA_SLOTS, MAX_RANK = 9, 32  # the server defaults (--max-lora-adapters 8, --max-lora-rank 32)
@@ -51,7 +53,7 @@ LORA_SLOTS, MAX_RANK = 9, 32  # the server defaults (--max-lora-adapters 8, --ma
 def make_sampler(cfg: ModelConfig, lora: bool, max_rows: int, max_seq_len: int, max_prompt: int) -> Sampler:
     """`lora`: the server's default stack (8 adapter slots + the zero slot, max rank 32) holding one
     rank-8 adapter in slot 1. Weights, cache form and kernel as the engine lays them out on this backend."""
-    tuning = for_backend()
+    tuning = family_tuning(for_backend(), cfg)
     spec = LoRASpec(slots=LORA_SLOTS, max_rank=MAX_RANK, kernel=tuning.lora_kernel) if lora else None
     graphdef, state = random_state(cfg, spec)
     scale = np.zeros((LORA_SLOTS, MAX_RANK), np.float32)
@@ -113,27 +115,15 @@ def measure(args: argparse.Namespace, shape: str, batches: list[int], variants: 
     return rows
 
 
-def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-    """Stream-read bandwidth in bytes/s: a jitted sum over a `megabytes` fp32 array (far larger than the
-    caches), using every core as XLA does; the median of `repeats` runs after a warm-up."""
-    x = jax.numpy.ones((megabytes << 18,), jax.numpy.float32)
-    total = jax.jit(lambda a: a.sum())
-    total(x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        total(x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return x.nbytes / statistics.median(times)
-
-
 def weight_bytes(shape: str, dtype: str) -> int:
-    """Bytes of weights a decode step reads: every linear layer and the (tied) unembedding."""
+    """Bytes a batch-1 decode step reads: every weight it multiplies by, and for Gated DeltaNet layers their
+    recurrent state (float32, read and written)."""
     cfg = model_config(shape, dtype)
-    D, F, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
-    HE, KE = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = D * HE * 2 + D * KE * 2 + 3 * D * F
-    return np.dtype(jax.numpy.dtype(dtype)).itemsize * (L * per_layer + V * D)
+    state = 0
+    if cfg.linear is not None:
+        lin = cfg.linear
+        state = 2 * 4 * len(cfg.layers_holding("linear_attn")) * lin.value_heads * lin.key_head_dim * lin.value_head_dim
+    return np.dtype(jax.numpy.dtype(dtype)).itemsize * param_count(cfg) + state
 
 
 def add_ceiling(results: list[dict], bandwidth: float) -> None:

@@ -2,12 +2,15 @@
 peak memory a benchmark process reached.
 
 `tiny` and `small` match the presets of the side-by-side bench scripts; `qwen3-0.6b` is the real
-Qwen3-0.6B architecture. Weights are random normals: throughput does not depend on their values. The
-Qwen3.5 family (Gated DeltaNet layers) is not in `tx.models` yet, so it has no shape here.
+Qwen3-0.6B architecture. The `qwen3.5-*` shapes are the hybrid family (Gated DeltaNet + gated full
+attention, 3 linear : 1 full): `qwen3.5-small` is `small`'s width over 8 layers, `qwen3.5-9b-d4` the
+published Qwen3.5-9B layer width over 4 layers (one group of the pattern). Weights are random normals:
+throughput does not depend on their values.
 """
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 from typing import Any
@@ -17,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tx.lora.layers import LoRASpec
-from tx.models.causal_lm import CausalLM, abstract_model
 from tx.models.config import ModelConfig
+from tx.models.weights import abstract_for
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -48,18 +51,43 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_key_value_heads=8,
         head_dim=128,
     ),
+    "qwen3.5-small": dict(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+    ),
+    "qwen3.5-9b-d4": dict(
+        vocab_size=248320,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+    ),
 }
 
 
 def model_config(shape: str, dtype: str = "float32") -> ModelConfig:
-    hf = {
-        **SHAPES[shape],
-        "architectures": ["Qwen3ForCausalLM"],
-        "tie_word_embeddings": True,
-        "max_position_embeddings": 40960,
-        "rope_theta": 1e6,
-        "rms_norm_eps": 1e-6,
-    }
+    common = {"tie_word_embeddings": True, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6}
+    if shape.startswith("qwen3.5"):
+        rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+        hf = {**SHAPES[shape], **common, "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text"}
+        hf.update(linear_conv_kernel_dim=4, rope_parameters=rope, full_attention_interval=4)
+        return ModelConfig.from_hf(hf, dtype=dtype)
+    hf = {**SHAPES[shape], **common, "architectures": ["Qwen3ForCausalLM"], "rope_theta": 1e6}
     return ModelConfig.from_hf(hf, dtype=dtype)
 
 
@@ -67,7 +95,7 @@ def random_state(cfg: ModelConfig, lora: LoRASpec | None = None, seed: int = 0) 
     """Random normal weights (norms at one), drawn on the device by one compiled program from an `rbg` key:
     drawn leaf by leaf, each weight shape compiled its own kernel, and threefry's bits compile slowly (15 s
     of a 40 s `tiny` benchmark on CPU; 4.6 s this way)."""
-    graphdef, state = nnx.split(abstract_model(cfg, lora))
+    graphdef, state = nnx.split(abstract_for(cfg, lora, remat=False))
     flat = nnx.to_flat_state(state)
     specs = [(var.shape, var.dtype, str(path[-2]).endswith("norm")) for path, var in flat]
 
@@ -84,14 +112,15 @@ def random_state(cfg: ModelConfig, lora: LoRASpec | None = None, seed: int = 0) 
     return graphdef, state
 
 
-def random_model(shape: str, lora: LoRASpec | None = None, dtype: str = "float32", seed: int = 0) -> CausalLM:
+def random_model(shape: str, lora: LoRASpec | None = None, dtype: str = "float32", seed: int = 0) -> Any:
     return nnx.merge(*random_state(model_config(shape, dtype), lora, seed))
 
 
 def param_count(cfg: ModelConfig) -> int:
-    D, F, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
-    attn = D * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    return L * (attn + 3 * D * F) + V * D * (1 if cfg.tie_word_embeddings else 2)
+    """Weights a token's forward pass multiplies by (the base model's, adapters excluded), counted from the
+    model's own structure; a tied embedding counts once for the output projection."""
+    _, params, _ = nnx.split(abstract_for(cfg, None, remat=False), nnx.Param, ...)
+    return sum(int(math.prod(var.shape)) for _, var in nnx.to_flat_state(params))
 
 
 def peak_memory() -> dict[str, Any]:

@@ -2,9 +2,12 @@
 
 Runs the engine's Trainer in-process on a random-weight model (no server, no files) for LoRA ranks and
 full fine-tuning, with the backend's tuning (`tx.tuning`), prints one JSON line per mode as it finishes and
-one JSON document at the end. `compile_s` is the first step's time minus a steady step's. Example:
+one JSON document at the end. `compile_s` is the first step's time minus a steady step's; FLOPs count
+the base weights a token multiplies by (6 per weight for full fine-tuning, 4 for LoRA: no weight
+gradient), reported as a fraction of the float32 matmul peak measured in the same run. Example:
     python benchmarks/train_throughput.py --shape small --batch 8 --length 256
     python benchmarks/train_throughput.py --shape qwen3-0.6b --dtype bfloat16 --batch 16 --length 1024
+    python benchmarks/train_throughput.py --shape qwen3.5-small --modes r8,full   # the hybrid family
     python benchmarks/train_throughput.py --quick          # CI smoke: tiny shape, 2 steps
 """
 
@@ -22,6 +25,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from limits import matmul_peak  # noqa: E402
 from shapes import SHAPES, model_config, param_count, peak_memory, random_model  # noqa: E402
 
 from tx.engine.trainer import Trainer  # noqa: E402
@@ -91,12 +95,15 @@ def main() -> None:
         args.shape, args.batch, args.length, args.steps, args.modes = "tiny", 2, 32, 1, "r8,full"
     modes = args.modes.split(",")
     max_rank = max([int(m[1:]) for m in modes if m.startswith("r")] or [1])
+    peak = matmul_peak(256 if args.quick else 2048)
     results = []
     for mode in modes:
         results.append(measure(args.shape, mode, args.batch, args.length, args.steps, max_rank, args.dtype))
+        results[-1]["fraction_of_peak"] = round(results[-1]["gflops_per_s"] / peak, 3)
         print(json.dumps(results[-1]), flush=True)
     out = {
         "benchmark": "train_throughput",
+        "fp32_matmul_peak_gflops_per_s": round(peak, 1),
         "backend": jax.default_backend(),
         "machine": platform.processor() or platform.machine(),
         "cpus": jax.local_device_count(),
