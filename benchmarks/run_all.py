@@ -33,6 +33,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "sample_throughput": ([], ["--quick"]),
     "bench_lora": ([], ["--quick"]),
     "bench_moe": (["--reps", "3"], ["--quick"]),
+    "vs_transformers": ([], ["--quick"]),
     "packing_waste": ([], ["--datums", "16", "64", "--trials", "3"]),
     "api_submit": ([], ["--requests", "20", "--kb", "16"]),
     "rl_loop": ([], ["--quick"]),

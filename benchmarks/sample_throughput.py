@@ -38,7 +38,6 @@ from tx.lora.layers import LoRASpec
 from tx.lora.params import slot_scale
 from tx.models.causal_lm import decode_layout
 from tx.models.config import ModelConfig
-from tx.models.weights import family_tuning
 from tx.protocol import SampleRequest, SamplingParams
 from tx.tuning import for_backend
 
@@ -53,7 +52,7 @@ LORA_SLOTS, MAX_RANK = 9, 32  # the server defaults (--max-lora-adapters 8, --ma
 def make_sampler(cfg: ModelConfig, lora: bool, max_rows: int, max_seq_len: int, max_prompt: int) -> Sampler:
     """`lora`: the server's default stack (8 adapter slots + the zero slot, max rank 32) holding one
     rank-8 adapter in slot 1. Weights, cache form and kernel as the engine lays them out on this backend."""
-    tuning = family_tuning(for_backend(), cfg)
+    tuning = for_backend()
     spec = LoRASpec(slots=LORA_SLOTS, max_rank=MAX_RANK, kernel=tuning.lora_kernel) if lora else None
     graphdef, state = random_state(cfg, spec)
     scale = np.zeros((LORA_SLOTS, MAX_RANK), np.float32)

@@ -21,8 +21,10 @@ from tx.engine.train_step import flat
 from tx.lora.layers import LoRASpec
 from tx.lora.params import LoRAParam, LoRARows, slot_scale
 from tx.models.cache import HybridCache
+from tx.models.causal_lm import decode_layout
 from tx.models.weights import load_model
 from tx.protocol import SampleRequest, SamplingParams
+from tx.tuning import CPU
 
 CFG = SamplerConfig(max_rows=4, max_seq_len=64, chunk_steps=4, length_buckets=(32, 64), prompt_cache_bytes=1 << 20)
 SLOT = 1
@@ -39,8 +41,11 @@ class Setup:
         one = slot_scale(4, 8.0, 4)
         self.scale = jnp.stack([jnp.zeros_like(one), one])
         self.graphdef, self.state = nnx.split(self.model)
+        # The engine's CPU form: base weights split into per-layer buffers, layers unrolled over them (the
+        # stacked form is checked against transformers in tests/models/test_qwen3_5.py).
+        weights = decode_layout(flat(self.state), CPU)
         self.sampler = Sampler(
-            self.graphdef, lambda: flat(self.state), self.cfg, CFG, (), lambda ids: "", lambda: self.scale,
+            self.graphdef, lambda: weights, self.cfg, CFG, (), lambda ids: "", lambda: self.scale,
             weights_version=lambda: 0,
         )  # fmt: skip
 

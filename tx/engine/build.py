@@ -19,7 +19,7 @@ from tx.lora.layers import LoRASpec
 from tx.lora.slots import SlotTable
 from tx.models.causal_lm import decode_layout
 from tx.models.sharding import make_mesh
-from tx.models.weights import family_tuning, load_model, resolve_model_dir
+from tx.models.weights import load_model, resolve_model_dir
 from tx.protocol import ModelInfo
 from tx.tuning import Tuning, for_backend
 
@@ -78,7 +78,6 @@ def build_runner(
     log.info("loading %s (%s)", model_dir, dtype or "checkpoint dtype")
     lora = LoRASpec(slots.slots, max_lora_rank, tuning.lora_kernel)
     model, cfg = load_model(str(model_dir), dtype=dtype, lora=lora, mesh=mesh, remat=remat, tuning=tuning)
-    tuning = family_tuning(tuning, cfg)  # what this family's sampler can take of the backend's choices
     trainer = Trainer(model, train_micro_batch_tokens)
     tok, eos = _tokenizer(model_dir)
     seq_len = min(max_seq_len, cfg.max_position_embeddings)

@@ -120,10 +120,9 @@ class DecodePrograms:
         N, P = batch.tokens.shape
         empty = prefill_cache(model.config, N, P)
         live = (batch.positions < P).astype(jnp.int32)  # padding is neutral to recurrent state
-        if layers is None:
-            h_NPD, fresh = model.hidden(batch.tokens, batch.positions, live, rows=lora, cache=empty)
+        if layers is None or not isinstance(empty, KVCache):  # only attention-only models have a LayerCache
+            h_NPD, fresh = model.hidden(batch.tokens, batch.positions, live, lora, empty, layers)
         else:
-            assert isinstance(empty, KVCache)
             h_NPD, own = model.hidden(batch.tokens, batch.positions, live, lora, empty.per_layer(), layers)
             fresh = None if own is None else own.stacked()
         assert fresh is not None
@@ -152,7 +151,10 @@ class DecodePrograms:
 
 
 def _as_form(cache: Cache, per_layer: bool) -> Cache:
-    """`cache` as a LayerCache when `per_layer`, else as a KVCache (converted only if it is the other)."""
+    """An attention-only model's cache as a LayerCache when `per_layer`, else as a KVCache (converted only
+    if it is the other); a hybrid model's cache has one form."""
+    if isinstance(cache, HybridCache):
+        return cache
     if per_layer:
         return cache if isinstance(cache, LayerCache) else cache.per_layer()
     return cache.stacked() if isinstance(cache, LayerCache) else cache

@@ -158,7 +158,7 @@ class CausalLM(nnx.Module):
             assert not isinstance(cache, KVCache), "per-layer weights take a LayerCache (KVCache.per_layer)"
             news = []
             for index, weights in enumerate(layers):
-                h, one = run_layer(h, index, _layer_state(stacked, weights, index))
+                h, one = run_layer(h, index, layer_state(stacked, weights, index))
                 news.append(one)
             if cache is None:
                 return self.model.norm(h), None
@@ -265,7 +265,7 @@ def per_layer(weights: Mapping[tuple[str, ...], jax.Array]) -> tuple[Flat, list[
     return rest, [layers[i] for i in range(len(layers))]
 
 
-def _layer_state(stacked: nnx.State, weights: Mapping[tuple[str, ...], jax.Array], index: int) -> nnx.State:
+def layer_state(stacked: nnx.State, weights: Mapping[tuple[str, ...], jax.Array], index: int) -> nnx.State:
     """Layer `index` of the stacked decoder state: its own base buffers from `weights`, its slice of the
     stacked adapters (small)."""
     items = []

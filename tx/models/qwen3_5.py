@@ -12,6 +12,7 @@ iteration per group with the group's layers unrolled inside, so compile time doe
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -20,8 +21,8 @@ from flax import nnx
 
 from tx.lora.layers import LoRASpec
 from tx.lora.params import LoRARows
-from tx.models.cache import HybridCache, LinearState
-from tx.models.causal_lm import Embedding, LMHead, _write_cache
+from tx.models.cache import HybridCache, KVCache, LinearState
+from tx.models.causal_lm import Embedding, LMHead, _write_cache, layer_state
 from tx.models.config import ModelConfig
 from tx.models.layers import MLP, RMSNorm, rope_frequencies
 from tx.models.qwen3_5_layers import GatedAttention, GatedDeltaNet, TokenFlags
@@ -29,6 +30,8 @@ from tx.tuning import PLAIN
 
 MIXERS = {"linear_attention": "linear_attn", "full_attention": "self_attn"}
 PER_LAYER = ("input_layernorm", "post_attention_layernorm", "mlp")
+ALL_PARTS = (*PER_LAYER, *MIXERS.values())
+ModuleAt = Callable[[str, int], nnx.Module]  # (sub-module name, index among the layers holding it) -> module
 
 
 def repeating_group(kinds: tuple[str, ...]) -> tuple[str, ...]:
@@ -86,34 +89,58 @@ class Qwen3_5CausalLM(nnx.Module):
         segments: jax.Array | None = None,
         rows: LoRARows | None = None,
         cache: HybridCache | None = None,
-        layers: None = None,
+        layers: Sequence[Mapping[tuple[str, ...], jax.Array]] | None = None,
     ) -> tuple[jax.Array, HybridCache | None]:
         """tokens, positions [B, T] -> final normed hidden states [B, T, D] (and the updated cache).
-        `layers` is CausalLM's per-layer weights form, which this family does not have (always None)."""
-        assert layers is None, "Qwen3.5 reads its stacked weights only"
+        `layers`: the base weights split per stacked entry (`causal_lm.per_layer`); the layers then run
+        unrolled over those separate buffers (the CPU decode form: a slice of a stacked weight is copied)."""
         cfg = self.config
         segments = jnp.ones_like(tokens) if segments is None else segments
         inv_freq = rope_frequencies(cfg.rotary_dim, cfg.rope_theta, None)
         inputs = _Inputs(positions, segments, TokenFlags.of(segments), inv_freq, rows)
-        group = repeating_group(cfg.kinds)
-        G = cfg.num_layers // len(group)
-        parts = {name: nnx.split(getattr(self.model.layers, name)) for name in (*PER_LAYER, *_mixers(group))}
-        graphs = {name: graph for name, (graph, _) in parts.items()}
         n_linear = len(cfg.layers_holding("linear_attn"))
         linear = cache.linear if cache is not None else LinearState.zeros(cfg, tokens.shape[0], n_linear)
-        xs = ({name: state for name, (_, state) in parts.items()}, linear, None if cache is None else cache.full)
+        kv = None if cache is None else cache.full
+        h = self.model.embed_tokens(tokens)
+        if layers is None:
+            h, (linear, new_kv) = self._scanned(h, inputs, linear, kv)
+        else:
+            h, (linear, new_kv) = _layers(h, cfg.kinds, self._split_layer(layers), linear, kv, inputs)
+        if cache is None:
+            return self.model.norm(h), None
+        full = _write_cache(cache.full, *new_kv, positions)  # written once, after every layer ran
+        return self.model.norm(h), HybridCache(full, linear)
+
+    def _scanned(self, h: jax.Array, inputs: _Inputs, linear: LinearState, kv: KVCache | None) -> tuple:
+        """The layers over their stacked weights: one scan step per repeating group of layer types."""
+        group = repeating_group(self.config.kinds)
+        G = self.config.num_layers // len(group)
+        parts = {name: nnx.split(getattr(self.model.layers, name)) for name in (*PER_LAYER, *_mixers(group))}
+        graphs = {name: graph for name, (graph, _) in parts.items()}
+        xs = ({name: state for name, (_, state) in parts.items()}, linear, kv)
 
         def body(h: jax.Array, x: tuple) -> tuple[jax.Array, tuple]:
-            return _group(h, group, graphs, x, inputs)
+            weights, linear, kv = x
+            return _layers(h, group, lambda name, i: _at(graphs[name], weights[name], i), linear, kv, inputs)
 
         if self.remat:
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-        h, (linear, kv) = jax.lax.scan(body, self.model.embed_tokens(tokens), _by_group(xs, G))
-        if cache is None:
-            return self.model.norm(h), None
-        k_new, v_new = _ungroup(kv)
-        full = _write_cache(cache.full, k_new, v_new, positions)  # written once, after the scan
-        return self.model.norm(h), HybridCache(full, _ungroup(linear))
+        h, out = jax.lax.scan(body, h, _by_group(xs, G))
+        return h, _ungroup(out)
+
+    def _split_layer(self, layers: Sequence[Mapping[tuple[str, ...], jax.Array]]) -> ModuleAt:
+        """Sub-module `name` of its index-th layer over the per-layer buffers `layers[index]` (`per_layer`:
+        index i holds entry i of every stacked sub-module; the adapters stay stacked and are sliced)."""
+        parts = {
+            name: nnx.split(getattr(self.model.layers, name)) for name in ALL_PARTS if hasattr(self.model.layers, name)
+        }
+
+        def module_at(name: str, index: int) -> nnx.Module:
+            graph, stacked = parts[name]
+            own = {path[1:]: x for path, x in layers[index].items() if path[0] == name}
+            return nnx.merge(graph, layer_state(stacked, own, index))
+
+        return module_at
 
     def logits(self, h: jax.Array, rows: LoRARows | None = None) -> jax.Array:
         """[B, T, D] hidden -> [B, T, V] float32 logits."""
@@ -126,7 +153,7 @@ class Qwen3_5CausalLM(nnx.Module):
         segments: jax.Array | None = None,
         rows: LoRARows | None = None,
         cache: HybridCache | None = None,
-        layers: None = None,
+        layers: Sequence[Mapping[tuple[str, ...], jax.Array]] | None = None,
     ) -> tuple[jax.Array, HybridCache | None]:
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -156,25 +183,26 @@ def _ungroup(tree: Any) -> Any:
     return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)
 
 
-def _group(h: jax.Array, group: tuple[str, ...], graphs: dict[str, nnx.GraphDef], x: tuple, inputs: _Inputs) -> tuple:
-    """One repetition of the layer pattern, its layers unrolled. x = (this group's weights, its linear
-    layers' states, its full layers' cache or None) -> (h, (new linear states, new (k, v) or None))."""
-    weights, linear, kv = x
+def _layers(
+    h: jax.Array, kinds: tuple[str, ...], module_at: ModuleAt, linear: LinearState, kv: KVCache | None, inputs: _Inputs
+) -> tuple:
+    """Layers of `kinds` in order; `module_at(name, i)` is sub-module `name` of the i-th layer holding it
+    here, `linear` / `kv` the states of these layers' linear / full mixers -> (h, (new linear states,
+    this call's (k, v) or None))."""
     seen = {"linear_attn": 0, "self_attn": 0}
     states: list[LinearState] = []
     written: list[tuple[jax.Array, jax.Array] | None] = []
-    for i, kind in enumerate(group):
+    for i, kind in enumerate(kinds):
         mixer = MIXERS[kind]
         j = seen[mixer]
         seen[mixer] += 1
-        module = _at(graphs[mixer], weights[mixer], j)
-        x_in = _at(graphs["input_layernorm"], weights["input_layernorm"], i)(h)
-        out, new = _mix(module, x_in, inputs, _index(linear, j) if mixer == "linear_attn" else _index(kv, j))
+        x_in = module_at("input_layernorm", i)(h)
+        state = _index(linear, j) if mixer == "linear_attn" else _index(kv, j)
+        out, new = _mix(module_at(mixer, j), x_in, inputs, state)
         (states if mixer == "linear_attn" else written).append(new)
-        post = _at(graphs["post_attention_layernorm"], weights["post_attention_layernorm"], i)
         h = h + out
-        h = h + _at(graphs["mlp"], weights["mlp"], i)(post(h), inputs.rows)
-    return h, (_stack(states), _stack(written) if kv is not None else None)
+        h = h + module_at("mlp", i)(module_at("post_attention_layernorm", i)(h), inputs.rows)
+    return h, (_stack(states) if states else linear, _stack(written) if kv is not None else None)
 
 
 def _mix(module: nnx.Module, x: jax.Array, inputs: _Inputs, state: Any) -> tuple[jax.Array, Any]:

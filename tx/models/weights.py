@@ -15,7 +15,6 @@ fused in-memory form (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) is re
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -121,12 +120,6 @@ def hub_layout(key: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
             yield f"{key[: -len('down_proj')]}{e}.down_proj.weight", array[e]
     else:
         yield key, array
-
-
-def family_tuning(tuning: Tuning, cfg: ModelConfig) -> Tuning:
-    """The backend's choices as this family can take them: only attention-only models (`CausalLM`) have
-    the per-layer decode form; a model with recurrent layers decodes over its stacked weights."""
-    return tuning if cfg.linear is None else dataclasses.replace(tuning, per_layer_decode=False)
 
 
 def abstract_for(
