@@ -29,6 +29,7 @@ from tx.lora.params import LoRAParam
 from tx.lora.select import select, take_adapters
 from tx.lora.slots import targets_from_flags
 from tx.models.causal_lm import CausalLM
+from tx.models.qwen3_5 import Qwen3_5CausalLM
 from tx.protocol import AdamParams, ForwardBackwardRequest, ForwardBackwardResult, LoraConfig, RequestError
 
 log = logging.getLogger("tx.engine")
@@ -60,7 +61,7 @@ class Run:
 
 
 class Trainer:
-    def __init__(self, model: CausalLM, micro_batch_tokens: int = 8192) -> None:
+    def __init__(self, model: CausalLM | Qwen3_5CausalLM, micro_batch_tokens: int = 8192) -> None:
         graphdef, lora, base = nnx.split(model, LoRAParam, ...)  # type: ignore[misc]
         self.steps = ts.StepFunctions(graphdef)
         # The trainer updates LoRA slots in place (donated buffers), so it owns a copy of them.

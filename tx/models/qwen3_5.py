@@ -108,7 +108,8 @@ class Qwen3_5CausalLM(nnx.Module):
             h, (linear, new_kv) = _layers(h, cfg.kinds, self._split_layer(layers), linear, kv, inputs)
         if cache is None:
             return self.model.norm(h), None
-        full = _write_cache(cache.full, *new_kv, positions)  # written once, after every layer ran
+        k_new, v_new = new_kv
+        full = _write_cache(cache.full, k_new, v_new, positions)  # written once, after every layer ran
         return self.model.norm(h), HybridCache(full, linear)
 
     def _scanned(self, h: jax.Array, inputs: _Inputs, linear: LinearState, kv: KVCache | None) -> tuple:
