@@ -99,3 +99,17 @@ def test_unknown_module_fails_before_writing(tmp_path):
         merge_to_hf(base, tmp_path / "merged", config, weights)
     assert not (tmp_path / "merged").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".merged")]
+
+
+def test_merge_command_uses_the_adapters_own_base(tmp_path, capsys):
+    from tx.merge import main
+
+    base = build_base(tmp_path / "base", "qwen3-tied")
+    model, config, _ = adapter_for(base, tmp_path, target_modules=ATTN_MLP)
+    assert Path(config.base_model_name_or_path) == base  # what peft recorded, and what the command resolves
+    assert main([str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0
+    with torch.no_grad():
+        expected = logits(model.merge_and_unload())
+    np.testing.assert_allclose(logits(load_base(tmp_path / "merged")), expected, atol=1e-4, rtol=0)
+    assert main([str(tmp_path / "missing"), str(tmp_path / "other")]) == 2
+    assert "error:" in capsys.readouterr().err and not (tmp_path / "other").exists()
