@@ -156,7 +156,8 @@ def test_attention_lora_gradients_match_peft(hf_moe):
     try:
         modules = dict(peft_model.named_modules())
         flat = {tuple(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, LoRAParam))}
-        assert {k[-2] for k in flat} == set(names)
+        assert {k[-2] for k in flat} == {*names, "gate_proj", "up_proj", "down_proj"}  # experts: test_moe_lora.py
+        flat = {k: v for k, v in flat.items() if k[-2] in names}
         rng = np.random.RandomState(5)
         for key, var in flat.items():
             var.set_value(jnp.asarray(0.05 * rng.randn(*var.shape), jnp.float32))
@@ -175,7 +176,7 @@ def test_attention_lora_gradients_match_peft(hf_moe):
         peft_model.zero_grad()
         (torch.tanh(peft_model(torch.tensor(tokens, dtype=torch.long)).logits) * torch.tensor(w)).sum().backward()
         for key, grad in grads.items():
-            for i, name in hf_names(key, cfg):
+            for i, name in hf_names(key, cfg) if key in flat else ():
                 mine = grad[(1,) if i is None else (i, 1)]
                 want = peft_factor(modules, name, key[-1]).weight.grad.numpy()
                 np.testing.assert_allclose(mine.T, want, atol=1e-4, rtol=0, err_msg=name)

@@ -1,14 +1,15 @@
 """Move one adapter between a slot of the model's stacked LoRA state and the neutral `AdapterWeights` form.
 
 The model's adapters are `LoRAParam` variables shaped A `[*stack, S, in, R]` and B `[*stack, S, R, out]`
-(`stack` is the scanned layer axis, absent for `lm_head`). Everything here is generic over the state
-from `nnx.state(model, LoRAParam)`: variables are chosen by type, their slot, layer and rank axes are
-read from the `logical_axes` metadata (`adapter`, `layers`, `lora_rank`), A and B are told apart by
-where the rank axis sits, and the path is read only to spell the HF module name
-(`model.layers.3.self_attn.q_proj`, `lm_head`). Writes go through small jitted functions that take
-the slot as a traced integer (one compile per array shape, not per slot), keep each array's sharding,
-and donate the array they replace: the input state's arrays are consumed, so apply the returned state
-(`nnx.update(model, new)`) or thread it on. Slot 0 is the base model and is never written.
+(`stack`: the scanned layer axis, absent for `lm_head`, then the `expert` axis on a MoE block's experts).
+Everything here is generic over the state from `nnx.state(model, LoRAParam)`: variables are chosen by
+type, their slot, stacked and rank axes are read from the `logical_axes` metadata (`adapter`, `layers`,
+`expert`, `lora_rank`), A and B are told apart by where the rank axis sits, and the path is read only to
+spell the HF module name (`model.layers.3.self_attn.q_proj`, `model.layers.3.mlp.experts.5.up_proj`,
+`lm_head`). Writes go through small jitted functions that take the slot as a traced integer (one compile
+per array shape, not per slot), keep each array's sharding, and donate the array they replace: the input
+state's arrays are consumed, so apply the returned state (`nnx.update(model, new)`) or thread it on.
+Slot 0 is the base model and is never written.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from tx.lora.peft import AdapterConfig, AdapterWeights
 LayerOf = Callable[[tuple[str, ...], int], int]  # (module path, stacked index) -> model layer number
 
 
+STACKED = ("layers", "expert")  # the axes an adapter may be stacked over before its slot axis, in this order
+_CONTAINER = {"layers": "layers", "expert": "experts"}  # the path entry whose children the stacked axis numbers
+
+
 @dataclasses.dataclass(frozen=True)
 class _Module:
     """One adapted module: its A and B variables' flat-state paths and where their axes are."""
@@ -36,22 +41,36 @@ class _Module:
     path: tuple[str, ...]  # module path, e.g. ("model", "layers", "self_attn", "q_proj")
     a: tuple[str, ...]
     b: tuple[str, ...]
-    slot_axis: int
-    layers: int | None  # size of the stacked layer axis, None when unstacked
+    stacked: tuple[str, ...]  # the stacked axes before the slot axis: (), ("layers",) or ("layers", "expert")
+    lead: tuple[int, ...]  # their sizes
+
+    @property
+    def slot_axis(self) -> int:
+        return len(self.stacked)
 
     @property
     def short(self) -> str:
         return self.path[-1]
 
     def hf_names(self, layer_of: LayerOf | None = None) -> list[str]:
-        """HF module names, one per stacked entry: the layer number follows the `layers` container in the
-        path. `layer_of(path, i)`: the model layer that stacked entry i is (default i; a model whose
-        sub-modules are stacked over only some layers, as Qwen3.5's mixers are, maps them)."""
-        if self.layers is None:
-            return [".".join(self.path)]
-        at = self.path.index("layers") + 1
+        """HF module names, one per stacked entry (row-major over the stacked axes): a layer number follows
+        the `layers` container in the path, an expert number the `experts` container
+        (`model.layers.3.mlp.experts.5.gate_proj`). `layer_of(path, i)`: the model layer that stacked entry i
+        is (default i; a model whose sub-modules are stacked over only some layers, as Qwen3.5's mixers are,
+        maps them)."""
         number = layer_of or (lambda _, i: i)
-        return [".".join((*self.path[:at], str(number(self.path, i)), *self.path[at:])) for i in range(self.layers)]
+        names = []
+        for index in np.ndindex(*self.lead):
+            parts = list(self.path)
+            for axis, i in reversed(list(zip(self.stacked, index, strict=True))):
+                label = number(self.path, int(i)) if axis == "layers" else int(i)
+                parts.insert(parts.index(_CONTAINER[axis]) + 1, str(label))
+            names.append(".".join(parts))
+        return names
+
+    def entries(self, array: np.ndarray) -> np.ndarray:
+        """One slot's array [*lead, d0, d1] as [entries, d0, d1], in `hf_names` order (a view where possible)."""
+        return array.reshape(-1, *array.shape[-2:])
 
 
 def _axes(path: tuple[str, ...], var: nnx.Variable) -> tuple[str | None, ...]:
@@ -72,11 +91,11 @@ def _modules(flat: Mapping[tuple[str, ...], nnx.Variable]) -> dict[tuple[str, ..
         if set(pair) != {"a", "b"}:
             raise ValueError(f"LoRA state for {'.'.join(module)} lacks its {'A' if 'a' not in pair else 'B'} factor")
         axes = _axes(pair["a"], flat[pair["a"]])
-        slot_axis = axes.index("adapter")
-        layers = flat[pair["a"]].shape[0] if slot_axis == 1 else None
-        if slot_axis > 1:
-            raise ValueError(f"LoRA state for {'.'.join(module)} has more than one stacked axis: {axes}")
-        modules[module] = _Module(module, pair["a"], pair["b"], slot_axis, layers)
+        depth = axes.index("adapter")
+        if axes[:depth] != STACKED[:depth]:
+            raise ValueError(f"LoRA state for {'.'.join(module)} is stacked over {axes[:depth]}, not {STACKED[:depth]}")
+        lead = tuple(flat[pair["a"]].shape[:depth])
+        modules[module] = _Module(module, pair["a"], pair["b"], STACKED[:depth], lead)
     return modules
 
 
@@ -147,7 +166,7 @@ def read_slot(
         _check_slot(slot, a_var, module.slot_axis, writing=False)
         a = np.asarray(jax.device_get(jnp.take(a_var.get_value(), slot, axis=module.slot_axis)), np.float32)
         b = np.asarray(jax.device_get(jnp.take(b_var.get_value(), slot, axis=module.slot_axis)), np.float32)
-        a, b = (a[None], b[None]) if module.layers is None else (a, b)
+        a, b = module.entries(a), module.entries(b)
         for i, name in enumerate(module.hf_names(layer_of)):
             weights[name] = (np.ascontiguousarray(a[i, :, :rank]), np.ascontiguousarray(b[i, :rank, :]))
     return weights
@@ -175,7 +194,7 @@ def write_slot(
         _check_slot(slot, a_var, module.slot_axis, writing=True)
         a_host = np.zeros(_slot_shape(a_var, module.slot_axis), np.float32)
         b_host = np.zeros(_slot_shape(b_var, module.slot_axis), np.float32)
-        a3, b3 = (a_host[None], b_host[None]) if module.layers is None else (a_host, b_host)
+        a3, b3 = module.entries(a_host), module.entries(b_host)
         for i, name in enumerate(module.hf_names(layer_of)):
             if name in weights:
                 a3[i, :, : config.rank], b3[i, : config.rank, :] = _fitted(name, config.rank, weights[name], a3, b3)

@@ -18,12 +18,14 @@ The grouped expert product has two exact forms, chosen per backend by measuremen
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tx.lora.experts import ExpertAdapter, expert_lora_pair, token_columns
 from tx.lora.layers import LoRALinear, LoRASpec, linear
 from tx.lora.params import LoRARows
 from tx.models.config import ModelConfig, MoE
@@ -58,14 +60,29 @@ def dense_combine(routing: Routing, experts: int) -> jax.Array:
     return jnp.einsum("nkx,nk->nx", pick, routing.weights)
 
 
-def dense_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+Adapters = tuple[ExpertAdapter | None, ExpertAdapter | None, ExpertAdapter | None]  # gate, up, down
+NO_ADAPTERS: Adapters = (None, None, None)
+
+
+def _plus(y: jax.Array, adapter: ExpertAdapter | None, delta: Callable[[ExpertAdapter], jax.Array]) -> jax.Array:
+    return y if adapter is None else y + delta(adapter)
+
+
+def dense_experts(
+    x: jax.Array,
+    routing: Routing,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    adapters: Adapters = NO_ADAPTERS,
+) -> jax.Array:
     """x [N, D], expert weights gate, up [X, F, D] and down [X, D, F] -> [N, D]: all experts on all
     tokens, each expert's activations scaled by its routing weight before the down projection."""
     combine = dense_combine(routing, gate.shape[0])
-    g = jnp.einsum("nd,xfd->xnf", x, gate)
-    u = jnp.einsum("nd,xfd->xnf", x, up)
+    g = _plus(jnp.einsum("nd,xfd->xnf", x, gate), adapters[0], lambda a: a.dense(x))
+    u = _plus(jnp.einsum("nd,xfd->xnf", x, up), adapters[1], lambda a: a.dense(x))
     h = swiglu(g, u) * combine.T[:, :, None].astype(x.dtype)
-    return jnp.einsum("xnf,xdf->nd", h, down)
+    return _plus(jnp.einsum("xnf,xdf->nd", h, down), adapters[2], lambda a: a.dense_summed(h))
 
 
 _OUT_IN = jax.lax.RaggedDotDimensionNumbers(
@@ -77,15 +94,27 @@ def _grouped(rows: jax.Array, weight: jax.Array, sizes: jax.Array) -> jax.Array:
     return jax.lax.ragged_dot_general(rows, weight, sizes, _OUT_IN)
 
 
-def ragged_experts(x: jax.Array, routing: Routing, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+def ragged_experts(
+    x: jax.Array,
+    routing: Routing,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    adapters: Adapters = NO_ADAPTERS,
+) -> jax.Array:
     """x [N, D] -> [N, D]: the (token, expert) pairs sorted by expert, one ragged group per expert."""
     N, k = routing.experts.shape
     flat = routing.experts.reshape(N * k)
     order = jnp.argsort(flat, stable=True)  # pair indices, grouped by expert
     sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
-    rows = jnp.take(x, order // k, axis=0)  # [M, D]
-    h = swiglu(_grouped(rows, gate, sizes), _grouped(rows, up, sizes))
-    out = _grouped(h, down, sizes) * jnp.take(routing.weights.reshape(N * k), order)[:, None].astype(x.dtype)
+    token = order // k
+    rows = jnp.take(x, token, axis=0)  # [M, D]
+
+    def project(inputs: jax.Array, weight: jax.Array, adapter: ExpertAdapter | None) -> jax.Array:
+        return _plus(_grouped(inputs, weight, sizes), adapter, lambda a: a.ragged(inputs, token, sizes))
+
+    h = swiglu(project(rows, gate, adapters[0]), project(rows, up, adapters[1]))
+    out = project(h, down, adapters[2]) * jnp.take(routing.weights.reshape(N * k), order)[:, None].astype(x.dtype)
     back = jnp.argsort(order)  # the inverse permutation: pair i's row in the sorted order
     return jnp.sum(jnp.take(out, back, axis=0).reshape(N, k, -1), axis=1)
 
@@ -94,26 +123,45 @@ FORMS = {"ragged": ragged_experts, "dense": dense_experts}
 
 
 class ExpertLinear(nnx.Module):
-    """One projection of every expert: weight [*stack, X, out, in] (the checkpoint's per-expert layout)."""
+    """One projection of every expert: weight [*stack, X, out, in] (the checkpoint's per-expert layout), and
+    with a `LoRASpec` one adapter per expert and slot (`tx.lora.experts`)."""
 
-    def __init__(self, experts: int, d_in: int, d_out: int, axes: tuple[str, str], dtype: jnp.dtype, stack: tuple):
+    def __init__(
+        self,
+        experts: int,
+        d_in: int,
+        d_out: int,
+        axes: tuple[str, str],
+        dtype: jnp.dtype,
+        stack: tuple,
+        lora: LoRASpec | None = None,
+    ) -> None:
         lead = ("layers",) * len(stack)
         shape = (*stack, experts, d_out, d_in)
         self.weight = nnx.Param(jnp.zeros(shape, dtype), logical_axes=(*lead, "expert", axes[1], axes[0]))
+        if lora is not None:
+            self.lora_a, self.lora_b = expert_lora_pair(experts, d_in, d_out, axes, lora, stack)
+
+    def adapter(self, mask: jax.Array | None) -> ExpertAdapter | None:
+        if mask is None or not hasattr(self, "lora_a"):
+            return None
+        return ExpertAdapter.of(self.lora_a[...], self.lora_b[...], mask)
 
 
 class Experts(nnx.Module):
     """HF's `mlp.experts`: the routed experts' gate, up and down projections, stacked."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoE, stack: tuple[int, ...]) -> None:
+    def __init__(self, cfg: ModelConfig, moe: MoE, lora: LoRASpec | None, stack: tuple[int, ...]) -> None:
         dt, D, F, X = jnp.dtype(cfg.dtype), cfg.hidden_size, moe.expert_size, moe.experts
-        self.gate_proj = ExpertLinear(X, D, F, ("embed", "mlp"), dt, stack)
-        self.up_proj = ExpertLinear(X, D, F, ("embed", "mlp"), dt, stack)
-        self.down_proj = ExpertLinear(X, F, D, ("mlp", "embed"), dt, stack)
+        self.gate_proj = ExpertLinear(X, D, F, ("embed", "mlp"), dt, stack, lora)
+        self.up_proj = ExpertLinear(X, D, F, ("embed", "mlp"), dt, stack, lora)
+        self.down_proj = ExpertLinear(X, F, D, ("mlp", "embed"), dt, stack, lora)
 
-    def __call__(self, x: jax.Array, routing: Routing, form: Form) -> jax.Array:
-        weights = (self.gate_proj.weight[...], self.up_proj.weight[...], self.down_proj.weight[...])
-        return FORMS[form](x, routing, *weights)
+    def __call__(self, x: jax.Array, routing: Routing, form: Form, mask: jax.Array | None = None) -> jax.Array:
+        """x [N, D]; `mask` [N, G*R]: each token's adapter columns (`tx.lora.experts.token_columns`)."""
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        adapters = (gate.adapter(mask), up.adapter(mask), down.adapter(mask))
+        return FORMS[form](x, routing, gate.weight[...], up.weight[...], down.weight[...], adapters)
 
 
 class Router(nnx.Module):
@@ -135,7 +183,7 @@ class SparseMoeBlock(nnx.Module):
         moe = cfg.moe
         assert moe is not None, "a SparseMoeBlock needs the config's moe section"
         self.gate = Router(cfg, moe, stack)
-        self.experts = Experts(cfg, moe, stack)
+        self.experts = Experts(cfg, moe, lora, stack)
         if moe.shared_expert_size:
             self.shared_expert = MLP(cfg, lora, stack, tuning, size=moe.shared_expert_size)
             self.shared_expert_gate = LoRALinear(
@@ -149,7 +197,8 @@ class SparseMoeBlock(nnx.Module):
         B, T, D = x.shape
         tokens = x.reshape(B * T, D)
         routing = route(self.gate(tokens), self.top_k, self.normalize)
-        out = self.experts(tokens, routing, self.form).reshape(B, T, D)
+        mask = None if rows is None else token_columns(rows, T, x.dtype)
+        out = self.experts(tokens, routing, self.form, mask).reshape(B, T, D)
         if hasattr(self, "shared_expert"):
             gate = jax.nn.sigmoid(self.shared_expert_gate(x, None))
             out = out + gate * self.shared_expert(x, rows)
