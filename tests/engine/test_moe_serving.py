@@ -1,5 +1,6 @@
 """The engine serves a Qwen3-MoE checkpoint as it serves Qwen3: LoRA training through the real `JaxRunner`
-lowers the loss, and greedy sampling of the base model equals transformers' `generate`."""
+lowers the loss, forward_backward reports the router's balance as transformers' router logits give it, and
+greedy sampling of the base model equals transformers' `generate`."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def served(tmp_path_factory) -> Iterator[tuple[JaxRunner, Any]]:
     path = tmp_path_factory.mktemp("qwen3_moe")
     ref.save_pretrained(path)
     runner, info = build_runner(
-        base_model=str(path), data_dir=tmp_path_factory.mktemp("data"), max_lora_adapters=2, max_lora_rank=4,
+        base_model=str(path), data_dir=tmp_path_factory.mktemp("data"), max_lora_adapters=3, max_lora_rank=4,
         dtype="float32", max_seq_len=64, decode_rows=2,
     )  # fmt: skip
     assert info.arch == "qwen3_moe"
@@ -86,3 +87,35 @@ def test_greedy_sampling_equals_transformers_generate(served) -> None:  # type: 
     with torch.no_grad():
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
     assert result.sequences[0].tokens == want[0, len(prompt) :].tolist()
+
+
+def max_expert_fraction_of(ref: Any, datums: list[Datum]) -> float:
+    """By hand from transformers' router logits: each layer's top-k picks over the datums' tokens, the largest
+    share of a layer's picks that went to one expert."""
+    counts = np.zeros((HF["num_hidden_layers"], HF["num_experts"]))
+    for datum in datums:
+        with torch.no_grad():
+            out = ref(torch.tensor([datum.tokens]), output_router_logits=True)
+        for layer, logits in enumerate(out.router_logits):
+            picks = torch.topk(torch.softmax(logits, -1), HF["num_experts_per_tok"], dim=-1).indices
+            counts[layer] += np.bincount(picks.flatten().numpy(), minlength=HF["num_experts"])
+    return float((counts / counts.sum(axis=1, keepdims=True)).max())
+
+
+def test_forward_backward_reports_the_routers_load_balance(served) -> None:  # type: ignore[no-untyped-def]
+    """Two requests fused into one round, each over its own tokens (rows padded: padding never counts)."""
+    runner, ref = served
+    run(runner, "create_model", "balance", CreateModelRequest("m", LoraConfig(4, 8.0, seed=1)))
+    rng = np.random.RandomState(2)
+    requests = []
+    for lengths in ((7, 13), (5,)):
+        data = [Datum(t, {"target_tokens": np.array(t[1:] + [0], np.int64)}) for t in
+                (rng.randint(0, HF["vocab_size"], n).tolist() for n in lengths)]  # fmt: skip
+        requests.append(ForwardBackwardRequest(data, "cross_entropy"))
+    items = [WorkItem(f"b{i}", "forward_backward", "balance", r, created_at=0.0) for i, r in enumerate(requests)]
+    runner.submit(items)
+    results = {c.future_id: c.result for c in runner.step()}
+    for item, request in zip(items, requests, strict=True):
+        got = results[item.future_id].metrics["moe/max_expert_fraction:max"]
+        assert 1 / HF["num_experts"] <= got <= 1 / HF["num_experts_per_tok"]
+        np.testing.assert_allclose(got, max_expert_fraction_of(ref, request.data), rtol=1e-6)

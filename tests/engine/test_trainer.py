@@ -121,6 +121,7 @@ def test_every_loss_matches_torch_peft(setup):
             np.testing.assert_allclose(out["logprobs"], lp.detach().numpy(), atol=1e-4)
             full_conf = {**{"clip_low_threshold": None, "clip_high_threshold": None}, **conf}
             request_loss = request_loss + torch_loss(name, lp, datum.loss_fn_inputs, full_conf).sum()
+        assert set(result.metrics) == {"loss:sum"}  # a dense model reports no expert load
         np.testing.assert_allclose(result.metrics["loss:sum"], request_loss.item(), rtol=1e-4, atol=1e-5)
         total = total + request_loss
     total.backward()

@@ -138,3 +138,27 @@ def scatter_outputs(
     for s in batch.segments:
         span = slice(s.start, s.start + s.length)
         into[s.datum] = {"logprobs": lp[s.row, span], "elementwise_loss": loss[s.row, span]}
+
+
+def gather_expert_load(
+    batch: PackedBatch, picks: np.ndarray, owner: Sequence[int], experts: int, into: dict[int, np.ndarray]
+) -> None:
+    """One micro-batch's expert picks [L, N, k] -> token-slots per expert [L, X] added per request, over its
+    datums' tokens only (padding and other requests' datums in a shared row do not count)."""
+    R, T = batch.shape
+    tokens: dict[int, list[np.ndarray]] = {}
+    for s in batch.segments:
+        tokens.setdefault(owner[s.datum], []).append(np.arange(s.length) + s.row * T + s.start)
+    L = picks.shape[0]
+    offsets = (np.arange(L) * experts)[:, None, None]
+    for request, spans in tokens.items():
+        flat = (picks[:, np.concatenate(spans)].astype(np.int64) + offsets).ravel()
+        part = np.bincount(flat, minlength=L * experts).reshape(L, experts)
+        into[request] = into[request] + part if request in into else part
+
+
+def max_expert_fraction(load: np.ndarray) -> float:
+    """[L, X] token-slots per expert -> the largest share of its layer's token-slots that one expert got:
+    1/X when the router spreads tokens evenly, 1/k when every token picks the same expert."""
+    total = load.sum(axis=1, keepdims=True)
+    return float((load / np.maximum(total, 1)).max())

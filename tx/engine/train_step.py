@@ -42,16 +42,17 @@ class TrainBatch:
 class StepOutputs:
     target_logprobs: jax.Array  # [N, K]
     token_loss: jax.Array  # [N]
+    expert_picks: jax.Array | None = None  # [L, N, k] int16: the experts each token picked (MoE models)
 
 
 def _outputs(model: Any, batch: TrainBatch) -> tuple[jax.Array, StepOutputs]:
     rows = None if batch.adapters is None else batch.adapters.rows
-    h, _ = model.hidden(batch.tokens, batch.positions, batch.segments, rows)
+    h, _, picks = model.hidden_and_picks(batch.tokens, batch.positions, batch.segments, rows)
     target_lp = target_logprobs(model.logits(h, rows), batch.targets)  # [R, T, K]
     R, T, K = batch.targets.shape
     target_lp = target_lp.reshape(R * T, K)
     loss_N = token_losses(target_lp, batch.loss)
-    return loss_N.sum(), StepOutputs(target_lp, loss_N)
+    return loss_N.sum(), StepOutputs(target_lp, loss_N, picks)
 
 
 @jax.custom_vjp

@@ -23,7 +23,15 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tx.engine import train_step as ts
-from tx.engine.train_batch import Example, build_batch, make_example, plan_rows, scatter_outputs
+from tx.engine.train_batch import (
+    Example,
+    build_batch,
+    gather_expert_load,
+    make_example,
+    max_expert_fraction,
+    plan_rows,
+    scatter_outputs,
+)
 from tx.lora import adapters
 from tx.lora.params import LoRAParam
 from tx.lora.select import select, take_adapters
@@ -39,6 +47,9 @@ HYPER_PARAMS = ("learning_rate", "b1", "b2", "eps", "weight_decay", "grad_clip_n
 
 def _zero_hyper_params() -> dict[str, jax.Array]:
     return {name: jnp.asarray(0.0, jnp.float32) for name in HYPER_PARAMS}
+
+
+MAX_EXPERT_FRACTION = "moe/max_expert_fraction:max"  # a MoE model's router balance per forward_backward
 
 
 def lora_targets(cfg: LoraConfig) -> frozenset[str]:
@@ -235,11 +246,12 @@ class Trainer:
         if full and len({r for r, _ in work}) > 1:
             raise ValueError("a full fine-tuning run cannot share a batch with other runs")
         outputs: dict[int, dict[str, np.ndarray]] = {}
+        loads: dict[int, np.ndarray] = {}  # request index -> expert load [L, X] (MoE models)
         if examples:
             training = {r for r, req in work if not req.forward_only}
             with self._undo_on_error(training):
-                self._run_batches(examples, [work[o] for o in owner], outputs)
-        return self._results(work, examples, owner, outputs)
+                self._run_batches(examples, owner, [work[o] for o in owner], outputs, loads)
+        return self._results(work, examples, owner, outputs, loads)
 
     @contextlib.contextmanager
     def _undo_on_error(self, run_ids: set[str]) -> Iterator[None]:
@@ -262,7 +274,9 @@ class Trainer:
                 ) from err
             raise
 
-    def _run_batches(self, examples: list[Example], work_of: list, outputs: dict) -> None:
+    def _run_batches(
+        self, examples: list[Example], owner: list[int], work_of: list, outputs: dict, loads: dict
+    ) -> None:
         plan = plan_rows(examples, self.micro_batch_tokens)
         for batch in plan.batches:
             if not batch.segments:
@@ -272,6 +286,8 @@ class Trainer:
             needs_grad = {work_of[d][0] for d in datums if not work_of[d][1].forward_only}
             out = self._execute(inputs, present, needs_grad)
             scatter_outputs(batch, np.asarray(out.target_logprobs), np.asarray(out.token_loss), outputs)
+            if out.expert_picks is not None and self.config.moe is not None:
+                gather_expert_load(batch, np.asarray(out.expert_picks), owner, self.config.moe.experts, loads)
 
     def _execute(self, inputs: ts.TrainBatch, present: set[str], needs_grad: set[str]) -> ts.StepOutputs:
         full = [self.runs[r] for r in present if self.runs[r].lora is None]
@@ -293,7 +309,9 @@ class Trainer:
             run.grads = ts.accumulate_slot(run.grads, grads, index, run.ranks)
         return out
 
-    def _results(self, work, examples, owner, outputs) -> list[ForwardBackwardResult]:
+    def _results(self, work, examples, owner, outputs, loads) -> list[ForwardBackwardResult]:
+        """Per request: its datums' outputs; metrics `loss:sum` and, for a MoE model, the router's balance
+        `moe/max_expert_fraction:max` (`train_batch.max_expert_fraction` of the request's tokens)."""
         results = []
         for index, (_, req) in enumerate(work):
             per_datum: list[dict[str, np.ndarray]] = []
@@ -305,7 +323,10 @@ class Trainer:
                 lp = out["logprobs"][:, 0] if one_d else out["logprobs"][:, :k]
                 per_datum.append({"logprobs": lp.astype(np.float32), "elementwise_loss": out["elementwise_loss"]})
                 total += float(out["elementwise_loss"].sum())
-            results.append(ForwardBackwardResult(per_datum, {"loss:sum": total}))
+            metrics = {"loss:sum": total}
+            if index in loads:
+                metrics[MAX_EXPERT_FRACTION] = max_expert_fraction(loads[index])
+            results.append(ForwardBackwardResult(per_datum, metrics))
         return results
 
     # ---- optimizer ----------------------------------------------------------------------------------

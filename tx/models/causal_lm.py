@@ -47,8 +47,9 @@ class DecoderLayer(nnx.Module):
         inv_freq: jax.Array,
         rows: LoRARows | None,
         cache: tuple[KVCache | LayerCache, jax.Array | int] | None,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """With `cache` = (a `KVCache`, this layer's index), read only: returns this call's (k, v).
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, jax.Array | None]:
+        """Returns (x, cache part, the experts each token picked [B*T, k], None for a dense MLP).
+        With `cache` = (a `KVCache`, this layer's index), read only: the cache part is this call's (k, v).
         With `cache` = (a `LayerCache`, this layer's index): writes this call's keys and values into the
         layer's buffers first, attends over them, and returns the updated buffers. Writing first makes the
         read depend on the write, so XLA updates the buffers in place (a read-then-write order made it copy
@@ -72,8 +73,12 @@ class DecoderLayer(nnx.Module):
             k_in, v_in = full.k[layer], full.v[layer]
             x = x + self.self_attn.attend_cached(q, k, v, k_in, v_in, positions[:, 0], rows)
             new = (k, v)
-        x = x + self.mlp(self.post_attention_layernorm(x), rows)
-        return x, new
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, SparseMoeBlock):
+            out, picks = self.mlp.mix(h, rows)
+        else:
+            out, picks = self.mlp(h, rows), None
+        return x + out, new, picks
 
 
 def _write_cache(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVCache:
@@ -144,41 +149,58 @@ class CausalLM(nnx.Module):
         `layers`: the decoder's base weights as one {path: array} per layer (`split_layers`); the layers
         then run unrolled over those separate buffers instead of scanned over the stacked ones, and a
         cache must come as a `LayerCache`."""
+        h, cache, _ = self.hidden_and_picks(tokens, positions, segments, rows, cache, layers)
+        return h, cache
+
+    def hidden_and_picks(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segments: jax.Array | None = None,
+        rows: LoRARows | None = None,
+        cache: CacheT | None = None,
+        layers: Sequence[Mapping[tuple[str, ...], jax.Array]] | None = None,
+    ) -> tuple[jax.Array, CacheT | None, jax.Array | None]:
+        """`hidden`, and for a MoE model the experts each token picked in each layer, [L, B*T, k] int16
+        (None for a dense model)."""
         cfg = self.config
         inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         segments = jnp.ones_like(tokens) if segments is None else segments
         graphdef, stacked = nnx.split(self.model.layers)
 
-        def run_layer(h: jax.Array, layer: jax.Array | int, layer_state: nnx.State) -> tuple[jax.Array, tuple | None]:
+        def run_layer(h: jax.Array, layer: jax.Array | int, layer_state: nnx.State) -> tuple:
             read = None if cache is None else (cache, layer)
             return nnx.merge(graphdef, layer_state)(h, positions, segments, inv_freq, rows, read)
 
         h = self.model.embed_tokens(tokens)
         if layers is not None:
             assert not isinstance(cache, KVCache), "per-layer weights take a LayerCache (KVCache.per_layer)"
-            news = []
+            news, picks = [], []
             for index, weights in enumerate(layers):
-                h, one = run_layer(h, index, layer_state(stacked, weights, index))
+                h, one, chosen = run_layer(h, index, layer_state(stacked, weights, index))
                 news.append(one)
+                picks.append(chosen)
+            picked = None if picks[0] is None else jnp.stack(picks)
             if cache is None:
-                return self.model.norm(h), None
+                return self.model.norm(h), None, picked
             # Each layer wrote its own buffer before reading it.
-            return self.model.norm(h), LayerCache(tuple(n[0] for n in news), tuple(n[1] for n in news))  # type: ignore[index, return-value]
+            written = LayerCache(tuple(n[0] for n in news), tuple(n[1] for n in news))
+            return self.model.norm(h), written, picked  # type: ignore[return-value]
         assert not isinstance(cache, LayerCache), "a LayerCache needs per-layer weights"
 
-        def body(carry: tuple, layer_state: nnx.State) -> tuple[tuple, tuple | None]:
+        def body(carry: tuple, layer_state: nnx.State) -> tuple[tuple, tuple]:
             h, layer = carry
-            h, new = run_layer(h, layer, layer_state)
-            return (h, layer + 1), new
+            h, new, chosen = run_layer(h, layer, layer_state)
+            return (h, layer + 1), (new, chosen)
 
         if self.remat:
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
         # Layers index the (loop-invariant) cache in place; the call's new keys/values come out stacked
         # [L, B, T, K, E] and are written once, after the scan.
-        (h, _), new = jax.lax.scan(body, (h, jnp.int32(0)), stacked)
+        (h, _), (new, picked) = jax.lax.scan(body, (h, jnp.int32(0)), stacked)
         if cache is not None and new is not None:
             cache = _write_cache(cache, new[0], new[1], positions)
-        return self.model.norm(h), cache
+        return self.model.norm(h), cache, picked
 
     def logits(self, h: jax.Array, rows: LoRARows | None = None) -> jax.Array:
         """[B, T, D] hidden -> [B, T, V] float32 logits."""

@@ -194,6 +194,11 @@ class SparseMoeBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, rows: LoRARows | None) -> jax.Array:
         """x [B, T, D] -> [B, T, D]."""
+        return self.mix(x, rows)[0]
+
+    def mix(self, x: jax.Array, rows: LoRARows | None) -> tuple[jax.Array, jax.Array]:
+        """x [B, T, D] -> (out [B, T, D], the experts each token picked [B*T, k] int16). Unused, the picks
+        cost nothing (XLA drops them)."""
         B, T, D = x.shape
         tokens = x.reshape(B * T, D)
         routing = route(self.gate(tokens), self.top_k, self.normalize)
@@ -202,4 +207,4 @@ class SparseMoeBlock(nnx.Module):
         if hasattr(self, "shared_expert"):
             gate = jax.nn.sigmoid(self.shared_expert_gate(x, None))
             out = out + gate * self.shared_expert(x, rows)
-        return out
+        return out, routing.experts.astype(jnp.int16)

@@ -143,6 +143,17 @@ class Qwen3_5CausalLM(nnx.Module):
 
         return module_at
 
+    def hidden_and_picks(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segments: jax.Array | None = None,
+        rows: LoRARows | None = None,
+        cache: HybridCache | None = None,
+    ) -> tuple[jax.Array, HybridCache | None, None]:
+        """`hidden`, and no expert picks: the MLPs are dense."""
+        return (*self.hidden(tokens, positions, segments, rows, cache), None)
+
     def logits(self, h: jax.Array, rows: LoRARows | None = None) -> jax.Array:
         """[B, T, D] hidden -> [B, T, V] float32 logits."""
         return self.lm_head(h, self.model.embed_tokens.weight[...], rows)
