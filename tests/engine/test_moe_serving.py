@@ -1,6 +1,6 @@
 """The engine serves a Qwen3-MoE checkpoint as it serves Qwen3: LoRA training through the real `JaxRunner`
 lowers the loss, forward_backward reports the router's balance as transformers' router logits give it, and
-greedy sampling of the base model equals transformers' `generate`."""
+greedy sampling of the base model equals transformers' `generate`; so does a Qwen3.5-MoE (hub class)."""
 
 from __future__ import annotations
 
@@ -119,3 +119,34 @@ def test_forward_backward_reports_the_routers_load_balance(served) -> None:  # t
         got = results[item.future_id].metrics["moe/max_expert_fraction:max"]
         assert 1 / HF["num_experts"] <= got <= 1 / HF["num_experts_per_tok"]
         np.testing.assert_allclose(got, max_expert_fraction_of(ref, request.data), rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def served_qwen3_5_moe(tmp_path_factory) -> Iterator[tuple[JaxRunner, Any]]:
+    from models.test_qwen3_5_moe import build
+
+    from tx.engine import build_runner
+
+    path = tmp_path_factory.mktemp("qwen3_5_moe")
+    ref = build(path, multimodal=True)
+    runner, info = build_runner(
+        base_model=str(path), data_dir=tmp_path_factory.mktemp("data35"), max_lora_adapters=2, max_lora_rank=4,
+        dtype="float32", max_seq_len=64, decode_rows=2,
+    )  # fmt: skip
+    assert info.arch == "qwen3_5_moe"
+    yield runner, ref
+
+
+def test_qwen3_5_moe_trains_reports_balance_and_samples_as_generate(served_qwen3_5_moe) -> None:  # type: ignore[no-untyped-def]
+    runner, ref = served_qwen3_5_moe
+    run(runner, "create_model", "run", CreateModelRequest("m", LoraConfig(4, 8.0, seed=3)))
+    tokens = list(range(5, 25))
+    datum = Datum(tokens, {"target_tokens": np.array(tokens[1:] + [0], np.int64)})
+    result = run(runner, "forward_backward", "run", ForwardBackwardRequest([datum], "cross_entropy"))
+    assert 1 / 4 <= result.metrics["moe/max_expert_fraction:max"] <= 1 / 2
+    prompt = [3, 14, 15, 92, 65, 35]
+    params = SamplingParams(max_tokens=8, temperature=0.0, stop_at_eos=False)
+    sampled = run(runner, "sample", "s", SampleRequest(prompt=prompt, num_samples=1, params=params, base_model="m"))
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert sampled.sequences[0].tokens == want[0, len(prompt) :].tolist()

@@ -5,8 +5,8 @@
 rejected here, with the field that caused it, rather than silently approximated. Hybrid families
 (Qwen3.5 / Qwen3.6, `qwen3_5`) add `layer_types` and a `LinearAttention` section; their parsing lives in
 `tx.models.config_qwen3_5`, which reads every field of the HF file and rejects the ones it does not know.
-Mixture-of-experts families (Qwen3-MoE, `qwen3_moe`) add a `MoE` section, parsed the same way in
-`tx.models.config_qwen3_moe`.
+Mixture-of-experts families (Qwen3-MoE, `qwen3_moe`; Qwen3.5-MoE, `qwen3_5_moe`) add a `MoE` section, parsed
+the same way in `tx.models.config_qwen3_moe` and `tx.models.config_qwen3_5`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
 LAYER_TYPES = ("full_attention", "linear_attention")
 
@@ -72,6 +74,10 @@ class LinearAttention:
     def conv_dim(self) -> int:
         """Channels of `in_proj_qkv` and the convolution: q and k (key heads) then v (value heads)."""
         return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+
+
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")  # DeltaNet + gated attention layers (`tx.models.qwen3_5`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +138,8 @@ class ModelConfig:
         self._check_layer_types()
         if self.rotary_dim < 2 or self.rotary_dim % 2:
             raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives rotary dim {self.rotary_dim}")
-        if (self.moe is not None) != (self.family == "qwen3_moe"):
-            raise ValueError(f"a moe section goes with the qwen3_moe family only, not {self.family!r}")
+        if (self.moe is not None) != (self.family in MOE_FAMILIES):
+            raise ValueError(f"a moe section goes with the {MOE_FAMILIES} families only, not {self.family!r}")
         if self.moe is not None and any(not 0 <= i < self.num_layers for i in self.moe.sparse_layers):
             raise ValueError(f"sparse layers {self.moe.sparse_layers} outside 0..{self.num_layers - 1}")
 
@@ -147,12 +153,12 @@ class ModelConfig:
             raise ValueError(f"layer_types {unknown} are not supported; supported: {LAYER_TYPES}")
         if ("linear_attention" in self.layer_types) != (self.linear is not None):
             raise ValueError("linear attention layers need the linear_* fields, and only they do")
-        if self.family != "qwen3_5":
-            raise ValueError(f"layer_types are only supported for the qwen3_5 family, not {self.family!r}")
+        if self.family not in HYBRID_FAMILIES:
+            raise ValueError(f"layer_types are only supported for the {HYBRID_FAMILIES} families, not {self.family!r}")
 
     @property
     def qk_norm(self) -> bool:
-        return self.family in ("qwen3", "qwen3_5", "qwen3_moe")
+        return self.family in ("qwen3", "qwen3_moe", *HYBRID_FAMILIES)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -175,7 +181,7 @@ class ModelConfig:
     @staticmethod
     def from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
         family = family_of(hf)
-        if family == "qwen3_5":
+        if family in HYBRID_FAMILIES:
             from tx.models.config_qwen3_5 import qwen3_5_from_hf  # that module builds a ModelConfig
 
             return qwen3_5_from_hf(hf, dtype)

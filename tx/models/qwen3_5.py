@@ -7,6 +7,8 @@ decoder sub-module are stacked over the layers that hold it (`ModelConfig.layers
 norms over all L layers, `linear_attn` over the linear layers, `self_attn` over the full ones. The forward
 pass scans over the repeating group of layer types (3 linear + 1 full in released checkpoints), one
 iteration per group with the group's layers unrolled inside, so compile time does not grow with depth.
+Qwen3.5-MoE (`qwen3_5_moe`) is the same stack with `tx.models.moe.SparseMoeBlock` (routed experts plus the
+sigmoid-gated shared expert) as every layer's `mlp`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tx.models.cache import HybridCache, KVCache, LinearState
 from tx.models.causal_lm import Embedding, LMHead, _write_cache, layer_state
 from tx.models.config import ModelConfig
 from tx.models.layers import MLP, RMSNorm, rope_frequencies
+from tx.models.moe import SparseMoeBlock
 from tx.models.qwen3_5_layers import GatedAttention, GatedDeltaNet, TokenFlags
 from tx.tuning import PLAIN
 
@@ -47,7 +50,8 @@ class HybridLayers(nnx.Module):
         dt, L, D = jnp.dtype(cfg.dtype), cfg.num_layers, cfg.hidden_size
         self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, dt, (L,), offset=1.0)
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, dt, (L,), offset=1.0)
-        self.mlp = MLP(cfg, lora, (L,), PLAIN)  # no backend-specific form measured for this family yet
+        # no backend-specific form measured for this family yet (the MoE block's product form included)
+        self.mlp = SparseMoeBlock(cfg, lora, (L,), PLAIN) if cfg.moe else MLP(cfg, lora, (L,), PLAIN)
         if cfg.layers_holding("linear_attn"):
             self.linear_attn = GatedDeltaNet(cfg, lora, (len(cfg.layers_holding("linear_attn")),))
         if cfg.layers_holding("self_attn"):
@@ -94,6 +98,20 @@ class Qwen3_5CausalLM(nnx.Module):
         """tokens, positions [B, T] -> final normed hidden states [B, T, D] (and the updated cache).
         `layers`: the base weights split per stacked entry (`causal_lm.per_layer`); the layers then run
         unrolled over those separate buffers (the CPU decode form: a slice of a stacked weight is copied)."""
+        h, cache, _ = self.hidden_and_picks(tokens, positions, segments, rows, cache, layers)
+        return h, cache
+
+    def hidden_and_picks(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segments: jax.Array | None = None,
+        rows: LoRARows | None = None,
+        cache: HybridCache | None = None,
+        layers: Sequence[Mapping[tuple[str, ...], jax.Array]] | None = None,
+    ) -> tuple[jax.Array, HybridCache | None, jax.Array | None]:
+        """`hidden`, and for the MoE variant the experts each token picked in each layer, [L, B*T, k] int16
+        (None for dense MLPs)."""
         cfg = self.config
         segments = jnp.ones_like(tokens) if segments is None else segments
         inv_freq = rope_frequencies(cfg.rotary_dim, cfg.rope_theta, None)
@@ -103,14 +121,14 @@ class Qwen3_5CausalLM(nnx.Module):
         kv = None if cache is None else cache.full
         h = self.model.embed_tokens(tokens)
         if layers is None:
-            h, (linear, new_kv) = self._scanned(h, inputs, linear, kv)
+            h, (linear, new_kv, picks) = self._scanned(h, inputs, linear, kv)
         else:
-            h, (linear, new_kv) = _layers(h, cfg.kinds, self._split_layer(layers), linear, kv, inputs)
+            h, (linear, new_kv, picks) = _layers(h, cfg.kinds, self._split_layer(layers), linear, kv, inputs)
         if cache is None:
-            return self.model.norm(h), None
+            return self.model.norm(h), None, picks
         k_new, v_new = new_kv
         full = _write_cache(cache.full, k_new, v_new, positions)  # written once, after every layer ran
-        return self.model.norm(h), HybridCache(full, linear)
+        return self.model.norm(h), HybridCache(full, linear), picks
 
     def _scanned(self, h: jax.Array, inputs: _Inputs, linear: LinearState, kv: KVCache | None) -> tuple:
         """The layers over their stacked weights: one scan step per repeating group of layer types."""
@@ -142,17 +160,6 @@ class Qwen3_5CausalLM(nnx.Module):
             return nnx.merge(graph, layer_state(stacked, own, index))
 
         return module_at
-
-    def hidden_and_picks(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        segments: jax.Array | None = None,
-        rows: LoRARows | None = None,
-        cache: HybridCache | None = None,
-    ) -> tuple[jax.Array, HybridCache | None, None]:
-        """`hidden`, and no expert picks: the MLPs are dense."""
-        return (*self.hidden(tokens, positions, segments, rows, cache), None)
 
     def logits(self, h: jax.Array, rows: LoRARows | None = None) -> jax.Array:
         """[B, T, D] hidden -> [B, T, V] float32 logits."""
@@ -200,10 +207,11 @@ def _layers(
 ) -> tuple:
     """Layers of `kinds` in order; `module_at(name, i)` is sub-module `name` of the i-th layer holding it
     here, `linear` / `kv` the states of these layers' linear / full mixers -> (h, (new linear states,
-    this call's (k, v) or None))."""
+    this call's (k, v) or None, the experts each token picked per layer or None))."""
     seen = {"linear_attn": 0, "self_attn": 0}
     states: list[LinearState] = []
     written: list[tuple[jax.Array, jax.Array] | None] = []
+    picks: list[jax.Array | None] = []
     for i, kind in enumerate(kinds):
         mixer = MIXERS[kind]
         j = seen[mixer]
@@ -213,8 +221,18 @@ def _layers(
         out, new = _mix(module_at(mixer, j), x_in, inputs, state)
         (states if mixer == "linear_attn" else written).append(new)
         h = h + out
-        h = h + module_at("mlp", i)(module_at("post_attention_layernorm", i)(h), inputs.rows)
-    return h, (_stack(states) if states else linear, _stack(written) if kv is not None else None)
+        mlp_out, picked = _mlp(module_at("mlp", i), module_at("post_attention_layernorm", i)(h), inputs.rows)
+        h = h + mlp_out
+        picks.append(picked)
+    return h, (_stack(states) if states else linear, _stack(written) if kv is not None else None, _stack(picks))
+
+
+def _mlp(module: nnx.Module, x: jax.Array, rows: LoRARows | None) -> tuple[jax.Array, jax.Array | None]:
+    """One layer's MLP -> (its output, the experts each token picked [B*T, k], None for a dense MLP)."""
+    if isinstance(module, SparseMoeBlock):
+        return module.mix(x, rows)
+    assert isinstance(module, MLP)
+    return module(x, rows), None
 
 
 def _mix(module: nnx.Module, x: jax.Array, inputs: _Inputs, state: Any) -> tuple[jax.Array, Any]:

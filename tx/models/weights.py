@@ -32,7 +32,7 @@ from tqdm import tqdm
 from tx.lora.layers import LoRASpec
 from tx.lora.params import LoRAParam
 from tx.models.causal_lm import CausalLM, abstract_model
-from tx.models.config import ModelConfig, load_hf_config
+from tx.models.config import HYBRID_FAMILIES, ModelConfig, load_hf_config
 from tx.models.qwen3_5 import Qwen3_5CausalLM, abstract_qwen3_5
 from tx.models.safetensors_io import iter_tensors, shard_files
 from tx.models.sharding import make_mesh, state_shardings
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 Path_ = tuple[str, ...]
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-SKIPPED = {"qwen3_5": ("model.visual.", "mtp.")}  # tensors of parts we do not run, by family
+SKIPPED = {family: ("model.visual.", "mtp.") for family in HYBRID_FAMILIES}  # tensors of parts we do not run
 HF_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.json", "tokenizer*", "*.txt", "*.model")
 
 
@@ -126,7 +126,7 @@ def abstract_for(
     cfg: ModelConfig, lora: LoRASpec | None, remat: bool, tuning: Tuning | None = None
 ) -> CausalLM | Qwen3_5CausalLM:
     """The family's model class, with shapes only (Qwen3.5 has no backend-specific forms yet)."""
-    if cfg.family == "qwen3_5":
+    if cfg.family in HYBRID_FAMILIES:
         return abstract_qwen3_5(cfg, lora, remat)
     return abstract_model(cfg, lora, remat, tuning)
 
