@@ -134,16 +134,29 @@ def served_qwen3_5_moe(tmp_path_factory) -> Iterator[tuple[JaxRunner, Any]]:
         dtype="float32", max_seq_len=64, decode_rows=2,
     )  # fmt: skip
     assert info.arch == "qwen3_5_moe"
-    yield runner, ref
+    yield runner, ref, path
 
 
-def test_qwen3_5_moe_trains_reports_balance_and_samples_as_generate(served_qwen3_5_moe) -> None:  # type: ignore[no-untyped-def]
-    runner, ref = served_qwen3_5_moe
-    run(runner, "create_model", "run", CreateModelRequest("m", LoraConfig(4, 8.0, seed=3)))
+def test_qwen3_5_moe_trains_exports_reports_balance_and_samples_as_generate(served_qwen3_5_moe, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A LoRA step moves every target; the PEFT export (experts fused) loads in peft with the served logprobs."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    runner, ref, path = served_qwen3_5_moe
+    lora = LoraConfig(4, 8.0, seed=3)
+    run(runner, "create_model", "run", CreateModelRequest("m", lora))
     tokens = list(range(5, 25))
     datum = Datum(tokens, {"target_tokens": np.array(tokens[1:] + [0], np.int64)})
     result = run(runner, "forward_backward", "run", ForwardBackwardRequest([datum], "cross_entropy"))
     assert 1 / 4 <= result.metrics["moe/max_expert_fraction:max"] <= 1 / 2
+    run(runner, "optim_step", "run", OptimStepRequest(AdamParams(learning_rate=1e-2)))
+    trained = run(runner, "forward_backward", "run", ForwardBackwardRequest([datum], "cross_entropy"))
+    runner.io.save_peft(tmp_path / "adapter", runner.trainer, runner.trainer.runs["run"].slot, lora)
+    exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), str(tmp_path / "adapter"))
+    with torch.no_grad():
+        logits = exported.eval()(torch.tensor([tokens])).logits[0]
+    want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(datum.loss_fn_inputs["target_tokens"])[:, None])
+    np.testing.assert_allclose(trained.outputs[0]["logprobs"], want[:, 0].numpy(), atol=1e-4)
     prompt = [3, 14, 15, 92, 65, 35]
     params = SamplingParams(max_tokens=8, temperature=0.0, stop_at_eos=False)
     sampled = run(runner, "sample", "s", SampleRequest(prompt=prompt, num_samples=1, params=params, base_model="m"))

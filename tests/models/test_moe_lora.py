@@ -77,7 +77,8 @@ def randomised(state: nnx.State) -> nnx.State:
 
 
 def rows_on(slot: list[int]) -> LoRARows:
-    scale = jnp.stack([jnp.zeros(RANK), slot_scale(RANK, ALPHA, RANK), jnp.zeros(RANK)])
+    """Rows on slots 0-2; slots 1 and 2 at rank RANK, alpha ALPHA."""
+    scale = jnp.stack([jnp.zeros(RANK), slot_scale(RANK, ALPHA, RANK), slot_scale(RANK, ALPHA, RANK)])
     return LoRARows(jnp.asarray(slot, jnp.int32), scale)
 
 
@@ -158,6 +159,56 @@ def test_expert_gradients_match_peft(base, exported, form):
         q = module[f"base_model.model.model.layers.{layer}.self_attn.q_proj"].lora_A["default"].weight.grad.numpy()
         q_mine = grads[("model", "layers", "self_attn", "q_proj", "lora_a")][layer, 1]
         np.testing.assert_allclose(q_mine, q.T, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parity
+def test_fused_export_loads_in_peft_and_back(base, exported, tmp_path):
+    """The same adapter in PEFT's target_parameters form (what Qwen3.5-MoE exports use): gate and up fused
+    at rank 2R, block-diagonal; peft reproduces our logits and it reads back as the per-expert weights."""
+    model, adapter = exported
+    config, weights = peft.load_peft(adapter)
+    peft.save_peft(tmp_path / "fused", config, weights, fused_experts=True)
+    assert not any(".experts.0." in n for n in safetensor_names(tmp_path / "fused"))
+    ids = tokens(seed=9)
+    mine, _ = model("ragged")(ids, rows=rows_on([1, 1]))
+    with torch.no_grad():
+        want = peft_model(base, tmp_path / "fused")(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(mine), want, atol=1e-4, rtol=0)
+    again, back = peft.load_peft(tmp_path / "fused")
+    assert again.rank == RANK and set(back) == set(weights)
+    for name, (a, b) in weights.items():
+        np.testing.assert_allclose(back[name][0], a, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(back[name][1], b, atol=1e-7, err_msg=name)
+
+
+def safetensor_names(directory) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(directory / peft.WEIGHTS_NAME), framework="numpy") as f:
+        return list(f.keys())
+
+
+@pytest.mark.parity
+def test_a_peft_trained_fused_adapter_loads_into_a_slot(base, exported, tmp_path):
+    """PEFT's own target_parameters LoRA (one A shared by gate and up) splits exactly into our layout."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3MoeForCausalLM
+
+    from tx.lora.peft_experts import TARGET_PARAMETERS
+
+    ref = Qwen3MoeForCausalLM.from_pretrained(base / "base").eval()
+    lora = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=[], target_parameters=TARGET_PARAMETERS,
+                      init_lora_weights=False)  # fmt: skip
+    theirs = get_peft_model(ref, lora).eval()
+    theirs.save_pretrained(tmp_path / "theirs")
+    model = exported[0]("ragged")
+    state = nnx.state(model, LoRAParam)
+    nnx.update(model, adapters.write_slot(state, 2, *peft.load_peft(tmp_path / "theirs")))
+    ids = tokens(seed=10)
+    mine, _ = model(ids, rows=rows_on([2, 2]))
+    with torch.no_grad():
+        want = theirs(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(mine), want, atol=1e-4, rtol=0)
 
 
 def test_export_loads_back_into_another_slot(exported):

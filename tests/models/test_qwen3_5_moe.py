@@ -12,6 +12,7 @@ import torch
 from conftest import QWEN3_5_TEXT, QWEN3_5_VISION
 from flax import nnx
 
+from tx.lora import adapters, peft
 from tx.lora.layers import LoRASpec
 from tx.lora.params import LoRAParam, LoRARows, slot_scale
 from tx.models.cache import HybridCache
@@ -191,6 +192,37 @@ def hf_names(key: tuple[str, ...], cfg: ModelConfig, shape) -> list[tuple[tuple,
 
 def peft_factor(modules: dict, name: str, which: str) -> torch.nn.Module:
     return getattr(modules["base_model.model." + name], "lora_A" if which == "lora_a" else "lora_B")["default"]
+
+
+@pytest.mark.parity
+def test_peft_export_writes_the_experts_fused(models, tmp_path):
+    """The pinned peft has no per-expert -> fused conversion for this family (it would drop those adapters),
+    so the experts go out in the target_parameters form: peft reproduces our logits, and it reads back."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path, _, _, _ = models()
+    model, cfg = load_model(str(path), lora=LoRASpec(2, 4), progress=False)
+    rng = np.random.RandomState(6)
+    for _, var in nnx.to_flat_state(nnx.state(model, LoRAParam)):
+        var.set_value(jnp.asarray(0.1 * rng.randn(*var.shape), jnp.float32))
+    targets = adapters.adapter_targets(nnx.state(model, LoRAParam))
+    weights = adapters.read_slot(nnx.state(model, LoRAParam), 1, 4, targets, lambda p, i: cfg.layers_holding(p[2])[i])
+    config = peft.AdapterConfig(4, 8.0, tuple(sorted(targets)), str(path))
+    peft.save_peft(tmp_path / "fused", config, weights, fused_experts=True)
+    peft.save_peft(tmp_path / "per_expert", config, weights)
+    ids = tokens_for(cfg, (1, 20), seed=11)
+    rows = LoRARows(jnp.ones(1, jnp.int32), jnp.stack([jnp.zeros(4), slot_scale(4, 8.0, 4)]))
+    mine = np.asarray(model(ids, rows=rows)[0])
+    logits = {}
+    for form in ("fused", "per_expert"):
+        ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), str(tmp_path / form)).eval()
+        with torch.no_grad():
+            logits[form] = ref(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(logits["fused"], mine, atol=1e-4, rtol=0)
+    assert np.abs(logits["per_expert"] - mine).max() > 1e-2  # why this family exports fused
+    _, back = peft.load_peft(tmp_path / "fused")
+    assert set(back) == set(weights)
 
 
 def test_prefill_then_decode_matches_full_forward(models):

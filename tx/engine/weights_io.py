@@ -24,6 +24,11 @@ from tx.models.weights import load_model, save_hf, text_module_name
 from tx.protocol import LoraConfig
 from tx.tuning import Tuning
 
+# Families whose PEFT export writes the experts fused (`target_parameters`): the pinned peft converts a
+# per-expert adapter onto transformers 5's fused experts for Qwen3-MoE, but for Qwen3.5-MoE it has no such
+# conversion and would silently drop the expert adapters.
+FUSED_EXPERT_FAMILIES = frozenset({"qwen3_5_moe"})
+
 
 class WeightsIO:
     """`tuning`: the backend choices weight sets are laid out for the sampler with (`decode_layout`)."""
@@ -42,7 +47,7 @@ class WeightsIO:
         targets = lora_targets(lora) & adapters.adapter_targets(view)  # the flags' names this model has
         weights = adapters.read_slot(view, slot, lora.rank, targets, self._layer_of)
         config = peft.AdapterConfig(lora.rank, lora.alpha, tuple(sorted(targets)), self.base_model)
-        peft.save_peft(dest, config, weights)
+        peft.save_peft(dest, config, weights, fused_experts=self.cfg.family in FUSED_EXPERT_FAMILIES)
         return sum(f.stat().st_size for f in dest.iterdir() if f.is_file())
 
     def peft_lora_config(self, source: Path) -> LoraConfig:

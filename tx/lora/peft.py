@@ -12,8 +12,10 @@ accepts adapters trained elsewhere with per-module ranks (`rank_pattern`) or alp
 (`alpha_pattern`) by zero-padding each pair to the largest rank and folding the module's own
 scaling into B, which keeps every delta exact (zero rows/columns also stay zero under gradient
 descent, since each one's gradient is multiplied by its zero partner). Anything PEFT can express
-that a plain LoRA on our targets cannot (DoRA, biases, modules_to_save, embedding LoRA) is refused
-with an error that names it. Writes are atomic: a directory either holds a whole adapter or nothing.
+that a plain LoRA on our targets cannot (DoRA, biases, modules_to_save, embedding LoRA, `target_parameters`
+other than a MoE block's fused experts) is refused with an error that names it. Fused expert adapters are
+read, and optionally written, by `tx.lora.peft_experts`. Writes are atomic: a directory either holds a
+whole adapter or nothing.
 """
 
 import contextlib
@@ -32,6 +34,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from tx.lora import peft_experts
 from tx.lora.targets import ALL
 
 CONFIG_NAME = "adapter_config.json"
@@ -84,13 +87,24 @@ def lora_delta(config: AdapterConfig, a: np.ndarray, b: np.ndarray) -> np.ndarra
 
 
 def save_peft(
-    path: str | os.PathLike[str], config: AdapterConfig, weights: Mapping[str, tuple[np.ndarray, np.ndarray]]
+    path: str | os.PathLike[str],
+    config: AdapterConfig,
+    weights: Mapping[str, tuple[np.ndarray, np.ndarray]],
+    fused_experts: bool = False,
 ) -> None:
     """Write `adapter_config.json` and `adapter_model.safetensors` to directory `path`, replacing it atomically.
 
     Weights may carry a padded rank larger than `config.rank`; only the first `config.rank` components are kept.
+    `fused_experts`: write a MoE block's expert adapters in PEFT's `target_parameters` form
+    (`tx.lora.peft_experts`) instead of one module per expert.
     """
     tensors: dict[str, np.ndarray] = {}
+    extra: dict[str, Any] = {}
+    if fused_experts:
+        weights, stored = peft_experts.fuse(weights, config.rank)
+        for module, (lora_a, lora_b) in stored.items():
+            tensors[f"{_PREFIX}{module}.lora_A.weight"], tensors[f"{_PREFIX}{module}.lora_B.weight"] = lora_a, lora_b
+        extra = peft_experts.fused_config(config.rank, config.alpha) if stored else {}
     for module, (a, b) in sorted(weights.items()):
         _check_pair(config, module, a, b)
         tensors[f"{_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(
@@ -101,7 +115,8 @@ def save_peft(
         )
     with atomic_dir(path) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(_peft_config_json(config), indent=2, sort_keys=True) + "\n")
+        fields = {**_peft_config_json(config), **extra}
+        (tmp / CONFIG_NAME).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 
 def _check_pair(config: AdapterConfig, module: str, a: np.ndarray, b: np.ndarray) -> None:
@@ -184,7 +199,7 @@ def load_peft(path: str | os.PathLike[str]) -> tuple[AdapterConfig, AdapterWeigh
     root = Path(path)
     raw = json.loads((root / CONFIG_NAME).read_text())
     _check_config(raw)
-    pairs = _read_pairs(root)
+    pairs = _read_pairs(root, raw)
     return _uniform(raw, pairs)
 
 
@@ -197,13 +212,18 @@ def _check_config(raw: Mapping[str, Any]) -> None:
         "lora_bias": "LoRA biases (lora_bias=true) are not supported",
         "fan_in_fan_out": "fan_in_fan_out=true (Conv1D-style weights) is not supported",
         "trainable_token_indices": "trainable_token_indices={} (embedding updates) is not supported",
-        "target_parameters": "target_parameters={} is not supported; target Linear modules instead",
         "layer_replication": "layer_replication={} is not supported",
         "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens={}) is not supported",
     }
     for field, message in refusals.items():
         if raw.get(field):
             raise ValueError(message.format(raw[field]))
+    fused = set(raw.get("target_parameters") or ())
+    if fused - set(peft_experts.TARGET_PARAMETERS):
+        raise ValueError(
+            f"target_parameters={sorted(fused)} is not supported; only a MoE block's fused experts "
+            f"{peft_experts.TARGET_PARAMETERS} are"
+        )
     if raw.get("bias", "none") != "none":
         raise ValueError(f"bias={raw['bias']!r} is not supported; only bias='none' adapters can be loaded")
     targets = raw.get("target_modules")
@@ -217,8 +237,9 @@ def _check_short_names(names: set[str], where: str) -> None:
         raise ValueError(f"{where} has unsupported LoRA targets {unsupported}; supported: {list(SUPPORTED_TARGETS)}")
 
 
-def _read_pairs(root: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Module name → (lora_A.weight [r, in], lora_B.weight [out, r]) as stored, after checking every key."""
+def _read_pairs(root: Path, raw: Mapping[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Module name → (lora_A.weight [r, in], lora_B.weight [out, r]) as stored (fused experts split per
+    expert), after checking every key."""
     file = root / WEIGHTS_NAME
     if not file.exists():
         if (root / "adapter_model.bin").exists():
@@ -244,8 +265,11 @@ def _read_pairs(root: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     incomplete = sorted(m for m, kinds in found.items() if len(kinds) != 2)
     if incomplete:
         raise ValueError(f"{file}: modules {incomplete} lack lora_A or lora_B")
-    _check_short_names({m.rsplit(".", 1)[-1] for m in found}, str(file))
-    return {m: (kinds["lora_A"], kinds["lora_B"]) for m, kinds in found.items()}
+    pairs = {m: (kinds["lora_A"], kinds["lora_B"]) for m, kinds in found.items()}
+    if raw.get("target_parameters"):
+        pairs = peft_experts.unfuse(pairs, raw)
+    _check_short_names({m.rsplit(".", 1)[-1] for m in pairs}, str(file))
+    return pairs
 
 
 def _check_other_key(name: str) -> None:
