@@ -199,6 +199,7 @@ def test_default_adapter_name_in_keys_is_accepted(base, tmp_path):
         ({"use_dora": True, "target_modules": ["q_proj"]}, "DoRA"),
         ({"bias": "lora_only", "target_modules": ["q_proj"]}, "bias='lora_only'"),
         ({"target_modules": ["q_proj", "embed_tokens"]}, r"\['embed_tokens'\].*supported: \['q_proj'"),
+        ({"target_modules": [], "target_parameters": ["self_attn.q_proj.weight"]}, "only a MoE block's fused"),
     ],
 )
 def test_unsupported_adapters_are_named(base, tmp_path, lora_kwargs, message):
