@@ -140,21 +140,17 @@ def scatter_outputs(
         into[s.datum] = {"logprobs": lp[s.row, span], "elementwise_loss": loss[s.row, span]}
 
 
-def gather_expert_load(
-    batch: PackedBatch, picks: np.ndarray, owner: Sequence[int], experts: int, into: dict[int, np.ndarray]
-) -> None:
-    """One micro-batch's expert picks [L, N, k] -> token-slots per expert [L, X] added per request, over its
-    datums' tokens only (padding and other requests' datums in a shared row do not count)."""
+def gather_expert_load(batch: PackedBatch, picks: np.ndarray, experts: int, into: dict[int, dict]) -> None:
+    """One micro-batch's expert picks [L, N, k] -> each datum's token-slots per expert, `expert_load` [L, X],
+    beside its outputs in `into` (`scatter_outputs` first): over its own tokens only, never padding or the
+    other datums packed into its row."""
     R, T = batch.shape
-    tokens: dict[int, list[np.ndarray]] = {}
-    for s in batch.segments:
-        tokens.setdefault(owner[s.datum], []).append(np.arange(s.length) + s.row * T + s.start)
     L = picks.shape[0]
-    offsets = (np.arange(L) * experts)[:, None, None]
-    for request, spans in tokens.items():
-        flat = (picks[:, np.concatenate(spans)].astype(np.int64) + offsets).ravel()
-        part = np.bincount(flat, minlength=L * experts).reshape(L, experts)
-        into[request] = into[request] + part if request in into else part
+    offsets = (np.arange(L) * experts)[:, None]
+    for s in batch.segments:
+        start = s.row * T + s.start
+        flat = (picks[:, start : start + s.length].reshape(L, -1).astype(np.int64) + offsets).ravel()
+        into[s.datum]["expert_load"] = np.bincount(flat, minlength=L * experts).reshape(L, experts)
 
 
 def max_expert_fraction(load: np.ndarray) -> float:

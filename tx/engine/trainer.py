@@ -246,12 +246,11 @@ class Trainer:
         if full and len({r for r, _ in work}) > 1:
             raise ValueError("a full fine-tuning run cannot share a batch with other runs")
         outputs: dict[int, dict[str, np.ndarray]] = {}
-        loads: dict[int, np.ndarray] = {}  # request index -> expert load [L, X] (MoE models)
         if examples:
             training = {r for r, req in work if not req.forward_only}
             with self._undo_on_error(training):
-                self._run_batches(examples, owner, [work[o] for o in owner], outputs, loads)
-        return self._results(work, examples, owner, outputs, loads)
+                self._run_batches(examples, [work[o] for o in owner], outputs)
+        return self._results(work, examples, owner, outputs)
 
     @contextlib.contextmanager
     def _undo_on_error(self, run_ids: set[str]) -> Iterator[None]:
@@ -274,9 +273,7 @@ class Trainer:
                 ) from err
             raise
 
-    def _run_batches(
-        self, examples: list[Example], owner: list[int], work_of: list, outputs: dict, loads: dict
-    ) -> None:
+    def _run_batches(self, examples: list[Example], work_of: list, outputs: dict) -> None:
         plan = plan_rows(examples, self.micro_batch_tokens)
         for batch in plan.batches:
             if not batch.segments:
@@ -287,7 +284,7 @@ class Trainer:
             out = self._execute(inputs, present, needs_grad)
             scatter_outputs(batch, np.asarray(out.target_logprobs), np.asarray(out.token_loss), outputs)
             if out.expert_picks is not None and self.config.moe is not None:
-                gather_expert_load(batch, np.asarray(out.expert_picks), owner, self.config.moe.experts, loads)
+                gather_expert_load(batch, np.asarray(out.expert_picks), self.config.moe.experts, outputs)
 
     def _execute(self, inputs: ts.TrainBatch, present: set[str], needs_grad: set[str]) -> ts.StepOutputs:
         full = [self.runs[r] for r in present if self.runs[r].lora is None]
@@ -309,23 +306,26 @@ class Trainer:
             run.grads = ts.accumulate_slot(run.grads, grads, index, run.ranks)
         return out
 
-    def _results(self, work, examples, owner, outputs, loads) -> list[ForwardBackwardResult]:
+    def _results(self, work, examples, owner, outputs) -> list[ForwardBackwardResult]:
         """Per request: its datums' outputs; metrics `loss:sum` and, for a MoE model, the router's balance
         `moe/max_expert_fraction:max` (`train_batch.max_expert_fraction` of the request's tokens)."""
         results = []
         for index, (_, req) in enumerate(work):
             per_datum: list[dict[str, np.ndarray]] = []
             total = 0.0
+            loads = []
             for d in (d for d, o in enumerate(owner) if o == index):
                 out = outputs[d]
+                if "expert_load" in out:
+                    loads.append(out["expert_load"])
                 k = examples[d].targets.shape[1]
                 one_d = np.asarray(req.data[len(per_datum)].loss_fn_inputs["target_tokens"]).ndim == 1
                 lp = out["logprobs"][:, 0] if one_d else out["logprobs"][:, :k]
                 per_datum.append({"logprobs": lp.astype(np.float32), "elementwise_loss": out["elementwise_loss"]})
                 total += float(out["elementwise_loss"].sum())
             metrics = {"loss:sum": total}
-            if index in loads:
-                metrics[MAX_EXPERT_FRACTION] = max_expert_fraction(loads[index])
+            if loads:
+                metrics[MAX_EXPERT_FRACTION] = max_expert_fraction(sum(loads))
             results.append(ForwardBackwardResult(per_datum, metrics))
         return results
 
