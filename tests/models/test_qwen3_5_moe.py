@@ -14,6 +14,7 @@ from flax import nnx
 
 from tx.lora import adapters, peft
 from tx.lora.layers import LoRASpec
+from tx.lora.merge import merge_to_hf
 from tx.lora.params import LoRAParam, LoRARows, slot_scale
 from tx.models.cache import HybridCache
 from tx.models.config import ModelConfig
@@ -197,7 +198,8 @@ def peft_factor(modules: dict, name: str, which: str) -> torch.nn.Module:
 @pytest.mark.parity
 def test_peft_export_writes_the_experts_fused(models, tmp_path):
     """The pinned peft has no per-expert -> fused conversion for this family (it would drop those adapters),
-    so the experts go out in the target_parameters form: peft reproduces our logits, and it reads back."""
+    so the experts go out in the target_parameters form: peft reproduces our logits, it reads back, and
+    merges into the checkpoint with the same logits."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -221,8 +223,12 @@ def test_peft_export_writes_the_experts_fused(models, tmp_path):
             logits[form] = ref(torch.tensor(ids, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(logits["fused"], mine, atol=1e-4, rtol=0)
     assert np.abs(logits["per_expert"] - mine).max() > 1e-2  # why this family exports fused
-    _, back = peft.load_peft(tmp_path / "fused")
+    config_back, back = peft.load_peft(tmp_path / "fused")
     assert set(back) == set(weights)
+    merge_to_hf(path, tmp_path / "merged", config_back, back)  # into the per-expert checkpoint tensors
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(torch.tensor(ids, dtype=torch.long))
+    np.testing.assert_allclose(merged.logits.numpy(), mine, atol=1e-4, rtol=0)
 
 
 def test_prefill_then_decode_matches_full_forward(models):
