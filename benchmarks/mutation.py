@@ -3,11 +3,16 @@
 A mutant changes one operator or constant (`<` -> `<=`, `+` -> `-`, `and` -> `or`, `not x` -> `x`,
 `-x` -> `x`, `3` -> `4`, `0.5` -> `1.5`, `True` -> `False`) outside docstrings, f-strings, log calls and
 annotations. Each runs in a scratch copy of the repository (the checkout is never written), as a fresh
-`pytest -x` over the module's tests; it is killed when they fail or time out. Prints one JSON line per
-module: mutants, killed, score and the survivors (line, change) to kill with a test or explain as
-equivalent. Too slow for CI on 2 cores; run it before resolving an issue that touches these modules:
+`pytest -x`; it is killed when the tests fail or time out. With `coverage` installed, one measured run of
+the module's tests first maps each line to the tests whose call executes it: a mutant runs those tests
+first and all of them only if those pass (a program compiled by one test may be what another asserts
+on), and a mutant on a line no test executes is a survivor without a run (`"executed": false`). Prints
+one JSON line per module: mutants, killed, score and the survivors (line, change) to kill with a test or
+explain as equivalent. Too slow for CI on 2 cores; run it before resolving an issue that touches these
+modules:
     python benchmarks/mutation.py --modules tx/api/validate.py
     python benchmarks/mutation.py --modules tx/engine/losses.py --max-mutants 40   # an even sample
+    python benchmarks/mutation.py --modules tx/engine/sampling.py --max-mutants 30 --seed 1 --time-limit 900
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import argparse
 import ast
 import copy
 import json
+import os
+import random
 import shutil
 import subprocess
 import sys
@@ -23,13 +30,24 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
+try:
+    import coverage
+except ImportError:  # then every mutant runs every test
+    coverage = None  # type: ignore[assignment]
+
 ROOT = Path(__file__).resolve().parent.parent
 # The modules where a silent bug costs users most, each with the tests that guard it.
 TARGETS: dict[str, list[str]] = {
     "tx/engine/train_step.py": ["tests/engine/test_optim_reference.py", "tests/engine/test_trainer.py"],
     "tx/engine/losses.py": ["tests/engine/test_losses.py"],
     "tx/engine/sampling.py": ["tests/engine/test_sampling.py"],
-    "tx/engine/weights_io.py": ["tests/e2e/test_peft_export.py", "tests/e2e/test_full_finetune.py"],
+    "tx/engine/weights_io.py": [
+        "tests/engine/test_weights_io.py",
+        "tests/e2e/test_peft_export.py",
+        "tests/e2e/test_full_finetune.py",
+    ],
     "tx/lora/peft.py": ["tests/lora/test_peft.py"],
     "tx/db/queue.py": ["tests/db/test_db_queue.py", "tests/db/test_db_engine_loop.py"],
     "tx/api/validate.py": ["tests/api/test_validate_rules.py", "tests/api/test_api_validation.py"],
@@ -40,6 +58,7 @@ SWAPS: dict[type, type] = {
     ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Div,
     ast.Pow: ast.Mult, ast.And: ast.Or, ast.Or: ast.And,
 }  # fmt: skip
+PLUGIN = "smolgym_mutation_contexts"  # this file, loaded into the coverage run as a pytest plugin
 SKIP_CALLS = {"debug", "info", "warning", "error", "exception"}  # log.<level>(...) arguments
 
 
@@ -132,43 +151,146 @@ def scratch_copy() -> Path:
     return dest
 
 
-def score_module(workdir: Path, module: str, tests: list[str], max_mutants: int | None) -> dict:
+# ---- which tests run which lines -------------------------------------------------------------------
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
+    """Loaded into the coverage run as a plugin: a test's own call is measured under its node id;
+    collection and fixtures stay in the empty context, which counts as every test."""
+    cov = coverage.Coverage.current() if coverage is not None else None
+    if cov is None:
+        return (yield)
+    cov.switch_context(item.nodeid)
+    try:
+        return (yield)
+    finally:
+        cov.switch_context("")
+
+
+def line_tests(workdir: Path, module: str, tests: list[str]) -> dict[int, set[str]] | None:
+    """{line: node ids of the tests whose call executes it} for `module`, "" meaning every test (the line ran at
+    import or in a fixture); None when `coverage` is missing or the tests fail unmutated."""
+    if coverage is None:
+        return None
+    data_file, plugins = workdir.parent / ".coverage.mutation", workdir.parent / "plugins"
+    plugins.mkdir(exist_ok=True)
+    shutil.copy(__file__, plugins / f"{PLUGIN}.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(plugins), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "coverage", "run", f"--data-file={data_file}", f"--include={module}", "-m",
+           "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", PLUGIN, *tests]  # fmt: skip
+    if subprocess.run(cmd, cwd=workdir, capture_output=True, env=env, check=False).returncode != 0:
+        return None
+    data = coverage.CoverageData(basename=str(data_file))
+    data.read()
+    by_line: dict[int, set[str]] = {}
+    for path in data.measured_files():
+        for line, contexts in data.contexts_by_lineno(path).items():
+            by_line.setdefault(line, set()).update(contexts)
+    data_file.unlink(missing_ok=True)
+    return by_line
+
+
+def statement_lines(tree: ast.Module) -> dict[int, range]:
+    """id(node) -> the lines coverage may report for it: its own lines and its statement's (a compound
+    statement's header only, not its body)."""
+    spans: dict[int, range] = {}
+
+    def visit(node: ast.AST, stmt: range) -> None:
+        if isinstance(node, ast.stmt):
+            body = getattr(node, "body", None)
+            end = body[0].lineno - 1 if isinstance(body, list) and body and isinstance(body[0], ast.AST) else None
+            stmt = range(node.lineno, max(node.lineno, end or node.end_lineno or node.lineno) + 1)
+        lines = getattr(node, "lineno", None)
+        if lines is not None:
+            own = range(node.lineno, (node.end_lineno or node.lineno) + 1)  # type: ignore[attr-defined]
+            spans[id(node)] = range(min(own.start, stmt.start), max(own.stop, stmt.stop))
+        for child in ast.iter_child_nodes(node):
+            visit(child, stmt)
+
+    visit(tree, range(0))
+    return spans
+
+
+def tests_for(node_lines: range, by_line: dict[int, set[str]]) -> set[str] | None:
+    """The tests that execute any of `node_lines`; None = every test; empty = no test runs them."""
+    found = set().union(*(by_line.get(line, set()) for line in node_lines))
+    return None if "" in found else found
+
+
+# ---- one module ------------------------------------------------------------------------------------
+
+
+def pick(total: int, max_mutants: int | None, seed: int | None) -> list[int]:
+    """Mutant indices to run: all, an even spread of `max_mutants`, or (with `seed`) a random sample of them."""
+    if max_mutants is None or total <= max_mutants:
+        return list(range(total))
+    if seed is not None:
+        return sorted(random.Random(seed).sample(range(total), max_mutants))
+    return sorted({round(i * (total - 1) / (max_mutants - 1)) for i in range(max_mutants)})
+
+
+def score_module(workdir: Path, module: str, tests: list[str], opts: argparse.Namespace) -> dict:
     path = workdir / module
     original = path.read_text()
     start = time.monotonic()
     if run_tests(workdir, tests, 1800) != "passed":
         return {"module": module, "error": "the tests fail without any mutant"}
     timeout = max(60.0, 3 * (time.monotonic() - start))
-    total = len(mutation_points(ast.parse(original)))
-    picked = list(range(total))
-    if max_mutants is not None and total > max_mutants:  # an even spread over the file
-        picked = sorted({round(i * (total - 1) / (max_mutants - 1)) for i in range(max_mutants)})
-    outcomes: dict[str, int] = {"killed": 0, "timeout": 0}
-    survivors = []
+    by_line = None if opts.all_tests else line_tests(workdir, module, tests)
+    tree = ast.parse(original)
+    points, spans = mutation_points(tree), statement_lines(tree)
+    picked = pick(len(points), opts.max_mutants, opts.seed)
+    outcomes = {"killed": 0, "timeout": 0, "unexecuted": 0}
+    survivors, run = [], 0
     try:
         for index in picked:
+            if opts.time_limit and time.monotonic() - start > opts.time_limit:
+                break
+            node = points[index][0]
+            subset = None if by_line is None else tests_for(spans[id(node)], by_line)
             source, desc, line = mutate(original, index)
             path.write_text(source)
-            result = run_tests(workdir, tests, timeout)
-            if result == "passed":
-                survivors.append({"line": line, "change": desc})
-            else:
+            run += 1
+            result = run_mutant(workdir, tests, subset, timeout)
+            if result in ("passed", "unexecuted"):
+                survivors.append({"line": line, "change": desc, "executed": result == "passed"})
+            if result != "passed":
                 outcomes[result] += 1
             print(f"{module}:{line} {desc}: {result}", file=sys.stderr, flush=True)
     finally:
         path.write_text(original)
     killed = outcomes["killed"] + outcomes["timeout"]
     return {
-        "module": module, "mutants": total, "run": len(picked), "killed": killed, "timeouts": outcomes["timeout"],
-        "score": round(killed / len(picked), 3) if picked else None, "survivors": survivors, "tests": tests,
+        "module": module, "mutants": len(points), "run": run, "killed": killed, "timeouts": outcomes["timeout"],
+        "unexecuted": outcomes["unexecuted"], "score": round(killed / run, 3) if run else None,
+        "seconds": round(time.monotonic() - start), "survivors": survivors, "tests": tests,
     }  # fmt: skip
+
+
+def run_mutant(workdir: Path, tests: list[str], subset: set[str] | None, timeout: float) -> str:
+    """killed / timeout / passed, running first only the tests that execute the mutated line (then, if they
+    pass, all of them: a program compiled by one test may be what another asserts on)."""
+    if subset is not None and not subset:
+        return "unexecuted"
+    if subset is not None:
+        flags = [t for t in tests if t.startswith("-")]  # -k and the like apply to the subset too
+        result = run_tests(workdir, [*flags, *sorted(subset)], timeout)
+        if result != "passed":
+            return result
+    return run_tests(workdir, tests, timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--modules", nargs="+", default=list(TARGETS), help="modules to mutate (default: all targets)")
-    p.add_argument("--tests", nargs="+", help="tests to run instead of the module's own list")
+    p.add_argument("--tests", nargs="+", help="pytest arguments to run instead of the module's own list")
+    p.add_argument("-k", dest="keyword", help="pytest -k expression applied to the module's tests")
     p.add_argument("--max-mutants", type=int, help="run at most this many mutants per module, evenly spread")
+    p.add_argument("--seed", type=int, help="with --max-mutants: a random sample drawn with this seed instead")
+    p.add_argument("--time-limit", type=float, help="seconds per module after which no new mutant starts")
+    p.add_argument("--all-tests", action="store_true", help="run every test for every mutant (no coverage map)")
+    p.add_argument("--json-dir", type=Path, help="also write each module's result to DIR/<module>.json")
     p.add_argument("--list", action="store_true", help="print the mutants and exit")
     args = p.parse_args(argv)
     for module in args.modules:
@@ -183,8 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     workdir = scratch_copy()
     try:
         for module in args.modules:
-            result = score_module(workdir, module, args.tests or TARGETS[module], args.max_mutants)
+            tests = [*(args.tests or TARGETS[module]), *(["-k", args.keyword] if args.keyword else [])]
+            result = score_module(workdir, module, tests, args)
             print(json.dumps(result), flush=True)
+            if args.json_dir:
+                args.json_dir.mkdir(parents=True, exist_ok=True)
+                (args.json_dir / f"{module.replace('/', '.')}.json").write_text(json.dumps(result, indent=1) + "\n")
     finally:
         shutil.rmtree(workdir.parent, ignore_errors=True)
     return 0

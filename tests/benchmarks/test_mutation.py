@@ -60,3 +60,26 @@ def test_each_mutant_changes_one_node_and_parses() -> None:
             next(i for i, (_, d, _) in enumerate(mutation.mutation_points(ast.parse(SOURCE))) if d == "0:GtE -> Gt"),
         )[0]
     )
+
+
+def test_a_mutant_runs_the_tests_that_execute_its_statement_or_all_after_an_import_time_line() -> None:
+    source = "X = 1\n\n\ndef g(a):\n    if a > 2:\n        return max(\n            a,\n            3,\n        )\n"
+    source += "    return 0\n"
+    tree = ast.parse(source)
+    spans = mutation.statement_lines(tree)
+    lines = {desc: spans[id(node)] for node, desc, _ in mutation.mutation_points(tree)}
+    assert lines["0:Gt -> GtE"] == range(5, 6)  # the `if` header, not its body
+    assert lines["3 -> 4"] == range(6, 10)  # the whole `return max(...)` statement
+    by_line = {1: {""}, 5: {"t.py::a", "t.py::b"}, 8: {"t.py::b"}}
+    assert mutation.tests_for(lines["3 -> 4"], by_line) == {"t.py::b"}
+    assert mutation.tests_for(lines["0:Gt -> GtE"], by_line) == {"t.py::a", "t.py::b"}
+    assert mutation.tests_for(lines["1 -> 2"], by_line) is None  # ran at import: every test
+    assert mutation.tests_for(lines["0 -> 1"], by_line) == set()  # no test reaches it
+
+
+def test_picks_are_all_an_even_spread_or_a_seeded_sample() -> None:
+    assert mutation.pick(5, None, None) == [0, 1, 2, 3, 4] == mutation.pick(5, 9, 1)
+    assert mutation.pick(9, 3, None) == [0, 4, 8]
+    sample = mutation.pick(100, 10, 7)
+    assert sample == mutation.pick(100, 10, 7) == sorted(set(sample)) and len(sample) == 10
+    assert sample != mutation.pick(100, 10, 8)
