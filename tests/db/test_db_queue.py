@@ -78,6 +78,57 @@ def test_concurrent_submits_group_commit(db: Database) -> None:
     assert len(db.queue.claim(100)) == 25
 
 
+def test_a_request_that_breaks_a_shared_commit_fails_alone(db: Database) -> None:
+    """Two requests written in one group-commit transaction, one of them a run id that already exists:
+    the transaction fails, each is retried in its own, and only the duplicate run fails."""
+
+    def create(run_id: str) -> str:
+        run = TrainingRunRow(id=run_id, session_id="g", owner=OWNER, base_model="b", lora_rank=4)
+        return db.queue.submit(kind="create_model", payload=CreateModelRequest("b", LoraConfig(4)), owner=OWNER,
+                               model_id=run_id, rows=[run]).future_id  # fmt: skip
+
+    existing = create("g:train:0")
+    group = db.queue._group
+    commit, writing, release = group.before_commit, threading.Event(), threading.Event()
+
+    def slow_first_commit(session) -> None:  # type: ignore[no-untyped-def]
+        if not writing.is_set():
+            writing.set()
+            release.wait(5)
+        commit(session)
+
+    group.before_commit = slow_first_commit
+    outcomes: dict[str, str | Exception] = {}
+
+    def submit(name: str, fn) -> threading.Thread:  # type: ignore[no-untyped-def]
+        def target() -> None:
+            try:
+                outcomes[name] = fn()
+            except Exception as exc:
+                outcomes[name] = exc
+
+        thread = threading.Thread(target=target)
+        thread.start()
+        return thread
+
+    threads = [submit("first", lambda: _submit(db, 1))]
+    assert writing.wait(5)  # the first batch is being written; the next two wait for it and go together
+    threads += [submit("duplicate", lambda: create("g:train:0")), submit("fine", lambda: create("g:train:1"))]
+    deadline = time.monotonic() + 5
+    while len(group._pending) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(group._pending) == 2
+    release.set()
+    for thread in threads:
+        thread.join(5)
+    assert isinstance(outcomes["duplicate"], Exception) and "g:train:0" in str(outcomes["duplicate"])
+    fine = outcomes["fine"]
+    assert isinstance(fine, str) and db.queue.get(fine).status == "pending"  # type: ignore[union-attr]
+    assert db.records.get_run("g:train:1", OWNER) is not None
+    claimed = [item.future_id for item in db.queue.claim(10)]
+    assert claimed == sorted([existing, outcomes["first"], fine], key=int)  # type: ignore[list-item]
+
+
 def test_wait_for_work_wakes_on_submit(db: Database) -> None:
     db.queue.claim(10)  # clear the flag
     threading.Timer(0.05, lambda: _submit(db, 1)).start()
@@ -182,6 +233,8 @@ def test_metrics_and_last_request_time_are_recorded_for_the_run(db: Database) ->
     created_at = db.records.get_run(run.id, OWNER).last_request_at  # type: ignore[union-attr]
     time.sleep(0.01)
     db.queue.complete(fb.future_id, ForwardBackwardResult([], {"loss:sum": 2.5}))
+    # forward_backward completions (many per step) leave the run row alone; the step's optim_step writes it.
+    assert db.records.get_run(run.id, OWNER).last_request_at == created_at  # type: ignore[union-attr]
     db.queue.complete(step.future_id, OptimStepResult({"grad_norm:mean": 0.75}))
     metrics = {(m.kind, m.name, m.value) for m in db.records.latest_metrics(run.id)}
     assert metrics == {("forward_backward", "loss:sum", 2.5), ("optim_step", "grad_norm:mean", 0.75)}
@@ -195,6 +248,65 @@ def test_recover_fails_unfinished_work(db: Database) -> None:
     for future_id in (running, pending):
         row = db.queue.get(future_id)
         assert row is not None and row.status == "failed" and "restarted" in (row.error or "")
+
+
+def test_recover_fails_what_an_unfinished_request_would_have_created(db: Database) -> None:
+    """A create_model and a save_state running when the server died: the run is failed (never listed), the
+    checkpoint row is gone (its name is free again), and a request that finished stays as it was."""
+    run = TrainingRunRow(id="r:train:0", session_id="r", owner=OWNER, base_model="b", lora_rank=4)
+    created = db.queue.submit(kind="create_model", payload=CreateModelRequest("b", LoraConfig(4)), owner=OWNER,
+                              model_id=run.id, rows=[run])  # fmt: skip
+    ckpt = CheckpointRow(run_id="q:train:0", checkpoint_id="weights/c", checkpoint_type="training",
+                         tinker_path="tinker://q:train:0/weights/c", owner=OWNER, directory="/tmp/c")  # fmt: skip
+    save = db.queue.submit(kind="save_state", payload=SaveStateRequest("c", "/tmp/c", ckpt.tinker_path), owner=OWNER,
+                           model_id="q:train:0", rows=[ckpt])  # fmt: skip
+    finished = _submit(db, 1)
+    db.queue.claim(10)
+    db.queue.complete(finished, ForwardBackwardResult([], {"loss:sum": 1.0}))
+    assert db.queue.recover() == 2
+    assert db.records.get_run(run.id, OWNER).status == "failed"  # type: ignore[union-attr]
+    assert db.records.get_checkpoint("q:train:0", "weights/c", OWNER, ready=False) is None
+    assert {db.queue.get(f).status for f in (created.future_id, save.future_id)} == {"failed"}  # type: ignore[union-attr]
+    assert db.queue.get(finished).status == "done"  # type: ignore[union-attr]
+    assert db.queue.recover() == 0
+
+
+def test_an_unreadable_stored_request_fails_alone_at_claim(db: Database) -> None:
+    from sqlalchemy import update
+
+    from tx.db.tables import FutureRow
+
+    good, broken, later = _submit(db, 1), _submit(db, 2), _submit(db, 3)
+    with db.queue.write_lock.held(), db.engine.begin() as conn:
+        conn.execute(update(FutureRow).where(FutureRow.id == int(broken)).values(payload=b"\x00 not a payload"))
+    assert [item.future_id for item in db.queue.claim(10)] == [good, later]
+    row = db.queue.get(broken)
+    assert row is not None and row.status == "failed" and row.error_category == "server"
+    assert (row.error or "").startswith("stored request is unreadable")
+    assert db.queue.get("not-a-number") is None and db.queue.get("") is None
+
+
+def test_without_a_signal_claim_looks_at_the_table_every_rescan_s(db: Database) -> None:
+    """Work written by another process whose signal was lost (or that sent none) is found by the rescan."""
+    if db.listener is not None:
+        pytest.skip("Postgres delivers this process's own NOTIFY later, which would set the flag again")
+    db.queue.claim(10)  # a scan just now
+    future_id = _submit(db, 1)
+    assert db.queue.notifier.take_work_flag()  # the signal is consumed elsewhere
+    db.queue.rescan_s = 30.0
+    assert db.queue.claim(10) == []  # scanned less than rescan_s ago and not signalled: no query
+    db.queue.rescan_s = 0.0
+    assert [item.future_id for item in db.queue.claim(10)] == [future_id]
+
+
+def test_wait_finished_answers_only_the_owner(db: Database) -> None:
+    future_id = _submit(db, 1)
+    db.queue.claim(10)
+    db.queue.complete(future_id, ForwardBackwardResult([], {"loss:sum": 1.0}))
+    start = time.monotonic()
+    assert asyncio.run(db.queue.wait_finished(future_id, 5.0, owner=owner_of("tml-other"))) is None
+    mine = asyncio.run(db.queue.wait_finished(future_id, 5.0, owner=OWNER))
+    assert mine is not None and mine.status == "done" and time.monotonic() - start < 2.0
 
 
 def test_postgres_notify_reaches_another_server(db: Database) -> None:
