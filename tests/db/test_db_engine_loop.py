@@ -203,3 +203,79 @@ def test_step_results_recorded_together_and_a_bad_one_fails_alone(sqlite_db: Dat
         engine.stop()
     row = sqlite_db.queue.get(bad)
     assert row is not None and "could not store the result" in (row.error or "")
+
+
+class PickyRunner(ScriptedRunner):
+    """submit: an item with token 5 is refused by a StepError naming it (the others are taken); a token 6
+    refuses the whole batch with a bare exception."""
+
+    def submit(self, items: Sequence[WorkItem]) -> None:
+        tokens = [item.payload.data[0].tokens[0] for item in items]  # type: ignore[union-attr]
+        if 6 in tokens:
+            raise RuntimeError("cannot take token 6")
+        super().submit([item for item, t in zip(items, tokens, strict=True) if t != 5])
+        if 5 in tokens:
+            raise StepError("refused", [item.future_id for item, t in zip(items, tokens, strict=True) if t == 5])
+
+
+def test_a_request_the_runner_refuses_fails_alone(sqlite_db: Database) -> None:
+    engine = Engine(sqlite_db.queue, PickyRunner(), idle_wait_s=0.0)
+    named, beside = _submit(sqlite_db, 1, token=5), _submit(sqlite_db, 2)
+    engine.run_once()  # the StepError names one future: it fails, the other runs
+    row = sqlite_db.queue.get(named)
+    assert row is not None and row.status == "failed" and "runner rejected the request: refused" in (row.error or "")
+    row = sqlite_db.queue.get(beside)
+    assert row is not None and (row.status, row.error) == ("done", None)
+    bare, fine = _submit(sqlite_db, 3, token=6), _submit(sqlite_db, 4)
+    engine.run_once()  # a bare exception: each item is submitted again alone, so only token 6 fails
+    row = sqlite_db.queue.get(bare)
+    assert row is not None and row.status == "failed" and "cannot take token 6" in (row.error or "")
+    assert sqlite_db.queue.get(fine).status == "done"  # type: ignore[union-attr]
+
+
+class ForgetfulRunner(ScriptedRunner):
+    """Says it is idle with an item still in hand, and cannot discard."""
+
+    def idle(self) -> bool:
+        return True
+
+    def discard(self, future_ids: Sequence[str]) -> None:
+        raise RuntimeError("discard failed")
+
+
+def test_requests_a_runner_loses_are_failed_and_a_failing_discard_is_survived(sqlite_db: Database) -> None:
+    engine = Engine(sqlite_db.queue, ForgetfulRunner(), idle_wait_s=0.0)
+    lost = _submit(sqlite_db, 1)
+    engine.run_once()
+    row = sqlite_db.queue.get(lost)
+    assert row is not None and row.status == "failed" and "lost track" in (row.error or "")
+    runner = ScriptedRunner()
+    runner.discard = ForgetfulRunner().discard  # type: ignore[attr-defined]
+    engine = Engine(sqlite_db.queue, runner)
+    boom = _submit(sqlite_db, 2, token=8)
+    engine.run_once()  # the step fails, the discard that follows fails too: both are logged, the future fails
+    assert sqlite_db.queue.get(boom).status == "failed"  # type: ignore[union-attr]
+    later = _submit(sqlite_db, 3)
+    engine.run_once()
+    assert sqlite_db.queue.get(later).status == "done"  # type: ignore[union-attr]
+
+
+def test_the_engine_thread_survives_a_queue_failure(sqlite_db: Database) -> None:
+    queue = sqlite_db.queue
+    claim, calls = queue.claim, []
+
+    def flaky_claim(limit: int) -> list[WorkItem]:
+        calls.append(limit)
+        if len(calls) == 1:
+            raise RuntimeError("database is locked")
+        return claim(limit)
+
+    queue.claim = flaky_claim  # type: ignore[method-assign]
+    future_id = _submit(sqlite_db, 1)
+    engine = Engine(queue, ScriptedRunner(), idle_wait_s=0.05)
+    engine.start()
+    try:
+        assert _wait_status(sqlite_db, future_id) == "done"
+    finally:
+        engine.stop()
+    assert len(calls) > 1
