@@ -5,6 +5,7 @@ from token to token (HF's default init gives near-uniform logits and repetitive 
 model is shared by most tests so each shape compiles once; tests read counters as deltas.
 """
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -301,6 +302,24 @@ def test_prompt_cache_reuses_a_prefill_until_the_weights_change(qwen):
     assert tokens_of(changed["d"]) != tokens_of(first["a"])
 
 
+def test_prompt_cache_within_its_byte_budget_keeps_the_most_recent_prompt(qwen):
+    """A budget of one prompt's cache: a second prompt evicts the first, whose next use prefills again."""
+    L, K, E = qwen.cfg.num_layers, qwen.cfg.num_kv_heads, qwen.cfg.head_dim
+    one_prompt = 2 * L * CFG.length_buckets[0] * K * E * 4  # keys and values of a prompt in the 32 bucket, fp32
+    cfg = dataclasses.replace(CFG, prompt_cache_bytes=one_prompt)
+    sampler = Sampler(qwen.graphdef, lambda: qwen.weights, qwen.cfg, cfg, (), char_decode, lambda: qwen.scale,
+                      qwen.sampler.programs, lambda: "v1")  # fmt: skip
+
+    def prefills(prompt: list[int]) -> int:
+        before = sampler.prefill_count
+        results, _ = run(sampler, {"r": (make_req(prompt, 4, temperature=0.0), 0)})
+        assert tokens_of(results["r"]) == [qwen.hf_greedy(prompt, 4)]
+        return sampler.prefill_count - before
+
+    assert [prefills(PROMPTS[2]), prefills(PROMPTS[2]), prefills(PROMPTS[3]), prefills(PROMPTS[2])] == [1, 0, 1, 1]
+    assert prefills(PROMPTS[2]) == 0 and prefills(PROMPTS[3]) == 1
+
+
 def test_more_samples_than_rows(qwen):
     sampler = qwen.sampler
     before = sampler.prefill_count
@@ -330,10 +349,61 @@ def test_prompt_logprobs_match_teacher_forcing(qwen):
 
 
 def test_invalid_requests_are_user_errors(qwen):
-    results, _ = run(qwen.sampler, {"long": (make_req([1] * 60, 5), 0), "empty": (make_req([], 5), 0)})
+    results, _ = run(
+        qwen.sampler,
+        {"long": (make_req([1] * 60, 5), 0), "empty": (make_req([], 5), 0), "slot": (make_req([1, 2], 3), 3)},
+    )
     assert isinstance(results["long"], RequestError) and results["long"].category == "user"
     assert "max_seq_len" in results["long"].message and "64" in results["long"].message
     assert isinstance(results["empty"], RequestError) and results["empty"].category == "user"
+    # A slot past the table is the engine's own mistake, not the caller's.
+    assert isinstance(results["slot"], RequestError) and results["slot"].category == "server"
+    assert "adapter slot 3 does not exist" in results["slot"].message
+    fits, _ = run(qwen.sampler, {"edge": (make_req([1, 2, 3], 61, temperature=0.0), 2)})  # 3 + 61 = max_seq_len
+    assert len(tokens_of(fits["edge"])[0]) == 61
+
+
+def test_sampler_config_refuses_what_cannot_work():
+    for bad in (dict(max_rows=0), dict(chunk_steps=0), dict(k_cap=0), dict(max_prefill_tokens=0),
+                dict(max_seq_len=0), dict(prompt_cache_bytes=-1), dict(max_rows=8, row_buckets=(1, 4)),
+                dict(max_seq_len=64, length_buckets=(32,)), dict(max_rows=8, row_buckets=(4, 2, 8)),
+                dict(max_seq_len=64, length_buckets=(64, 32, 64))):  # fmt: skip
+        with pytest.raises(ValueError):
+            SamplerConfig(**bad)
+    assert SamplerConfig(
+        prompt_cache_bytes=0, max_rows=1, chunk_steps=1, k_cap=1, max_prefill_tokens=1
+    ).row_buckets == (1,)
+    assert SamplerConfig(max_rows=6, max_seq_len=300).row_buckets == (1, 2, 4, 6)
+    assert SamplerConfig(max_rows=6, max_seq_len=300).length_buckets == (128, 256, 300)
+
+
+def test_a_one_token_prompt_needs_no_prefill(qwen):
+    before = qwen.sampler.prefill_count
+    results, _ = run(qwen.sampler, {"one": (make_req([7], 6, temperature=0.0), 0)})
+    assert tokens_of(results["one"]) == [qwen.hf_greedy([7], 6)] and qwen.sampler.prefill_count == before
+
+
+def test_a_failed_device_call_fails_what_the_cache_held_and_sampling_goes_on(qwen, monkeypatch):
+    """The decode chunk raises once: the request in the cache fails (its samples still waiting too), the
+    request that was only waiting then runs as if nothing happened."""
+    programs = qwen.sampler.programs
+    decode, calls = programs.decode, []
+
+    def faulty(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("planted device fault")
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(programs, "decode", faulty)
+    before = qwen.sampler.prefill_count
+    held = make_req(PROMPTS[0], 5, n=11, temperature=1.0, seed=9)  # 8 rows now, 3 samples still waiting
+    results, _ = run(qwen.sampler, {"held": (held, 0), "next": (make_req(PROMPTS[2], 8, temperature=0.0), 0)})
+    assert isinstance(results["held"], RequestError) and results["held"].category == "server"
+    assert results["held"].message == "sampling failed: RuntimeError: planted device fault"
+    assert tokens_of(results["next"]) == [qwen.hf_greedy(PROMPTS[2], 8)]
+    assert qwen.sampler.prefill_count - before == 2  # the failed request's other samples never started
+    assert qwen.sampler.idle() and qwen.sampler.cache_shape is None
 
 
 def test_replayed_workload_compiles_nothing_new(qwen):

@@ -177,8 +177,7 @@ class Sampler:
                 req.params.max_tokens,
             )
         except (RequestError, ValueError) as err:
-            message = err.message if isinstance(err, RequestError) else str(err)
-            self._outbox.append((request_id, RequestError(message, "user")))
+            self._outbox.append((request_id, err if isinstance(err, RequestError) else RequestError(str(err), "user")))
             return
         seeds = sample_seeds(resolve_seed(req.params.seed, request_id), req.num_samples)
         self._waiting.append(Job(request_id, req, slot, seeds, stop))
