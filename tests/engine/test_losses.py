@@ -78,6 +78,7 @@ def make_case(seed: int) -> Case:
     weights[:, 0] = np.where(rng.random(N) < 0.2, 0.0, 1.0)  # some prompt tokens of RL datums
     ratio_mask = (rng.random(N) < 0.8).astype(np.float32)
     ratio_mask[[pos[0] for pos in positions]] = 1.0  # every datum has a token in its sequence ratio
+    ratio_mask[positions[9][1:]] = 0.0  # and one gspo datum's ratio is over that single token
     ce_soft, ce_custom = positions[0], positions[1]
     weights[ce_soft] = rng.dirichlet(np.ones(K), size=len(ce_soft))
     weights[ce_soft[0], 2] = 0.0
