@@ -16,10 +16,13 @@ import pytest
 from tx.engine.runner import JaxRunner
 from tx.protocol import (
     AdamParams,
+    CheckpointResult,
     CreateModelRequest,
     Datum,
     ForwardBackwardRequest,
     ForwardBackwardResult,
+    LoadResult,
+    LoadStateRequest,
     LoraConfig,
     OptimStepRequest,
     OptimStepResult,
@@ -27,7 +30,10 @@ from tx.protocol import (
     SampleRequest,
     SampleResult,
     SamplingParams,
+    SaveSamplerRequest,
     SaveStateRequest,
+    UnloadModelRequest,
+    WeightsRef,
     WorkItem,
 )
 
@@ -159,3 +165,87 @@ def test_a_failing_sample_row_is_retired_alone(runner: JaxRunner, monkeypatch) -
     assert isinstance(results[bad.future_id], RequestError) and "planted row fault" in results[bad.future_id].message
     sample = results[good.future_id]
     assert isinstance(sample, SampleResult) and [len(s.tokens) for s in sample.sequences] == [6, 6]
+
+
+def _unload(runner: JaxRunner, *names: str) -> None:
+    """Free the slots a test's runs took (the module's runner has eight)."""
+    _run_all(runner, [_item("unload_model", n, UnloadModelRequest()) for n in names])
+    assert not any(n in runner.slots or n in runner.trainer.runs for n in names)
+
+
+def _error(result: Any, category: str, text: str) -> None:
+    assert isinstance(result, RequestError) and result.category == category and text in result.message, result
+
+
+def test_requests_for_a_missing_or_existing_run_fail_alone_as_user_errors(runner: JaxRunner) -> None:
+    _create(runner, "taken")
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    items = {
+        "fb": _item("forward_backward", "ghost", _fb([1, 2, 3])),
+        "step": _item("optim_step", "ghost", OptimStepRequest(AdamParams())),
+        "save": _item("save_state", "ghost", SaveStateRequest("g", "/nowhere/g", "tinker://ghost/weights/g")),
+        "unload": _item("unload_model", "ghost", UnloadModelRequest()),
+        "again": _item("create_model", "taken", CreateModelRequest("m", LoraConfig(4, 8.0))),
+        "sample": _item("sample", "s", SampleRequest([1, 2], 1, params, "m", weights=WeightsRef("never-saved"))),
+        "kind": _item("frobnicate", "taken", None),
+        "fine": _item("forward_backward", "taken", _fb([1, 2, 3])),
+    }
+    results = {name: r for name, item in items.items() for r in [_run_all(runner, [item])[item.future_id]]}
+    for name in ("fb", "step", "save", "unload"):
+        _error(results[name], "user", "unknown model_id 'ghost'")
+    _error(results["again"], "user", "model 'taken' already exists")
+    _error(results["sample"], "user", "sampler weights 'never-saved' are not available")
+    _error(results["kind"], "server", "unsupported request kind 'frobnicate'")
+    assert isinstance(results["fine"], ForwardBackwardResult)
+    # What the engine failed on its own is discarded: never run, never reported again.
+    dropped = _item("forward_backward", "taken", _fb([1, 2, 3]))
+    runner.submit([dropped])
+    runner.discard([dropped.future_id])
+    assert runner.idle() and runner.step() == []
+    _unload(runner, "taken")
+
+
+def test_a_checkpoint_restores_a_run_of_its_rank_and_is_refused_by_another(
+    runner: JaxRunner, monkeypatch, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(runner, "checkpoint_root", None)
+    _create(runner, "keeper")
+    trainer = runner.trainer
+
+    def weights() -> dict:
+        return {p: np.asarray(v) for p, v in trainer.run_params(trainer.runs["keeper"]).items()}
+
+    saved = weights()
+    save = _item("save_state", "keeper", SaveStateRequest("k", str(tmp_path / "k"), "tinker://keeper/weights/k"))
+    assert isinstance(_run_all(runner, [save])[save.future_id], CheckpointResult)
+    step = OptimStepRequest(AdamParams(learning_rate=1e-2))
+    _run_all(runner, [_item("forward_backward", "keeper", _fb([1, 2, 3, 4])), _item("optim_step", "keeper", step)])
+    assert any(not np.array_equal(saved[p], v) for p, v in weights().items())  # the step moved the adapter
+    load = _item("load_state", "keeper", LoadStateRequest(str(tmp_path / "k"), "tinker://keeper/weights/k"))
+    assert isinstance(_run_all(runner, [load])[load.future_id], LoadResult)
+    for path, value in weights().items():
+        np.testing.assert_array_equal(value, saved[path])
+    wide = _item("create_model", "wide", CreateModelRequest("m", LoraConfig(8, 16.0)))
+    refused = _item("load_state", "wide", LoadStateRequest(str(tmp_path / "k"), "tinker://keeper/weights/k"))
+    results = _run_all(runner, [wide, refused])
+    _error(results[refused.future_id], "user", "does not match model 'wide' (rank or kind)")
+    _unload(runner, "keeper", "wide")
+
+
+def test_sampler_weights_being_sampled_are_not_replaced(runner: JaxRunner) -> None:
+    """A save under a snapshot name that a queued sample reads fails for that save alone; the sample runs on
+    the snapshot's weights, and once it has finished the name can be saved again."""
+    _create(runner, "snapper")
+    save = _item("save_weights_for_sampler", "snapper", SaveSamplerRequest("snap-a"))
+    assert isinstance(_run_all(runner, [save])[save.future_id], CheckpointResult)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    sample = _item("sample", "s", SampleRequest([1, 2, 3], 1, params, "m", weights=WeightsRef("snap-a")))
+    again = _item("save_weights_for_sampler", "snapper", SaveSamplerRequest("snap-a"))
+    results = _run_all(runner, [sample, again])
+    _error(results[again.future_id], "user", "sampler weights 'snap-a' are being sampled")
+    assert (
+        isinstance(results[sample.future_id], SampleResult) and len(results[sample.future_id].sequences[0].tokens) == 4
+    )
+    later = _item("save_weights_for_sampler", "snapper", SaveSamplerRequest("snap-a"))
+    assert isinstance(_run_all(runner, [later])[later.future_id], CheckpointResult)
+    _unload(runner, "snapper")
