@@ -243,3 +243,89 @@ def test_save_rejects_modules_outside_targets():
         save_peft("/nonexistent", config, {"lm_head": (np.ones((8, 2)), np.ones((2, 8)))})
     with pytest.raises(ValueError, match="unsupported LoRA target modules"):
         AdapterConfig(rank=2, alpha=4.0, target_modules=("embed_tokens",), base_model_name_or_path="m")
+
+
+def _ours(tmp_path: Path, **config) -> Path:
+    """A two-module rank-2 adapter saved by save_peft from a default AdapterConfig."""
+    cfg = AdapterConfig(**{"rank": 2, "alpha": 4.0, "target_modules": ("q_proj", "v_proj"),
+                           "base_model_name_or_path": "org/base", **config})  # fmt: skip
+    rng = np.random.default_rng(0)
+    r = cfg.rank
+    weights = {
+        f"model.layers.0.self_attn.{m}": (rng.normal(size=(64, r)).astype(np.float32), rng.normal(size=(r, 32)))
+        for m in cfg.target_modules
+    }
+    save_peft(tmp_path / "ours", cfg, weights)
+    return tmp_path / "ours"
+
+
+def test_the_config_we_write_says_what_peft_writes_for_the_same_adapter(tmp_path):
+    """Every field of our adapter_config.json holds the value PEFT itself saves for a LoRA with this rank,
+    alpha and targets (no dropout, no rsLoRA, PEFT's init), so PEFT and vLLM read the adapter as trained."""
+    ours = json.loads((_ours(tmp_path) / "adapter_config.json").read_text())
+    reference = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    reference.inference_mode = True  # as PeftModel.save_pretrained stores it
+    reference.save_pretrained(tmp_path / "peft")
+    theirs = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert (
+        set(ours["target_modules"]) == set(theirs["target_modules"]) and ours["base_model_name_or_path"] == "org/base"
+    )
+    differ = {k: (v, theirs.get(k)) for k, v in ours.items() if k not in ("target_modules", "base_model_name_or_path")}
+    assert {k: pair for k, pair in differ.items() if pair[0] != pair[1]} == {}
+
+
+def test_a_config_without_optional_fields_loads_with_peft_defaults(tmp_path):
+    path = _ours(tmp_path)
+    raw = json.loads((path / "adapter_config.json").read_text())
+    for field in ("use_rslora", "base_model_name_or_path", "bias", "rank_pattern", "alpha_pattern"):
+        del raw[field]
+    (path / "adapter_config.json").write_text(json.dumps(raw))
+    config, _ = load_peft(path)
+    assert (config.use_rslora, config.scaling, config.base_model_name_or_path) == (False, 2.0, "")
+
+
+def test_a_rank_one_adapter_round_trips_into_nested_new_directories(tmp_path):
+    path = _ours(tmp_path / "runs" / "r1" / "sampler_weights", rank=1)
+    config, weights = load_peft(path)
+    assert (config.rank, config.scaling, config.base_model_name_or_path) == (1, 4.0, "org/base")
+    assert all(a.shape[1] == 1 and b.shape[0] == 1 for a, b in weights.values())
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        AdapterConfig(rank=0, alpha=4.0, target_modules=("q_proj",), base_model_name_or_path="m")
+
+
+@pytest.mark.parametrize(
+    "a_shape, b_shape", [((8, 2), (3, 8)), ((8, 1), (1, 8)), ((8, 2, 1), (2, 8)), ((8, 2), (2, 8, 1))]
+)
+def test_save_refuses_pairs_that_are_not_in_r_and_r_out(a_shape, b_shape):
+    config = AdapterConfig(rank=2, alpha=4.0, target_modules=("q_proj",), base_model_name_or_path="m")
+    pair = (np.ones(a_shape, np.float32), np.ones(b_shape, np.float32))
+    with pytest.raises(ValueError, match=r"are not \[in, R\] and \[R, out\] with R >= 2"):
+        save_peft("/nonexistent", config, {"model.layers.0.self_attn.q_proj": pair})
+
+
+@pytest.mark.parametrize(
+    "rename, message",
+    [
+        (lambda k: k.replace("q_proj.lora_A.weight", "q_proj.lora_A.other.weight"), "several adapters"),
+        (lambda k: k.replace("v_proj.lora_B.weight", "v_proj.lora_B.bias"), "LoRA biases"),
+        (lambda k: k.replace("v_proj.lora_A.weight", "v_proj.lora_A.bias"), "LoRA biases"),
+    ],
+)
+def test_files_with_tensors_we_cannot_serve_are_refused(tmp_path, rename, message):
+    path = _ours(tmp_path)
+    file = path / "adapter_model.safetensors"
+    tensors = load_file(str(file))
+    save_file({rename(k): v for k, v in tensors.items()}, str(file))
+    with pytest.raises(ValueError, match=message):
+        load_peft(path)
+
+
+def test_full_embedding_copies_peft_saves_beside_the_adapter_are_skipped(base, tmp_path):
+    model = make_peft(base, target_modules=["q_proj"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(tmp_path / "a", save_embedding_layers=True)  # full embed_tokens and lm_head copies
+    config, weights = load_peft(tmp_path / "a")
+    assert config.target_modules == ("q_proj",) and sorted(weights) == [
+        f"model.layers.{i}.self_attn.q_proj" for i in range(2)
+    ]
