@@ -13,6 +13,8 @@ modules:
     python benchmarks/mutation.py --modules tx/api/validate.py
     python benchmarks/mutation.py --modules tx/engine/losses.py --max-mutants 40   # an even sample
     python benchmarks/mutation.py --modules tx/engine/sampling.py --max-mutants 30 --seed 1 --time-limit 900
+    python benchmarks/mutation.py --modules tx/db/queue.py --json-dir out   # then, after new tests:
+    python benchmarks/mutation.py --modules tx/db/queue.py --survivors out  # only what survived
 """
 
 from __future__ import annotations
@@ -241,6 +243,10 @@ def score_module(workdir: Path, module: str, tests: list[str], opts: argparse.Na
     tree = ast.parse(original)
     points, spans = mutation_points(tree), statement_lines(tree)
     picked = pick(len(points), opts.max_mutants, opts.seed)
+    if opts.survivors:  # only the mutants an earlier run of this module left alive
+        earlier = json.loads((opts.survivors / f"{module.replace('/', '.')}.json").read_text())["survivors"]
+        alive = {(entry["line"], entry["change"]) for entry in earlier}
+        picked = [i for i in picked if (points[i][2], points[i][1]) in alive]
     outcomes = {"killed": 0, "timeout": 0, "unexecuted": 0}
     survivors, run = [], 0
     try:
@@ -291,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, help="seconds per module after which no new mutant starts")
     p.add_argument("--all-tests", action="store_true", help="run every test for every mutant (no coverage map)")
     p.add_argument("--json-dir", type=Path, help="also write each module's result to DIR/<module>.json")
+    p.add_argument("--survivors", type=Path, help="run only the survivors in an earlier --json-dir DIR")
     p.add_argument("--list", action="store_true", help="print the mutants and exit")
     args = p.parse_args(argv)
     for module in args.modules:
