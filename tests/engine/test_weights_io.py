@@ -9,6 +9,7 @@ import pytest
 
 from tx.engine import weights_io
 from tx.engine.weights_io import WeightsIO, free_bytes
+from tx.models.config import ModelConfig
 from tx.protocol import LoraConfig
 from tx.tuning import CPU
 
@@ -77,9 +78,11 @@ def test_a_peft_adapter_saved_by_peft_gives_its_lora_config(tmp_path: Path, targ
     from conftest import TINY
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    model = Qwen3ForCausalLM(Qwen3Config(**TINY, num_key_value_heads=2))
+    hf_config = Qwen3Config(**TINY, num_key_value_heads=2)
+    model = Qwen3ForCausalLM(hf_config)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets)
     peft.get_peft_model(model, config).save_pretrained(tmp_path)
     train_attn, train_mlp, train_unembed = flags
-    got = WeightsIO("m", tmp_path, CPU).peft_lora_config(tmp_path)
+    cfg = ModelConfig.from_hf({**hf_config.to_dict(), "architectures": ["Qwen3ForCausalLM"]})
+    got = WeightsIO("m", tmp_path, cfg, CPU).peft_lora_config(tmp_path)
     assert got == LoraConfig(rank=4, alpha=8.0, train_attn=train_attn, train_mlp=train_mlp, train_unembed=train_unembed)
