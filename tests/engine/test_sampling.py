@@ -81,6 +81,17 @@ def test_token_is_independent_of_batch_composition_and_path() -> None:
         assert run(np.array([row]))[0] == base[row]
 
 
+def test_top_k_zero_or_the_vocabulary_is_no_filter() -> None:
+    """top_k <= 0 or >= V samples the whole distribution: the same tokens as top_k = -1, seed for seed."""
+    logits = _logits(64, V, seed=3)
+    keys = _keys(np.arange(64), np.full(64, 2))
+    off, _ = select(logits, keys, **_row_params(64, temperature=0.9))
+    for top_k in (0, V, V + 5):
+        tokens, _ = select(logits, keys, **_row_params(64, temperature=0.9, top_k=top_k))
+        np.testing.assert_array_equal(tokens, off, err_msg=f"top_k={top_k}")
+    assert len(np.unique(np.asarray(off))) > 30
+
+
 def test_different_seeds_and_indices_give_different_tokens() -> None:
     B = 256
     logits = jnp.zeros((B, V), jnp.float32)
@@ -178,6 +189,13 @@ def test_stop_token_is_included_and_later_tokens_dropped() -> None:
 
 
 def test_length_and_stop_at_the_last_allowed_token() -> None:
+    one = StopChecker([EOS], ["ab"], _decode, max_tokens=1)
+    assert one.check([0], num_new=1) == Finish(1, "length") and one.check([EOS], num_new=1) == Finish(1, "stop")
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        StopChecker([EOS], [], _decode, max_tokens=0)
+    strings = StopChecker([], ["ab"], _decode, max_tokens=10)
+    assert strings.check([0, 1], num_new=2) == Finish(2, "stop")
+    assert strings.check([0, 1], num_new=0) is None  # nothing new since the check that found it
     checker = StopChecker([EOS], [], _decode, max_tokens=4)
     assert checker.check([0, 1, 0, 1, 0, 1], num_new=6) == Finish(4, "length")
     assert checker.check([0, 1, 0, EOS], num_new=4) == Finish(4, "stop")
