@@ -265,3 +265,49 @@ def test_gumbel_noise_stays_finite_at_both_ends_of_the_hash() -> None:
     logits = jnp.full((2, 4096), -30.0).at[:, 0].set(30.0)  # token 0 is e^60 times likelier than any other
     tokens, _ = select(logits, keys, **_row_params(2))
     assert np.asarray(tokens).tolist() == [0, 0]
+
+
+MASK_32, MASK_64 = 0xFFFFFFFF, (1 << 64) - 1
+
+
+def _lowbias32(x: int) -> int:
+    """Chris Wellons' `lowbias32` integer hash, from its published definition."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & MASK_32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & MASK_32
+    return x ^ (x >> 16)
+
+
+def _splitmix64_first(state: int) -> int:
+    """The first output of the splitmix64 generator (Steele, Lea & Flood; Vigna's C reference) from `state`."""
+    z = state = (state + 0x9E3779B97F4A7C15) & MASK_64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK_64
+    return z ^ (z >> 31)
+
+
+def test_the_noise_and_row_seeds_are_the_documented_hashes_on_any_platform() -> None:
+    """A logged seed replays a sample on any machine only if the noise is exactly the documented integer
+    construction: lowbias32 of the row key's data, then of (row hash ^ token index * 0x9E3779B9), the top
+    23 bits as u, Gumbel -log(-log u); and row seeds are splitmix64 outputs. Both against Python integers."""
+    from tx.engine.sampling import _gumbel
+
+    assert _splitmix64_first(0) == 0xE220A8397B1DCDAF  # splitmix64's published first output from state 0
+    for seed in (0, 5, 2**63 + 12345, 2**64 - 1):
+        first = _splitmix64_first(seed)
+        assert sample_seeds(seed, 4) == [_splitmix64_first(first ^ i) & MASK_32 for i in range(4)]
+    keys = _keys([0, 1, 2**32 - 1, 77], [0, 3, 7, 2**20])
+    data = np.asarray(jax.random.key_data(keys)).astype(np.uint64)
+    expected = np.zeros((4, 64))
+    for b in range(4):
+        row = _lowbias32(int(data[b, 0]) ^ _lowbias32(int(data[b, 1])))
+        for j in range(64):
+            u = ((_lowbias32(row ^ ((j * 0x9E3779B9) & MASK_32)) >> 9) + 0.5) / 2**23
+            expected[b, j] = -np.log(-np.log(u))
+    np.testing.assert_allclose(np.asarray(_gumbel(keys, 64)), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_drawn_seed_is_a_64_bit_value() -> None:
+    drawn = [resolve_seed(None, i) for i in range(200)]
+    assert all(0 <= s < 2**64 for s in drawn) and max(drawn) >= 2**62  # and not a narrower one
