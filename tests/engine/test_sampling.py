@@ -92,6 +92,19 @@ def test_top_k_zero_or_the_vocabulary_is_no_filter() -> None:
     assert len(np.unique(np.asarray(off))) > 30
 
 
+def test_a_nucleus_smaller_than_the_top_token_keeps_only_it() -> None:
+    """top_p below the most likely token's probability: the nucleus is that token alone, on both paths."""
+    row = np.full(V, -4.0, np.float32)
+    row[[17, 40]] = [2.0, 1.5]  # p(17) ~ 0.43, p(40) ~ 0.26 over V = 300
+    logits = jnp.broadcast_to(jnp.asarray(row), (256, V))
+    keys = _keys(np.arange(256), np.zeros(256))
+    for k_cap in (4, V):  # candidates from top-k, and the full sort
+        tokens, _ = select(logits, keys, **_row_params(256, temperature=1.0, top_p=0.2), k_cap=k_cap)
+        assert set(np.asarray(tokens).tolist()) == {17}
+    tokens, _ = select(logits, keys, **_row_params(256, temperature=1.0, top_p=0.45))  # 17 and 40
+    assert set(np.asarray(tokens).tolist()) == {17, 40}
+
+
 def test_different_seeds_and_indices_give_different_tokens() -> None:
     B = 256
     logits = jnp.zeros((B, V), jnp.float32)
@@ -208,6 +221,8 @@ def test_stop_string_across_chunks_keeps_the_completing_tokens() -> None:
     assert checker.check(row, num_new=3) is None
     row += [4, 5, 0, 1]
     assert checker.check(row, num_new=4) == Finish(5, "stop")
+    assert checker.check([2, 3], num_new=2) is None  # begun at the row's very first token
+    assert checker.check([2, 3, 4, 5], num_new=2) == Finish(4, "stop")
     # Completed inside a token: that whole token stays, text after the string included.
     assert checker.check([1, 2, 3, 6, 0], num_new=5) == Finish(4, "stop")
     # The earliest of a stop string and a stop token wins.
