@@ -2,14 +2,15 @@
 
 A mutant changes one operator or constant (`<` -> `<=`, `+` -> `-`, `and` -> `or`, `not x` -> `x`,
 `-x` -> `x`, `3` -> `4`, `0.5` -> `1.5`, `True` -> `False`) outside docstrings, f-strings, log calls and
-annotations. Each runs in a scratch copy of the repository (the checkout is never written), as a fresh
-`pytest -x`; it is killed when the tests fail or time out. With `coverage` installed, one measured run of
-the module's tests first maps each line to the tests whose call executes it: a mutant runs those tests
-first and all of them only if those pass (a program compiled by one test may be what another asserts
-on), and a mutant on a line no test executes is a survivor without a run (`"executed": false`). Prints
-one JSON line per module: mutants, killed, score and the survivors (line, change) to kill with a test or
-explain as equivalent. Too slow for CI on 2 cores; run it before resolving an issue that touches these
-modules:
+annotations; an axis counted from the end (`axis=-1`, `.shape[-1]`) keeps its sign (`axis=1` is the same
+axis of a two-dimensional array) and only moves (`-1` -> `-2`). Each runs in a scratch copy of the
+repository (the checkout is never written), as a fresh `pytest -x`; it is killed when the tests fail or
+time out. With `coverage` installed, one measured run of the module's tests first maps each line to the
+tests whose call executes it: a mutant runs those tests first and all of them only if those pass (a
+program compiled by one test may be what another asserts on), and a mutant on a line no test executes is
+a survivor without a run (`"executed": false`). Prints one JSON line per module: mutants, killed, score
+and the survivors (line, change) to kill with a test or explain as equivalent. Too slow for CI on 2
+cores; run it before resolving an issue that touches these modules:
     python benchmarks/mutation.py --modules tx/api/validate.py
     python benchmarks/mutation.py --modules tx/engine/losses.py --max-mutants 40   # an even sample
     python benchmarks/mutation.py --modules tx/engine/sampling.py --max-mutants 30 --seed 1 --time-limit 900
@@ -85,9 +86,32 @@ def _skipped(tree: ast.Module) -> set[int]:
     return out
 
 
+AXIS_KEYWORDS = {"axis", "axes", "dim", "dimension"}
+
+
+def _axis_signs(tree: ast.Module) -> set[int]:
+    """ids of `-n` literals that index an axis from the end (`axis=-1`, `.shape[-1]`): flipping their sign names
+    the same axis of the two-dimensional arrays most such code holds, so only their `-n -> -(n+1)` mutant runs."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        values: list[ast.AST] = []
+        if isinstance(node, ast.Call):
+            values = [kw.value for kw in node.keywords if kw.arg in AXIS_KEYWORDS]
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+            values = [node.slice]
+        for value in values:
+            if (
+                isinstance(value, ast.UnaryOp)
+                and isinstance(value.op, ast.USub)
+                and isinstance(value.operand, ast.Constant)
+            ):
+                out.add(id(value))
+    return out
+
+
 def mutation_points(tree: ast.Module) -> list[tuple[ast.AST, str, int]]:
     """(node, description, line) for every mutant of `tree`, in a fixed order."""
-    skip, points = _skipped(tree), []
+    skip, axis_signs, points = _skipped(tree), _axis_signs(tree), []
     for node in ast.walk(tree):
         if id(node) in skip:
             continue
@@ -98,7 +122,7 @@ def mutation_points(tree: ast.Module) -> list[tuple[ast.AST, str, int]]:
             for i, op in enumerate(node.ops):
                 if type(op) in SWAPS:
                     points.append((node, f"{i}:{type(op).__name__} -> {SWAPS[type(op)].__name__}", line))
-        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not | ast.USub):
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not | ast.USub) and id(node) not in axis_signs:
             points.append((node, f"drop {type(node.op).__name__}", line))
         elif isinstance(node, ast.Constant) and type(node.value) in (bool, int, float):
             points.append((node, f"{node.value!r} -> {_changed(node.value)!r}", line))

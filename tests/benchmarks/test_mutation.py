@@ -83,3 +83,11 @@ def test_picks_are_all_an_even_spread_or_a_seeded_sample() -> None:
     sample = mutation.pick(100, 10, 7)
     assert sample == mutation.pick(100, 10, 7) == sorted(set(sample)) and len(sample) == 10
     assert sample != mutation.pick(100, 10, 8)
+
+
+def test_an_axis_counted_from_the_end_moves_but_keeps_its_sign() -> None:
+    source = "def f(x, y):\n    return x.sum(axis=-1) + y[-1] + x.shape[-2] - g(-3)\n"
+    found = sorted(desc for _, desc, _ in mutation.mutation_points(ast.parse(source)))
+    # axis=-1 and .shape[-2] only move; the index y[-1] and the argument -3 also lose their sign
+    assert found == sorted(["1 -> 2", "1 -> 2", "2 -> 3", "3 -> 4", "drop USub", "drop USub", "Add -> Sub",
+                            "Add -> Sub", "Sub -> Add"])  # fmt: skip
