@@ -187,6 +187,21 @@ def test_empirical_frequencies_match_truncated_distribution(force_sort: bool) ->
         assert chi2 < bound, f"config {group}: chi2={chi2:.1f} >= {bound:.1f}"
 
 
+def test_a_nucleus_just_past_the_candidates_mass_is_drawn_from_the_sort() -> None:
+    """The top 4 candidates (k_cap) hold 0.59995 of the mass and top_p is 0.6: the nucleus needs a fifth token,
+    so the capped candidates cannot serve it; its frequencies are the reference's, fifth token included."""
+    probs = np.array([0.2, 0.15, 0.13, 0.11995, 0.1] + [0.30005 / 11] * 11)
+    logit_row = np.log(probs)
+    N = 4000
+    logits = jnp.broadcast_to(jnp.asarray(logit_row, jnp.float32), (N, 16))
+    tokens, _ = select(logits, _keys(np.arange(N), np.zeros(N)), **_row_params(N, top_p=0.6), k_cap=4)
+    counts = np.bincount(np.asarray(tokens), minlength=16)
+    expected = _reference(logit_row, 1.0, -1, 0.6)
+    assert expected[4] > 0.14 and counts[4] > 0 and counts[5:].sum() == 0
+    chi2, bound = _chi2(counts, expected)
+    assert chi2 < bound, f"chi2={chi2:.1f} >= {bound:.1f}"
+
+
 PIECES = {0: "a", 1: "b", 2: "</", 3: "ans", 4: "wer", 5: ">", 6: "wer>tail", 7: "\n", 9: "<eos>"}
 EOS = 9
 
@@ -223,6 +238,7 @@ def test_stop_string_across_chunks_keeps_the_completing_tokens() -> None:
     assert checker.check(row, num_new=4) == Finish(5, "stop")
     assert checker.check([2, 3], num_new=2) is None  # begun at the row's very first token
     assert checker.check([2, 3, 4, 5], num_new=2) == Finish(4, "stop")
+    assert checker.check([1, 2, 3, 4, 5, 0], num_new=2) == Finish(5, "stop")  # completed by a chunk's first token
     # Completed inside a token: that whole token stays, text after the string included.
     assert checker.check([1, 2, 3, 6, 0], num_new=5) == Finish(4, "stop")
     # The earliest of a stop string and a stop token wins.
