@@ -43,7 +43,12 @@ except ImportError:  # then every mutant runs every test
 ROOT = Path(__file__).resolve().parent.parent
 # The modules where a silent bug costs users most, each with the tests that guard it.
 TARGETS: dict[str, list[str]] = {
-    "tx/engine/train_step.py": ["tests/engine/test_optim_reference.py", "tests/engine/test_trainer.py"],
+    "tx/engine/train_step.py": [
+        "tests/engine/test_train_step.py",
+        "tests/engine/test_target_logprobs.py",
+        "tests/engine/test_optim_reference.py",
+        "tests/engine/test_trainer.py",
+    ],
     "tx/engine/losses.py": ["tests/engine/test_losses.py"],
     "tx/engine/sampling.py": ["tests/engine/test_sampling.py"],
     "tx/engine/weights_io.py": [

@@ -1,0 +1,90 @@
+"""The small training programs on their own: which buffers each donates, AdamW with clipping against torch,
+and the per-run slot slices, on a few tiny arrays (no model)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from tx.engine import train_step as ts
+
+
+def donated(jitted, *args) -> list[list[bool]]:  # type: ignore[no-untyped-def]
+    """Per positional argument, whether each of its leaves is donated (from the lowered program, no compile)."""
+    return [[leaf.donated for leaf in jax.tree.leaves(arg)] for arg in jitted.lower(*args).args_info[0]]
+
+
+def test_each_program_donates_exactly_the_buffers_it_replaces() -> None:
+    """The accumulator, the adapter stack and the AdamW state are replaced in place; gradients of a fused batch
+    are read again for the next run's slice, and hyper-parameters are the caller's: neither may be donated
+    (on an accelerator a donated gradient is freed before the next run reads it)."""
+    acc = {("m", "lora_a"): jnp.zeros((3, 2)), ("m", "lora_b"): jnp.zeros((2, 5))}
+    grads = {("m", "lora_a"): jnp.ones((4, 3, 2)), ("m", "lora_b"): jnp.ones((4, 2, 5))}
+    slot, ranks = jnp.int32(1), ((("m", "lora_a"), 2), (("m", "lora_b"), 2))
+    assert donated(ts.accumulate_slot, acc, grads, slot, ranks) == [[True, True], [False, False], [False]]
+    assert donated(ts.accumulate_full, acc, acc) == [[True, True], [False, False]]
+    assert donated(ts.write_slot_params, grads, slot, acc) == [[True, True], [False], [False, False]]
+    params = {("w",): jnp.ones((3,))}
+    _, opt_state = ts.fresh_state(params)
+    hp = {k: jnp.float32(0.1) for k in ("learning_rate", "b1", "b2", "eps", "weight_decay", "grad_clip_norm")}
+    flags = donated(ts.adam_step, params, opt_state, params, hp)
+    assert [all(f) for f in flags[:3]] == [True, True, True] and not any(flags[3])
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.3, 0.6, 2.0])
+def test_adam_step_clips_the_global_norm_then_steps_like_torch(clip: float) -> None:
+    """Gradients of global norm 0.5 (below 1, where a floor on the divisor would show) clipped to 0.3, not
+    clipped by 0.6 or 2.0, or clip 0 (off); then AdamW with weight decay, against torch's clip_grad_norm_
+    and AdamW. The reported norm is the pre-clip one."""
+    rng = np.random.default_rng(0)
+    params_np = {("a",): rng.normal(size=(3, 4)).astype(np.float32), ("b",): rng.normal(size=(5,)).astype(np.float32)}
+    grads_np = {p: rng.normal(size=v.shape).astype(np.float32) for p, v in params_np.items()}
+    scale = 0.5 / np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads_np.values()))
+    grads_np = {p: (g * scale).astype(np.float32) for p, g in grads_np.items()}
+    hp = dict(learning_rate=0.1, b1=0.8, b2=0.9, eps=1e-3, weight_decay=0.2, grad_clip_norm=clip)
+    params = {p: jnp.asarray(v) for p, v in params_np.items()}
+    grads, opt_state = ts.fresh_state(params)
+    grads = {p: jnp.asarray(v) for p, v in grads_np.items()}
+    new, _, zeroed, norm = ts.adam_step(params, opt_state, grads, {k: jnp.float32(v) for k, v in hp.items()})
+
+    tensors = [torch.tensor(params_np[p], requires_grad=True) for p in sorted(params_np)]
+    for tensor, p in zip(tensors, sorted(params_np), strict=True):
+        tensor.grad = torch.tensor(grads_np[p])
+    ref_norm = torch.nn.utils.clip_grad_norm_(tensors, clip if clip > 0 else float("inf")).item()
+    opt = torch.optim.AdamW(tensors, lr=0.1, betas=(0.8, 0.9), eps=1e-3, weight_decay=0.2)
+    opt.step()
+    assert float(norm) == pytest.approx(ref_norm, rel=1e-6) and ref_norm == pytest.approx(0.5, rel=1e-5)
+    for tensor, p in zip(tensors, sorted(params_np), strict=True):
+        np.testing.assert_allclose(np.asarray(new[p]), tensor.detach().numpy(), rtol=0, atol=1e-6)
+    assert all(not np.asarray(g).any() for g in zeroed.values())
+
+
+def test_a_runs_slot_slice_is_read_written_and_accumulated_at_its_rank() -> None:
+    """A stacked adapter [S=3 slots, in=4, R=4] / [S, R, out=2] holding rank 2 in slot 1: the run reads and
+    writes only its slot's first two rank components, and accumulates only its slice of a compact gradient."""
+    rng = np.random.default_rng(1)
+    a_path, b_path = ("q", "lora_a"), ("q", "lora_b")
+    stack = {a_path: jnp.asarray(rng.normal(size=(3, 4, 4)), jnp.float32),
+             b_path: jnp.asarray(rng.normal(size=(3, 4, 2)), jnp.float32)}  # fmt: skip
+    like = {a_path: jnp.zeros((4, 2)), b_path: jnp.zeros((2, 2))}
+    slot = jnp.int32(1)
+    read = ts.read_slot_params(stack, slot, like)
+    np.testing.assert_array_equal(read[a_path], np.asarray(stack[a_path])[1, :, :2])
+    np.testing.assert_array_equal(read[b_path], np.asarray(stack[b_path])[1, :2, :])
+    before = {p: np.asarray(v) for p, v in stack.items()}
+    new = {a_path: jnp.full((4, 2), 7.0), b_path: jnp.full((2, 2), 9.0)}
+    written = ts.write_slot_params(stack, slot, new)
+    a, b = np.asarray(written[a_path]), np.asarray(written[b_path])
+    assert (a[1, :, :2] == 7).all() and (a[1, :, 2:] == 0).all() and (b[1, :2] == 9).all() and (b[1, 2:] == 0).all()
+    for other in (0, 2):  # other slots untouched
+        np.testing.assert_array_equal(a[other], before[a_path][other])
+        np.testing.assert_array_equal(b[other], before[b_path][other])
+    grads = {a_path: jnp.asarray(rng.normal(size=(2, 4, 4)), jnp.float32),
+             b_path: jnp.asarray(rng.normal(size=(2, 4, 2)), jnp.float32)}  # fmt: skip
+    acc = {a_path: jnp.ones((4, 2)), b_path: jnp.ones((2, 2))}
+    out = ts.accumulate_slot(acc, grads, jnp.int32(1), ((a_path, 2), (b_path, 2)))
+    np.testing.assert_allclose(out[a_path], 1 + np.asarray(grads[a_path])[1, :, :2], rtol=1e-6)
+    np.testing.assert_allclose(out[b_path], 1 + np.asarray(grads[b_path])[1, :2, :], rtol=1e-6)
+    full = ts.accumulate_full({a_path: jnp.ones((4, 2))}, {a_path: jnp.full((4, 2), 2.0, jnp.bfloat16)})
+    assert full[a_path].dtype == jnp.float32 and (np.asarray(full[a_path]) == 3).all()
