@@ -88,3 +88,13 @@ def test_a_runs_slot_slice_is_read_written_and_accumulated_at_its_rank() -> None
     np.testing.assert_allclose(out[b_path], 1 + np.asarray(grads[b_path])[1, :2, :], rtol=1e-6)
     full = ts.accumulate_full({a_path: jnp.ones((4, 2))}, {a_path: jnp.full((4, 2), 2.0, jnp.bfloat16)})
     assert full[a_path].dtype == jnp.float32 and (np.asarray(full[a_path]) == 3).all()
+
+
+def test_fresh_state_keeps_gradients_in_the_params_dtype_unless_told_and_moments_in_fp32() -> None:
+    params = {("w",): jnp.ones((3,), jnp.bfloat16), ("v",): jnp.ones((2,), jnp.float32)}
+    grads, opt_state = ts.fresh_state(params)
+    assert {p: g.dtype for p, g in grads.items()} == {("w",): jnp.bfloat16, ("v",): jnp.float32}
+    grads, _ = ts.fresh_state(params, jnp.float32)
+    assert {g.dtype for g in grads.values()} == {jnp.dtype(jnp.float32)}
+    moments = [x for x in jax.tree.leaves(opt_state) if getattr(x, "ndim", 0) > 0]
+    assert moments and {x.dtype for x in moments} == {jnp.dtype(jnp.float32)}
