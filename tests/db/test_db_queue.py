@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tx.db import Database, DuplicateRequestError, owner_of
+from tx.db.queue import SqlQueue
 from tx.db.tables import CheckpointRow, TrainingRunRow
 from tx.protocol import (
     AdamParams,
@@ -296,6 +297,22 @@ def test_without_a_signal_claim_looks_at_the_table_every_rescan_s(db: Database) 
     db.queue.rescan_s = 30.0
     assert db.queue.claim(10) == []  # scanned less than rescan_s ago and not signalled: no query
     db.queue.rescan_s = 0.0
+    assert [item.future_id for item in db.queue.claim(10)] == [future_id]
+
+
+def test_a_lost_signal_costs_at_most_two_seconds(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default rescan: unsignalled work is found 2 s after the last scan, and not queried for before."""
+    if db.listener is not None:
+        pytest.skip("Postgres delivers this process's own NOTIFY later, which would set the flag again")
+    clock = [100.0]
+    monkeypatch.setattr("tx.db.queue.time.monotonic", lambda: clock[0])
+    db.queue.rescan_s = SqlQueue(db.engine, db.queue.notifier, db.queue.write_lock).rescan_s  # the default
+    db.queue.claim(10)  # a scan at t = 100
+    future_id = _submit(db, 1)
+    assert db.queue.notifier.take_work_flag()  # the signal is lost
+    clock[0] = 101.999
+    assert db.queue.claim(10) == []
+    clock[0] = 102.0
     assert [item.future_id for item in db.queue.claim(10)] == [future_id]
 
 

@@ -44,7 +44,11 @@ _LINKED = (TrainingRunRow, CheckpointRow, SamplerSnapshotRow)
 
 
 class SqlQueue:
-    """Queue operations over one SQLAlchemy engine (SQLite or Postgres)."""
+    """Queue operations over one SQLAlchemy engine (SQLite or Postgres).
+
+    Without a work signal (lost, or sent by a process that cannot reach this one) `claim` still looks at
+    the table every `rescan_s` seconds (default 2), so unsignalled work waits at most that long.
+    """
 
     def __init__(self, engine: Engine, notifier: Notifier, write_lock: WriteLock, rescan_s: float = 2.0) -> None:
         self.engine = engine
