@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tx.lora.merge import merge_to_hf
 from tx.lora.peft import load_peft
-from tx.models.weights import resolve_model_dir
+from tx.models.catalog import locate_model
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         base = args.base or config.base_model_name_or_path
         if not base:
             raise ValueError(f"{args.adapter} names no base model; pass --base")
-        merge_to_hf(resolve_model_dir(base), args.out, config, weights, dtype=args.dtype)
+        merge_to_hf(locate_model(base), args.out, config, weights, dtype=args.dtype)
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

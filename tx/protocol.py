@@ -81,11 +81,15 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class CreateModelRequest:
-    """Create training run `WorkItem.model_id` on `base_model`; `lora=None` means full fine-tuning."""
+    """Create training run `WorkItem.model_id` on `base_model`; `lora=None` means full fine-tuning.
+
+    `model_dir` (here, in `LoadWeightsRequest` and in `SampleRequest`): where the API located the model's
+    files; the engine keys loaded models by it. Empty: the engine locates `base_model` itself."""
 
     base_model: str
     lora: LoraConfig | None
     user_metadata: dict[str, str] = field(default_factory=dict)
+    model_dir: str = ""
 
 
 @dataclass
@@ -168,6 +172,7 @@ class LoadWeightsRequest:
     tinker_path: str
     with_optimizer: bool = False
     user_metadata: dict[str, str] = field(default_factory=dict)
+    model_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -206,6 +211,7 @@ class SampleRequest:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     sequence_ids: list[str] = field(default_factory=list)
+    model_dir: str = ""
 
 
 @dataclass(frozen=True)

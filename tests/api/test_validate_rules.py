@@ -150,14 +150,11 @@ def test_sample_counts_and_stops() -> None:
     _refused("1..5 characters", _sample, None, 1, 0, stop_strings=[""])
 
 
-def test_rank_base_model_and_names() -> None:
+def test_rank_and_names() -> None:
     validate.check_lora_rank(1, INFO)
     validate.check_lora_rank(8, INFO)
     _refused("rank 9 is outside", validate.check_lora_rank, 9, INFO)
     _refused("rank 0 is outside", validate.check_lora_rank, 0, INFO)
-    validate.check_base_model(None, INFO)
-    validate.check_base_model("m", INFO)
-    _refused("unknown base_model", validate.check_base_model, "n", INFO)
     validate.check_checkpoint_name("a" * 128)
     _refused("path", validate.check_checkpoint_name, "a" * 129)
     _refused("path", validate.check_checkpoint_name, "..")

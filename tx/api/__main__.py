@@ -1,8 +1,9 @@
 """`python -m tx.api`: start SmolGym (database, engine thread, HTTP server) on one machine.
 
 Startup order: open the database in the data directory (or `--database-url`), fail work left over
-from a previous run, build the runner (the single call into `tx.engine.build_runner`, which loads
-the base model), start the engine loop, then serve HTTP. When the server is listening it prints
+from a previous run, build the model pool (`tx.engine.pool.ModelPool`) and preload every `--base-model`
+into it (each through `tx.engine.build_runner`), start the engine loop, then serve HTTP. Other models
+load on demand, as `--allow-models` and `--memory-budget-gb` permit. When the server is listening it prints
 how to point the `tinker` SDK at it and the line "SmolGym ready on http://HOST:PORT".
 """
 
@@ -14,16 +15,20 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from tx.api.app import create_app
 from tx.api.context import Settings
+from tx.api.models import ModelCatalog, ModelRules, default_allow
 from tx.api.paths import checkpoints_root
 from tx.db import open_database
-from tx.engine.loop import Engine, Runner
-from tx.protocol import ModelInfo
+from tx.engine.loop import Engine
+from tx.protocol import RequestError
+
+if TYPE_CHECKING:
+    from tx.engine.pool import ModelPool
 
 log = logging.getLogger("tx.api")
 
@@ -32,7 +37,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m tx.api", description="SmolGym: the Tinker training API on your machine."
     )
-    p.add_argument("--base-model", required=True, help="Hugging Face model id or local directory of the base model")
+    p.add_argument(
+        "--base-model",
+        action="append",
+        default=[],
+        help="Hugging Face model id or local directory of a base model to load at start (repeatable); clients may "
+        "name other models too, loaded on demand as --allow-models permits",
+    )
+    p.add_argument(
+        "--allow-models",
+        nargs="+",
+        metavar="PATTERN",
+        default=None,
+        help="globs over the model strings clients may load on demand (e.g. 'Qwen/*' '/models/*'); default: any "
+        "model when --host is loopback, otherwise only the --base-model list. Uploads are always allowed to "
+        "their owner",
+    )
+    p.add_argument(
+        "--memory-budget-gb",
+        type=float,
+        default=None,
+        help="device memory for loaded models; loading past it unloads idle models, least recently used first "
+        "(default: 80%% of the accelerators' memory, or half the host's memory on CPU)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument(
@@ -96,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.prompt_cache_mb < 0:
         p.error(f"--prompt-cache-mb must be >= 0, got {args.prompt_cache_mb}")
+    if args.memory_budget_gb is not None and args.memory_budget_gb <= 0:
+        p.error(f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
     return args
 
 
@@ -109,18 +138,16 @@ def load_api_keys(keys: list[str], keys_file: str | None) -> frozenset[str]:
     return frozenset(found)
 
 
-def build_runner(args: argparse.Namespace) -> tuple[Runner, ModelInfo]:
-    """THE RUNNER FACTORY: the one call from the server into the JAX engine.
-
-    `tx.engine.build_runner(**options)` must load the base model and return `(runner, model_info)`,
-    where `runner` implements `tx.engine.loop.Runner`.
-    """
+def build_pool(args: argparse.Namespace) -> ModelPool:
+    """THE ENGINE FACTORY: the one place the server builds the JAX engine. Each model the pool loads is
+    one `tx.engine.build_runner(...)` with these options."""
     try:
-        from tx.engine import build_runner as engine_build_runner
+        from tx.engine import build_runner
+        from tx.engine.build import estimate_bytes
+        from tx.engine.pool import ModelPool, default_budget_bytes
     except ImportError:
-        sys.exit("error: tx.engine.build_runner is not available (the JAX engine failed to import)")
+        sys.exit("error: tx.engine is not available (the JAX engine failed to import)")
     options: dict[str, Any] = {
-        "base_model": args.base_model,
         "data_dir": Path(args.data_dir),
         "max_lora_adapters": args.max_lora_adapters,
         "max_lora_rank": args.max_lora_rank,
@@ -133,11 +160,25 @@ def build_runner(args: argparse.Namespace) -> tuple[Runner, ModelInfo]:
         "decode_rows": args.decode_rows,
         "prompt_cache_mb": args.prompt_cache_mb,
     }
+
+    def build(name: str, model_dir: Path) -> Any:
+        return build_runner(base_model=name, model_dir=model_dir, **options)
+
+    budget = int(args.memory_budget_gb * 1e9) if args.memory_budget_gb else default_budget_bytes()
+    return ModelPool(build, lambda model_dir: estimate_bytes(model_dir, args.dtype), budget)
+
+
+def build_catalog(args: argparse.Namespace, pool: ModelPool) -> ModelCatalog:
+    """The models clients may name; every `--base-model` is located, described and loaded now."""
+    allow = tuple(args.allow_models) if args.allow_models else default_allow(args.host, args.base_model)
+    rules = ModelRules(allow, args.max_seq_len, args.max_lora_rank, args.max_lora_adapters)
+    catalog = ModelCatalog(rules, pool.loaded)
     try:
-        runner, model_info = engine_build_runner(**options)
-    except (FileNotFoundError, ValueError, MemoryError) as err:  # bad model / config: say so, no traceback
+        for name in args.base_model:
+            pool.preload(name, Path(catalog.preload(name).model_dir))
+    except (FileNotFoundError, ValueError, MemoryError, RequestError) as err:  # bad model: say so, no traceback
         sys.exit(f"error: {err}")
-    return runner, model_info
+    return catalog
 
 
 def _announce_when_ready(server: uvicorn.Server, host: str, port: int, key_hint: str) -> None:
@@ -170,11 +211,12 @@ def main(argv: list[str] | None = None) -> None:
     swept = sweep_partial(checkpoints_root(Path(args.data_dir)))
     if swept:
         log.warning("removed %d half-written checkpoint directories left by a previous run", len(swept))
-    runner, model_info = build_runner(args)
-    engine = Engine(db.queue, runner)
+    pool = build_pool(args)
+    catalog = build_catalog(args, pool)
+    engine = Engine(db.queue, pool)
     engine.start()
     settings = Settings(data_dir=Path(args.data_dir), api_keys=api_keys)
-    app = create_app(settings, db, model_info)
+    app = create_app(settings, db, catalog)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     key_hint = sorted(api_keys)[0] if api_keys else "tml-local"
     threading.Thread(target=_announce_when_ready, args=(server, args.host, args.port, key_hint), daemon=True).start()
@@ -182,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         server.run()
     finally:
         engine.stop()
+        pool.close()
         db.close()
 
 

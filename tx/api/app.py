@@ -1,4 +1,4 @@
-"""FastAPI application factory: `create_app(settings, db, model_info)`.
+"""FastAPI application factory: `create_app(settings, db, models)`.
 
 The app only validates, queues and serves results; the engine that executes the queue is started
 next to it by the caller (`python -m tx.api`, or a test fixture with a fake runner). A background
@@ -33,7 +33,8 @@ from tx.api import (
 )
 from tx.api.body_limit import BodyLimit, BodyTooLarge
 from tx.api.context import AppContext, Settings, submit
-from tx.api.limits import limits_for
+from tx.api.limits import Limits
+from tx.api.models import ModelCatalog
 from tx.api.validate import ValidationError
 from tx.api.wire_decode import WireError
 from tx.db import Database
@@ -78,8 +79,18 @@ async def _reaper(ctx: AppContext) -> None:
             log.exception("session reaper failed")
 
 
-def create_app(settings: Settings, db: Database, model_info: ModelInfo) -> FastAPI:
-    ctx = AppContext(settings, db, model_info, limits_for(model_info))
+def server_limits(models: ModelCatalog) -> Limits:
+    """Bounds for a body whose model is not known yet: the longest sequence any model may take, and
+    top-K targets as wide as the limit allows; each model's own limits are checked once it is known."""
+    if models.fixed:
+        return next(iter(models.preloaded.values())).limits
+    return Limits(max_seq_len=models.rules.max_seq_len, vocab_size=1 << 30)
+
+
+def create_app(settings: Settings, db: Database, models: ModelCatalog | ModelInfo) -> FastAPI:
+    """`models`: the catalog of base models; a bare `ModelInfo` serves that one model (tests, fake engines)."""
+    catalog = ModelCatalog.single(models) if isinstance(models, ModelInfo) else models
+    ctx = AppContext(settings, db, catalog, server_limits(catalog))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

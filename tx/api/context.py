@@ -22,9 +22,10 @@ from fastapi import Depends, Header, HTTPException, Request
 from sqlmodel import SQLModel
 
 from tx.api.limits import Limits
+from tx.api.models import ModelCatalog, ServedModel
 from tx.db import Database, DuplicateRequestError, owner_of
 from tx.db.tables import TrainingRunRow
-from tx.protocol import ModelInfo, Payload
+from tx.protocol import Payload
 
 T = TypeVar("T")
 
@@ -46,8 +47,8 @@ class Settings:
 class AppContext:
     settings: Settings
     db: Database
-    model_info: ModelInfo
-    limits: Limits
+    models: ModelCatalog
+    limits: Limits  # server-wide bounds for decoding a body before its model is known; each model has its own
     downloads: dict[str, tuple[Path, float]] = field(default_factory=dict)
     # Heavy request bodies are decoded and queued on a few threads: dozens of CPU-bound threads
     # fighting over the GIL are slower than a handful, and the group commit batches them anyway.
@@ -79,9 +80,19 @@ Ctx = Annotated[AppContext, Depends(get_ctx)]
 def get_owner(ctx: Ctx, x_api_key: Annotated[str | None, Header()] = None) -> str:
     if not x_api_key:
         raise HTTPException(401, detail="missing X-API-Key header")
+    owner = known_owner(ctx, x_api_key)
+    if owner is None:
+        raise HTTPException(401, detail="invalid API key (set TINKER_API_KEY to a key this server accepts)")
+    return owner
+
+
+def known_owner(ctx: AppContext, x_api_key: str | None) -> str | None:
+    """The owner hash of an accepted key, or None."""
+    if not x_api_key:
+        return None
     allowed = ctx.settings.api_keys
     if (allowed and x_api_key not in allowed) or (not allowed and not x_api_key.startswith("tml-")):
-        raise HTTPException(401, detail="invalid API key (set TINKER_API_KEY to a key this server accepts)")
+        return None
     return owner_of(x_api_key)
 
 
@@ -132,6 +143,11 @@ def submit(
     except DuplicateRequestError as exc:
         user_error(str(exc))
     return future_reply(submitted.future_id, model_id if kind != "sample" else None, submitted.sequence_ids)
+
+
+def run_model(ctx: AppContext, run: TrainingRunRow) -> ServedModel:
+    """The base model of one of the caller's runs."""
+    return ctx.models.get(run.owner, run.base_model)
 
 
 def usable_run(ctx: AppContext, model_id: str, owner: str) -> TrainingRunRow:

@@ -38,15 +38,18 @@ def create_sampling_session(body: schemas.CreateSamplingSessionRequest, ctx: Ctx
     if ctx.db.records.get_session(body.session_id, owner) is None:
         not_found(f"unknown session_id {body.session_id!r}")
     sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
-    row = SamplingSessionRow(
-        id=sampler_id, session_id=body.session_id, owner=owner, base_model=ctx.model_info.base_model
-    )
+    row = SamplingSessionRow(id=sampler_id, session_id=body.session_id, owner=owner, base_model="")
     if body.model_path:
         path, ckpt = resolve_checkpoint(ctx, body.model_path, owner)
         row.model_path, row.model_id, row.snapshot_id = str(path), path.run_id, str(path)
         row.checkpoint_dir, row.checkpoint_type = ckpt.directory, ckpt.checkpoint_type
+        source = ctx.db.records.get_run(path.run_id, owner)
+        if source is None:
+            not_found(f"the training run of {body.model_path!r} no longer exists")
+        row.base_model = source.base_model
     else:
-        validate.check_base_model(body.base_model, ctx.model_info)
+        row.base_model = body.base_model or _only_model(ctx)
+    ctx.models.get(owner, row.base_model)  # located and allowed now: a bad name fails here, not at sample time
     ctx.db.records.add_sampling_session(row)
     return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
 
@@ -57,6 +60,13 @@ def get_sampler(sampler_id: str, ctx: Ctx, owner: Owner) -> dict[str, Any]:
     if row is None:
         not_found(f"unknown sampler_id {sampler_id!r}")
     return {"sampler_id": row.id, "base_model": row.base_model, "model_path": row.model_path}
+
+
+def _only_model(ctx: AppContext) -> str:
+    """The base model of a sampling session that names none: the server's one preloaded model."""
+    if len(ctx.models.preloaded) != 1:
+        user_error("create_sampling_session needs a base_model or a model_path (this server has several models)")
+    return next(iter(ctx.models.preloaded))
 
 
 def _weights_of(ctx: AppContext, sampler: SamplingSessionRow) -> WeightsRef | None:
@@ -81,11 +91,12 @@ def asample(body: schemas.SampleRequest, ctx: Ctx, owner: Owner) -> dict[str, An
     sampler = ctx.db.records.get_sampling_session(body.sampling_session_id, owner)
     if sampler is None:
         not_found(f"unknown sampling_session_id {body.sampling_session_id!r}")
+    served = ctx.models.get(owner, sampler.base_model)
     seq = body.seq_id
     tag = str(seq) if seq is not None else uuid.uuid4().hex[:12]  # deterministic when deduplicated by seq_id
     sequence_ids = [f"{sampler.id}:{tag}:{i}" for i in range(body.num_samples)]
     request = SampleRequest(
-        prompt=model_input_tokens(body.prompt, "prompt", ctx.limits.max_seq_len),
+        prompt=model_input_tokens(body.prompt, "prompt", served.limits.max_seq_len),
         num_samples=body.num_samples,
         params=sampling_params(body.sampling_params, ctx.settings.default_max_tokens),
         base_model=sampler.base_model,
@@ -93,9 +104,10 @@ def asample(body: schemas.SampleRequest, ctx: Ctx, owner: Owner) -> dict[str, An
         prompt_logprobs=body.prompt_logprobs,
         topk_prompt_logprobs=body.topk_prompt_logprobs,
         sequence_ids=sequence_ids,
+        model_dir=served.model_dir,
     )
     settings = ctx.settings
-    validate.check_sample(request, ctx.model_info, ctx.limits, settings.max_num_samples, settings.max_topk_logprobs)
+    validate.check_sample(request, served.info, served.limits, settings.max_num_samples, settings.max_topk_logprobs)
     return submit(
         ctx, kind="sample", payload=request, owner=owner, model_id=sampler.id, seq_id=seq,
         dedupe_key=f"{sampler.id}#{seq}" if seq is not None else None, sequence_ids=sequence_ids,

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Response
+from fastapi import APIRouter, Header, HTTPException, Response
 
-from tx.api.context import Ctx, Owner, not_found, submit
+from tx.api.context import Ctx, Owner, known_owner, not_found, submit
 from tx.api.schemas import (
     ClientConfigRequest,
     CreateSessionRequest,
@@ -24,7 +24,7 @@ from tx.api.schemas import (
     ProjectRequest,
     SessionRef,
 )
-from tx.protocol import UnloadModelRequest
+from tx.protocol import ModelInfo, UnloadModelRequest
 
 log = logging.getLogger("tx.api")
 
@@ -56,15 +56,20 @@ def healthz() -> dict[str, str]:
 
 
 @router.get("/get_server_capabilities")
-def capabilities(ctx: Ctx) -> dict[str, Any]:
-    info = ctx.model_info
-    model = {
+def capabilities(ctx: Ctx, x_api_key: Annotated[str | None, Header()] = None) -> dict[str, Any]:
+    """Every model the caller can use now: preloaded, loaded on demand, and their own uploads (a request
+    without a key sees no uploads)."""
+    usable = ctx.models.usable(known_owner(ctx, x_api_key))
+    return {"supported_models": [_model_entry(m.info) for m in usable]}
+
+
+def _model_entry(info: ModelInfo) -> dict[str, Any]:
+    return {
         "model_name": info.base_model,
         "max_context_length": info.max_seq_len,
         "trainable": True,
         "sampleable": True,
     }
-    return {"supported_models": [model]}
 
 
 @router.post("/telemetry")

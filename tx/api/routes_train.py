@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from tx.api import schemas, validate
-from tx.api.context import AppContext, Ctx, Owner, not_found, submit, usable_run, user_error
+from tx.api.context import AppContext, Ctx, Owner, not_found, run_model, submit, usable_run, user_error
 from tx.api.wire_decode import WireError, decompress, parse_forward_backward_json, parse_forward_backward_proto
 from tx.db.tables import TrainingRunRow
 from tx.protocol import (
@@ -42,13 +42,13 @@ def create_model(body: schemas.CreateModelRequest, ctx: Ctx, owner: Owner) -> di
         not_found(f"unknown session_id {body.session_id!r}")
     if session.status != "active":
         user_error(f"session {body.session_id!r} is {session.status}; start a new ServiceClient")
-    validate.check_base_model(body.base_model, ctx.model_info)
+    served = ctx.models.get(owner, body.base_model)
     lora_in = body.lora_config
     if body.optimizer_config is not None and body.optimizer_config.type != "adamw":
         user_error(f"optimizer_config.type {body.optimizer_config.type!r} is not supported (only 'adamw')")
     lora: LoraConfig | None = None  # rank 0 asks for full fine-tuning: every weight is trained
     if lora_in.rank != 0:
-        validate.check_lora_rank(lora_in.rank, ctx.model_info)
+        validate.check_lora_rank(lora_in.rank, served.info)
         if not (lora_in.train_attn or lora_in.train_mlp or lora_in.train_unembed):
             user_error("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
         lora = LoraConfig(
@@ -56,7 +56,7 @@ def create_model(body: schemas.CreateModelRequest, ctx: Ctx, owner: Owner) -> di
         )
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
     run = new_run_row(model_id, body.session_id, owner, body.base_model, lora, body.user_metadata or {})
-    payload = CreateModelRequest(body.base_model, lora, body.user_metadata or {})
+    payload = CreateModelRequest(body.base_model, lora, body.user_metadata or {}, served.model_dir)
     return submit(
         ctx,
         kind="create_model",
@@ -90,7 +90,7 @@ def get_info(body: schemas.ModelRef, ctx: Ctx, owner: Owner) -> dict[str, Any]:
     run = ctx.db.records.get_run(body.model_id, owner)
     if run is None:
         not_found(f"unknown model_id {body.model_id!r}")
-    info = ctx.model_info
+    info = run_model(ctx, run).info
     model_data = {"model_name": run.base_model, "tokenizer_id": info.tokenizer_id, "arch": info.arch or None}
     reply: dict[str, Any] = {"model_id": run.id, "model_data": model_data, "is_lora": run.lora_rank is not None}
     if run.lora_rank is not None:
@@ -138,8 +138,8 @@ def _accept_pass(
     """Check and queue a forward or forward_backward (runs in a worker thread)."""
     if not model_id:
         raise WireError("missing model_id")
-    usable_run(ctx, model_id, owner)
-    validate.check_forward_backward(payload, ctx.model_info, ctx.limits)
+    served = run_model(ctx, usable_run(ctx, model_id, owner))
+    validate.check_forward_backward(payload, served.info, served.limits)
     kind = "forward" if payload.forward_only else "forward_backward"
     return submit(
         ctx,

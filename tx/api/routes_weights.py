@@ -17,7 +17,7 @@ from fastapi import APIRouter
 from sqlmodel import SQLModel
 
 from tx.api import schemas, validate
-from tx.api.context import AppContext, Ctx, Owner, not_found, submit, usable_run, user_error
+from tx.api.context import AppContext, Ctx, Owner, not_found, run_model, submit, usable_run, user_error
 from tx.api.paths import TinkerPath, checkpoint_dir, parse_tinker_path
 from tx.api.routes_train import new_run_row
 from tx.db.tables import CheckpointRow, SamplerSnapshotRow, SamplingSessionRow, TrainingRunRow, utcnow
@@ -146,7 +146,7 @@ def load_weights(body: schemas.LoadWeightsRequest, ctx: Ctx, owner: Owner) -> di
     if path.kind != "weights":
         user_error(f"{body.path!r} holds weights only; load_weights needs a training checkpoint (…/weights/…)")
     if body.model_id is not None:
-        usable_run(ctx, body.model_id, owner)
+        _check_same_base(ctx, usable_run(ctx, body.model_id, owner), path, owner)
         payload = LoadStateRequest(ckpt.directory, str(path), body.optimizer)
         return submit(
             ctx, kind="load_state", payload=payload, owner=owner, model_id=body.model_id, seq_id=body.seq_id,
@@ -155,6 +155,16 @@ def load_weights(body: schemas.LoadWeightsRequest, ctx: Ctx, owner: Owner) -> di
     if body.session_id is None or body.model_seq_id is None:
         user_error("load_weights needs model_id, or session_id and model_seq_id (create from state)")
     return _create_from_state(ctx, body, owner, path, ckpt)
+
+
+def _check_same_base(ctx: AppContext, run: TrainingRunRow, path: TinkerPath, owner: str) -> None:
+    """A checkpoint loads into a run on the base model it was made on, never another one."""
+    source = ctx.db.records.get_run(path.run_id, owner)
+    if source is not None and source.base_model != run.base_model:
+        user_error(
+            f"checkpoint {str(path)!r} was made on base model {source.base_model!r}, but {run.id!r} runs on"
+            f" {run.base_model!r}; create a training client from it instead (create_training_client_from_state)"
+        )
 
 
 def _create_from_state(
@@ -167,13 +177,16 @@ def _create_from_state(
     source = ctx.db.records.get_run(path.run_id, owner)
     if source is None:
         not_found(f"the training run of {body.path!r} no longer exists")
-    validate.check_base_model(body.base_model, ctx.model_info)
-    validate.check_base_model(source.base_model, ctx.model_info)
+    if body.base_model is not None and body.base_model != source.base_model:
+        user_error(f"checkpoint {body.path!r} was made on base model {source.base_model!r}, not {body.base_model!r}")
+    served = run_model(ctx, source)
     lora = _run_lora(source)
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
     meta = body.user_metadata or {}
     run = new_run_row(model_id, body.session_id, owner, source.base_model, lora, meta)
-    payload = LoadWeightsRequest(source.base_model, lora, ckpt.directory, str(path), body.optimizer, meta)
+    payload = LoadWeightsRequest(
+        source.base_model, lora, ckpt.directory, str(path), body.optimizer, meta, served.model_dir
+    )
     return submit(
         ctx, kind="load_weights", payload=payload, owner=owner, model_id=model_id, dedupe_key=f"{model_id}#create",
         rows=[run],

@@ -105,11 +105,6 @@ def check_lora_rank(rank: int, info: ModelInfo) -> None:
         )
 
 
-def check_base_model(base_model: str | None, info: ModelInfo) -> None:
-    if base_model is not None and base_model != info.base_model:
-        raise ValidationError(f"unknown base_model {base_model!r}; this server serves {info.base_model!r}")
-
-
 def check_adam(adam: AdamParams) -> None:
     for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
         if not math.isfinite(getattr(adam, name)):

@@ -17,9 +17,10 @@ from tx.engine.trainer import Trainer
 from tx.engine.weights_io import WeightsIO
 from tx.lora.layers import LoRASpec
 from tx.lora.slots import SlotTable
+from tx.models.catalog import describe_model, locate_model, weight_bytes
 from tx.models.causal_lm import decode_layout
 from tx.models.sharding import make_mesh
-from tx.models.weights import load_model, resolve_model_dir
+from tx.models.weights import load_model
 from tx.protocol import ModelInfo
 from tx.tuning import Tuning, for_backend
 
@@ -53,6 +54,14 @@ def resolve_dtype(dtype: str | None, tuning: Tuning) -> str | None:
     return tuning.auto_dtype if dtype == "auto" else dtype
 
 
+def estimate_bytes(model_dir: Path, dtype: str | None) -> int:
+    """Device bytes a model will take before it is loaded: its weights in the dtype they load in, twice
+    where the sampler keeps its own per-layer copy (`Tuning.per_layer_decode`, CPU)."""
+    tuning = for_backend()
+    weights = weight_bytes(model_dir, resolve_dtype(dtype, tuning))
+    return weights * (2 if tuning.per_layer_decode else 1)
+
+
 def build_runner(
     base_model: str,
     data_dir: Path,
@@ -66,11 +75,14 @@ def build_runner(
     decode_rows: int = 64,
     prompt_cache_mb: int = 256,
     remat: bool = False,
+    model_dir: Path | None = None,
     **_: Any,
 ) -> tuple[JaxRunner, ModelInfo]:
+    """`base_model` is the name the model is served under; `model_dir` its files when the caller has
+    located them already (default: `locate_model(base_model)`)."""
     install_counter()
     enable_persistent_cache(Path(data_dir) / "compile-cache")
-    model_dir = resolve_model_dir(base_model)
+    model_dir = model_dir or locate_model(base_model)
     tuning = for_backend()
     dtype = resolve_dtype(dtype, tuning)
     slots = SlotTable(max_lora_adapters, max_lora_rank)
@@ -113,15 +125,4 @@ def build_runner(
         trainer, sampler, slots, io, base_model, lambda get_base: make_sampler(get_base, sampler.programs),
         checkpoint_root=Path(data_dir).resolve() / "checkpoints",
     )  # fmt: skip
-    info = ModelInfo(
-        base_model=base_model,
-        vocab_size=cfg.vocab_size,
-        max_seq_len=seq_len,
-        # A hub name lets a client on another machine resolve the tokenizer itself; a local directory is
-        # only meaningful to clients that share this filesystem, so it is returned as a path.
-        tokenizer_id=str(model_dir) if Path(base_model).expanduser().is_dir() else base_model,
-        max_lora_rank=max_lora_rank,
-        max_lora_adapters=max_lora_adapters,
-        arch=cfg.family,
-    )
-    return runner, info
+    return runner, describe_model(base_model, model_dir, max_seq_len, max_lora_rank, max_lora_adapters)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from tx.engine import checkpoints
@@ -121,6 +123,18 @@ class JaxRunner:
 
     def idle(self) -> bool:
         return not self.pending and not self.outbox and all(s.idle() for s in self._samplers())
+
+    def live_runs(self) -> int:
+        """Training runs created and not unloaded: while there are any, the model stays loaded."""
+        return len(self.trainer.runs)
+
+    def resident_bytes(self) -> int:
+        """Device bytes this model holds: base weights (and the sampler's copy, if it has its own), adapter
+        slots, runs' optimizer state and full fine-tuning weights, full snapshots' sampler weights."""
+        trees: list[Any] = [self.trainer.base, self.trainer.lora, *(s.get_state() for s in self._samplers())]
+        trees += [(run.grads, run.opt_state, run.params) for run in self.trainer.runs.values()]
+        unique = {id(leaf): leaf for leaf in jax.tree.leaves(trees) if isinstance(leaf, jax.Array)}
+        return sum(int(leaf.nbytes) for leaf in unique.values())
 
     def _samplers(self) -> list[Sampler]:
         return [self.sampler, *self.full_samplers.values()]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +30,7 @@ from tqdm import tqdm
 
 from tx.lora.layers import LoRASpec
 from tx.lora.params import LoRAParam
+from tx.models.catalog import SKIPPED_PARTS, locate_model
 from tx.models.causal_lm import CausalLM, abstract_model
 from tx.models.config import HYBRID_FAMILIES, ModelConfig, load_hf_config
 from tx.models.qwen3_5 import Qwen3_5CausalLM, abstract_qwen3_5
@@ -42,32 +42,7 @@ log = logging.getLogger(__name__)
 
 Path_ = tuple[str, ...]
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-SKIPPED = {family: ("model.visual.", "mtp.") for family in HYBRID_FAMILIES}  # tensors of parts we do not run
-HF_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.json", "tokenizer*", "*.txt", "*.model")
-
-
-def resolve_model_dir(name_or_dir: str) -> Path:
-    """A local directory as is; otherwise a hub name, downloaded or taken from the local HF cache."""
-    path = Path(name_or_dir).expanduser()
-    if path.is_dir():
-        return path
-    if name_or_dir.startswith(("/", ".", "~")) or name_or_dir.count("/") != 1:
-        raise FileNotFoundError(f"no model directory at {name_or_dir!r} (and it is not a hub name like 'org/model')")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(name_or_dir, allow_patterns=list(HF_FILES), local_files_only=True))
-    except Exception:
-        pass
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise FileNotFoundError(f"{name_or_dir!r} is not a local directory and is not in the HF cache (offline mode)")
-    try:
-        return Path(snapshot_download(name_or_dir, allow_patterns=list(HF_FILES)))
-    except Exception as err:
-        raise FileNotFoundError(
-            f"cannot fetch {name_or_dir!r} from the Hugging Face hub ({type(err).__name__}); "
-            "pass a local model directory instead"
-        ) from err
+SKIPPED = {family: SKIPPED_PARTS for family in HYBRID_FAMILIES}  # tensors of parts we do not run
 
 
 def hf_key_to_path(key: str, prefix: str = "model") -> tuple[Path_, int | None]:
@@ -163,7 +138,7 @@ def load_model(
 ) -> tuple[CausalLM | Qwen3_5CausalLM, ModelConfig]:
     """Build the model for a HF checkpoint and fill its weights; LoRA slots start at zero. `tuning`: the
     backend choices the model is built with (default: those of the backend JAX runs on)."""
-    model_dir = resolve_model_dir(name_or_dir)
+    model_dir = locate_model(name_or_dir)
     cfg = load_hf_config(model_dir, dtype)
     mesh = mesh or make_mesh(devices=jax.devices()[:1])
     abstract = abstract_for(cfg, lora, remat, tuning)

@@ -1,0 +1,147 @@
+"""ModelPool on real tiny runners (Qwen3 and Llama 3): routing, loading on demand, the memory budget,
+fair turns across models, and each model's compiled programs kept while others load and unload."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tx.engine import build_runner
+from tx.engine.build import estimate_bytes
+from tx.engine.compiles import compile_count
+from tx.engine.pool import ModelPool
+from tx.protocol import (
+    CreateModelRequest,
+    Datum,
+    ForwardBackwardRequest,
+    LoraConfig,
+    RequestError,
+    SampleRequest,
+    SampleResult,
+    SamplingParams,
+    UnloadModelRequest,
+    WorkItem,
+)
+
+MB = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def dirs(hf_models) -> dict[str, Path]:  # type: ignore[no-untyped-def]
+    return {"qwen": hf_models("qwen3", 2, True)[0], "llama": hf_models("llama", 2, False)[0]}
+
+
+def _pool(tmp_path: Path, budget_bytes: int) -> ModelPool:
+    def build(name: str, model_dir: Path) -> Any:
+        return build_runner(
+            base_model=name, model_dir=model_dir, data_dir=tmp_path, max_lora_adapters=2, max_lora_rank=4,
+            max_seq_len=64, decode_rows=4, dtype="float32",
+        )  # fmt: skip
+
+    return ModelPool(build, lambda d: estimate_bytes(d, "float32"), budget_bytes)
+
+
+def _item(kind: str, model_id: str, payload: Any) -> WorkItem:
+    return WorkItem(uuid.uuid4().hex, kind, model_id, payload, time.time())  # type: ignore[arg-type]
+
+
+def _sample(model_dir: Path, max_tokens: int = 6, seed: int = 7) -> WorkItem:
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, stop_at_eos=False)
+    request = SampleRequest([3, 5, 7, 9], 1, params, str(model_dir), prompt_logprobs=True, model_dir=str(model_dir))
+    return _item("sample", "sampler", request)
+
+
+def _create(model_dir: Path, run_id: str) -> WorkItem:
+    return _item("create_model", run_id, CreateModelRequest(str(model_dir), LoraConfig(4), {}, str(model_dir)))
+
+
+def _fb(run_id: str) -> WorkItem:
+    inputs = {"target_tokens": np.array([2, 3, 4, 5, 6, 7]), "weights": np.ones(6, np.float32)}
+    request = ForwardBackwardRequest([Datum([1, 2, 3, 4, 5, 6], inputs)], "cross_entropy")
+    return _item("forward_backward", run_id, request)
+
+
+def _drain(pool: ModelPool, items: list[WorkItem], timeout_s: float = 300) -> dict[str, Any]:
+    pool.submit(items)
+    done: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while not pool.idle() and time.monotonic() < deadline:
+        done.update((c.future_id, c.result) for c in pool.step())
+    assert pool.idle(), "the pool did not finish its work"
+    return {item.future_id: done[item.future_id] for item in items}
+
+
+def _only(results: dict[str, Any]) -> Any:
+    (result,) = results.values()
+    assert not isinstance(result, RequestError), result
+    return result
+
+
+def test_budget_unloads_the_idle_model_and_reloads_it_with_identical_results(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    pool = _pool(tmp_path, int(1.5 * MB))  # either tiny model fits (0.84 / 0.97 MB), both do not
+    qwen, llama = str(dirs["qwen"]), str(dirs["llama"])
+    first = _only(_drain(pool, [_sample(dirs["qwen"])]))
+    assert set(pool.models) == {qwen}
+    _only(_drain(pool, [_sample(dirs["llama"])]))
+    assert set(pool.models) == {llama}, "the idle Qwen3 model was not unloaded to make room"
+    again = _only(_drain(pool, [_sample(dirs["qwen"])]))
+    assert set(pool.models) == {qwen}
+    assert isinstance(first, SampleResult) and isinstance(again, SampleResult)
+    assert again.sequences[0].tokens == first.sequences[0].tokens
+    assert again.sequences[0].logprobs == first.sequences[0].logprobs
+    assert again.prompt_logprobs == first.prompt_logprobs
+
+
+def test_a_model_with_a_live_run_is_never_unloaded_and_the_refusal_names_sizes(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    pool = _pool(tmp_path, int(1.5 * MB))
+    _only(_drain(pool, [_create(dirs["qwen"], "run-q")]))
+    (refused,) = _drain(pool, [_sample(dirs["llama"])]).values()
+    assert isinstance(refused, RequestError) and refused.category == "user"
+    assert "MB" in refused.message and "1.50 MB (--memory-budget-gb)" in refused.message
+    assert "1 live runs" in refused.message, refused.message
+    assert set(pool.models) == {str(dirs["qwen"])}
+    _only(_drain(pool, [_item("unload_model", "run-q", UnloadModelRequest())]))
+    _only(_drain(pool, [_sample(dirs["llama"])]))  # with the run gone the Qwen3 model is idle: it makes room
+    assert set(pool.models) == {str(dirs["llama"])}
+
+
+def test_a_model_larger_than_the_budget_is_refused_with_both_sizes(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    pool = _pool(tmp_path, int(0.5 * MB))
+    create = _create(dirs["llama"], "run-l")
+    results = _drain(pool, [create, _fb("run-l")])
+    assert all(isinstance(r, RequestError) for r in results.values()), "work waiting for the model did not fail"
+    refused = results[create.future_id]
+    assert isinstance(refused, RequestError) and refused.category == "user"
+    needed = estimate_bytes(dirs["llama"], "float32") / MB
+    assert f"needs about {needed:.2f} MB, more than the memory budget 0.50 MB" in refused.message
+    assert not pool.models
+
+
+def test_models_take_fair_turns_and_keep_their_compiled_programs(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    pool = _pool(tmp_path, 100 * MB)
+    _only(_drain(pool, [_create(dirs["qwen"], "run-q")]))
+    _only(_drain(pool, [_create(dirs["llama"], "run-l")]))
+    for _ in range(2):  # warm both models' programs for this workload
+        _drain(pool, [_fb("run-q"), _fb("run-l"), _sample(dirs["qwen"], 4), _sample(dirs["llama"], 4)])
+    long_decode, train_llama = _sample(dirs["qwen"], max_tokens=60), _fb("run-l")
+    pool.submit([long_decode, train_llama])
+    first_turn = {c.future_id for c in pool.step()}
+    assert train_llama.future_id in first_turn, "Llama's training waited behind Qwen3's decode"
+    assert long_decode.future_id not in first_turn
+    _drain(pool, [])
+    # Loading a third model and unloading it again recompiles nothing of the two others.
+    third = tmp_path / "third"
+    from conftest import build_hf_model
+
+    build_hf_model(third, "qwen3", 1, True, seed=3)
+    _only(_drain(pool, [_sample(third, 4)]))
+    before = compile_count()
+    pool.unload(str(third))
+    results = _drain(pool, [_fb("run-q"), _fb("run-l"), _sample(dirs["qwen"], 4), _sample(dirs["llama"], 4)])
+    assert all(not isinstance(r, RequestError) for r in results.values()), results
+    assert compile_count() == before, "another model's load or unload recompiled a model's programs"

@@ -1,0 +1,162 @@
+"""Which base models a caller may use, where their files are, and what the API validates them with.
+
+`ModelCatalog.get(owner, name)` turns a client's model string into a `ServedModel` (its `ModelInfo`,
+the directory the engine loads it from, and its request limits), or raises a 4xx naming the problem.
+Order: an upload of the caller (`upload:NAME`, through the upload store's `find_upload(owner, name)`
+hook; uploads are private to their owner), a local directory, the local HF cache, the hub when it is
+reachable. `--allow-models` globs decide which strings may be loaded at all (uploads are always allowed
+to their owner, preloaded models to everyone). Nothing here loads a model: the engine does, on the
+first request that needs it (`tx.engine.pool`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+from fastapi import HTTPException
+
+from tx.api.limits import Limits, limits_for
+from tx.api.validate import ValidationError
+from tx.models.catalog import describe_model, locate_model
+from tx.protocol import ModelInfo
+
+UPLOAD_PREFIX = "upload:"
+FindUpload = Callable[[str, str], Path | None]  # (owner, model string) -> an upload's directory, or None
+ListUploads = Callable[[str], list[str]]  # owner -> the model strings of their uploads
+Loaded = Callable[[], Mapping[str, ModelInfo]]  # model directory -> info of the models loaded now
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    info: ModelInfo
+    model_dir: str  # the engine's key for this model ("" for a catalog that serves one fixed model)
+    limits: Limits
+    owner: str | None = None  # an upload's owner; None: any caller may see it
+
+
+@dataclass(frozen=True)
+class ModelRules:
+    """`allow`: globs over model strings (None: any model); the rest shapes each model's `ModelInfo`."""
+
+    allow: tuple[str, ...] | None = None
+    max_seq_len: int = 4096
+    max_lora_rank: int = 32
+    max_lora_adapters: int = 8
+
+
+def default_allow(host: str, base_models: Sequence[str]) -> tuple[str, ...] | None:
+    """Any model when the server listens on loopback only; otherwise only the preloaded ones (and uploads)."""
+    return None if host in ("127.0.0.1", "localhost", "::1") else tuple(base_models)
+
+
+class ModelCatalog:
+    def __init__(
+        self,
+        rules: ModelRules,
+        loaded: Loaded = dict,
+        find_upload: FindUpload | None = None,
+        list_uploads: ListUploads | None = None,
+    ) -> None:
+        self.rules, self.loaded = rules, loaded
+        self.find_upload, self.list_uploads = find_upload, list_uploads
+        self.preloaded: dict[str, ServedModel] = {}
+        self._known: dict[tuple[str | None, str], ServedModel] = {}
+        self._lock = threading.Lock()
+        self.fixed = False
+
+    @classmethod
+    def single(cls, info: ModelInfo) -> ModelCatalog:
+        """A catalog of one model known only by its name (tests with a fake engine)."""
+        catalog = cls(ModelRules(allow=(info.base_model,)))
+        catalog.add(ServedModel(info, "", limits_for(info)))
+        catalog.fixed = True
+        return catalog
+
+    def add(self, model: ServedModel) -> None:
+        """A preloaded model: visible to everyone, always allowed."""
+        self.preloaded[model.info.base_model] = model
+        self._known[(None, model.info.base_model)] = model
+
+    def preload(self, name: str) -> ServedModel:
+        """Locate and describe a model named on the command line (raises FileNotFoundError or ValueError)."""
+        model_dir = locate_model(name)
+        r = self.rules
+        info = describe_model(name, model_dir, r.max_seq_len, r.max_lora_rank, r.max_lora_adapters)
+        model = ServedModel(info, str(model_dir), limits_for(info))
+        self.add(model)
+        return model
+
+    def get(self, owner: str, name: str) -> ServedModel:
+        """The model `name` as `owner` may use it, located and described once and then remembered."""
+        is_upload = name.startswith(UPLOAD_PREFIX)
+        key = (owner if is_upload else None, name)
+        with self._lock:
+            known = self._known.get(key)
+        if known is not None:
+            return known
+        if self.fixed:
+            served = ", ".join(repr(n) for n in self.preloaded)
+            raise ValidationError(f"unknown base_model {name!r}; this server serves {served}")
+        if not is_upload and not self._allowed(name):
+            raise HTTPException(
+                403, detail=f"base_model {name!r} is not allowed on this server (--allow-models {self._allow_text()})"
+            )
+        model = self._describe(owner if is_upload else None, name, self._locate(owner, name, is_upload))
+        with self._lock:
+            self._known[key] = model
+        return model
+
+    def _allowed(self, name: str) -> bool:
+        patterns = self.rules.allow
+        return patterns is None or any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+    def _allow_text(self) -> str:
+        return " ".join(self.rules.allow or ("*",))
+
+    def _locate(self, owner: str, name: str, is_upload: bool) -> Path:
+        found = self.find_upload(owner, name) if self.find_upload is not None else None
+        if found is not None:
+            return found
+        if is_upload:
+            _not_found(f"unknown base_model {name!r}: you have no upload by that name")
+        try:
+            return locate_model(name)
+        except FileNotFoundError as err:
+            _not_found(f"unknown base_model {name!r}: {err}")
+
+    def _describe(self, owner: str | None, name: str, model_dir: Path) -> ServedModel:
+        r = self.rules
+        try:
+            info = describe_model(name, model_dir, r.max_seq_len, r.max_lora_rank, r.max_lora_adapters)
+        except FileNotFoundError as err:
+            _not_found(f"base_model {name!r} has no usable model files: {err}")
+        except (ValueError, KeyError) as err:  # unsupported architecture (with the list) or a broken config
+            raise ValidationError(f"base_model {name!r} cannot be served: {err}") from err
+        return ServedModel(info, str(model_dir), limits_for(info), owner)
+
+    def usable(self, owner: str | None) -> list[ServedModel]:
+        """What a caller can use now: preloaded models, models loaded on demand (other owners' uploads
+        excepted) and the caller's own uploads."""
+        loaded = self.loaded()
+        with self._lock:
+            known = list(self._known.values())
+        models = {m.info.base_model: m for m in self.preloaded.values()}
+        for m in known:
+            if m.model_dir in loaded and m.owner is None:
+                models.setdefault(m.info.base_model, m)
+        if owner is not None and self.list_uploads is not None:
+            for name in self.list_uploads(owner):
+                try:
+                    models.setdefault(name, self.get(owner, name))
+                except (HTTPException, ValidationError):
+                    continue  # an upload that cannot be served is not listed
+        return list(models.values())
+
+
+def _not_found(message: str) -> NoReturn:
+    raise HTTPException(404, detail=message)

@@ -1,0 +1,241 @@
+"""Several base models on one engine thread: `ModelPool` owns every loaded model and routes work to it.
+
+A model is keyed by its directory (where the API located the client's model string: an upload, a local
+directory, the HF cache), so two names for the same files share one loaded copy, and two owners' uploads
+under one name never do. Each loaded model is one `JaxRunner` with its own weights, adapter slots and
+compiled programs; loading or unloading another model never touches them (no recompiles).
+
+Routing: `create_model`, `load_weights` and `sample` carry their model's directory; every other item
+names a run, whose model the pool learned when the run was created. Work for a model that is not loaded
+waits while a loader thread builds it (the engine thread keeps stepping the other models meanwhile), then
+runs in arrival order. Before a load the pool makes room within the memory budget by unloading idle
+models (no live runs, nothing queued or running), least recently used first; if that is not enough the
+waiting requests fail with the sizes. A model with live runs is never unloaded. Scheduling is fair: each
+`step` gives every model with work one runner step (one training round and one decode chunk), so work on
+one model delays another's next step by at most that much.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import jax
+
+from tx.engine.errors import as_request_error
+from tx.engine.loop import Completion, Runner
+from tx.protocol import CreateModelRequest, LoadWeightsRequest, ModelInfo, RequestError, SampleRequest, WorkItem
+
+log = logging.getLogger("tx.engine")
+GB = 1e9
+HEADROOM = 0.8  # of device memory for weights: the rest is for caches, activations and the compiler
+
+
+class ModelRunner(Runner, Protocol):
+    def live_runs(self) -> int: ...
+
+    def resident_bytes(self) -> int: ...
+
+    def discard(self, future_ids: Sequence[str]) -> None: ...
+
+
+Build = Callable[[str, Path], tuple[ModelRunner, ModelInfo]]  # (name, directory) -> a loaded model
+
+
+@dataclass
+class PoolModel:
+    key: str
+    runner: ModelRunner
+    info: ModelInfo
+    last_used: float
+
+
+def default_budget_bytes() -> int:
+    """What the accelerators can hold, less headroom; on CPU (no memory stats) half the host's memory."""
+    limits = [(d.memory_stats() or {}).get("bytes_limit", 0) for d in jax.local_devices()]
+    if all(limits):
+        return int(sum(limits) * HEADROOM)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.5)
+
+
+def gb(n: int) -> str:
+    """A size for people: GB with two decimals, MB below 1 GB (a tiny test model would show as 0.00 GB)."""
+    return f"{n / GB:.2f} GB" if n >= GB else f"{n / 1e6:.2f} MB"
+
+
+class ModelPool:
+    """`build(name, directory)` loads a model; `estimate(directory)` is its size in bytes before loading."""
+
+    def __init__(self, build: Build, estimate: Callable[[Path], int], budget_bytes: int) -> None:
+        self._build, self._estimate, self.budget_bytes = build, estimate, budget_bytes
+        self.models: dict[str, PoolModel] = {}
+        self._loaded: dict[str, ModelInfo] = {}  # replaced, never mutated: other threads read it (capabilities)
+        self.names: dict[str, str] = {}  # model key -> the name it was first asked for by
+        self.waiting: dict[str, list[WorkItem]] = {}  # model key -> items waiting for its load, in order
+        self.loading: dict[str, tuple[concurrent.futures.Future, int]] = {}  # key -> (load, bytes reserved)
+        self.run_model: dict[str, str] = {}  # run id -> model key
+        self.sizes: dict[str, int] = {}  # measured size of every model loaded once: the next estimate
+        self.outbox: list[Completion] = []
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tx-load")
+
+    # ---- loading -----------------------------------------------------------------------------------
+
+    def preload(self, name: str, model_dir: Path) -> ModelInfo:
+        """Load a model now (server start-up), within the budget."""
+        key = str(model_dir)
+        self.names.setdefault(key, name)
+        self._make_room(key, self._size_of(key))
+        runner, info = self._build(name, model_dir)
+        return self._add(key, runner, info).info
+
+    def _size_of(self, key: str) -> int:
+        return self.sizes.get(key) or self._estimate(Path(key))
+
+    def _add(self, key: str, runner: ModelRunner, info: ModelInfo) -> PoolModel:
+        model = PoolModel(key, runner, info, time.monotonic())
+        self.sizes[key] = runner.resident_bytes()
+        self.models[key] = model
+        self._loaded = {k: m.info for k, m in self.models.items()}
+        log.info("loaded %s (%s; budget %s)", info.base_model, gb(self.sizes[key]), gb(self.budget_bytes))
+        return model
+
+    def unload(self, key: str) -> None:
+        self.models.pop(key)
+        self._loaded = {k: m.info for k, m in self.models.items()}
+        gc.collect()  # the runner's closures hold its arrays in cycles: free the device memory now
+        log.info("unloaded %s to make room", self.names.get(key, key))
+
+    def _in_use(self) -> int:
+        loaded = sum(m.runner.resident_bytes() for m in self.models.values())
+        return loaded + sum(reserved for _, reserved in self.loading.values())
+
+    def _evictable(self, keep: str) -> list[PoolModel]:
+        idle = [
+            m
+            for m in self.models.values()
+            if m.key != keep and m.key not in self.waiting and m.runner.idle() and not m.runner.live_runs()
+        ]
+        return sorted(idle, key=lambda m: m.last_used)
+
+    def _make_room(self, key: str, needed: int) -> None:
+        """Unload idle models, least recently used first, until `needed` more bytes fit; else a user error."""
+        name = self.names.get(key, key)
+        if needed > self.budget_bytes:
+            raise RequestError(
+                f"model {name!r} needs about {gb(needed)}, more than the memory budget {gb(self.budget_bytes)} "
+                "(--memory-budget-gb)",
+                "user",
+            )
+        for victim in self._evictable(key):
+            if self._in_use() + needed <= self.budget_bytes:
+                break
+            self.unload(victim.key)
+        used = self._in_use()
+        if used + needed > self.budget_bytes:
+            held = ", ".join(
+                f"{m.info.base_model} {gb(self.sizes[m.key])} ({m.runner.live_runs()} live runs)"
+                for m in self.models.values()
+            )
+            raise RequestError(
+                f"model {name!r} needs about {gb(needed)} but only {gb(self.budget_bytes - used)} of the memory "
+                f"budget {gb(self.budget_bytes)} (--memory-budget-gb) is free, and no loaded model is idle: {held}",
+                "user",
+            )
+
+    def _start_loads(self) -> None:
+        for key in [k for k in self.waiting if k not in self.loading]:
+            try:
+                needed = self._size_of(key)
+                self._make_room(key, needed)
+            except Exception as err:
+                self._fail_waiting(key, err)
+                continue
+            log.info("loading %s for %d waiting requests", self.names[key], len(self.waiting[key]))
+            self.loading[key] = (self._loader.submit(self._build, self.names[key], Path(key)), needed)
+
+    def _finish_loads(self) -> None:
+        for key, (load, _) in list(self.loading.items()):
+            if not load.done():
+                continue
+            del self.loading[key]
+            try:
+                runner, info = load.result()
+            except Exception as err:
+                log.warning("loading %s failed: %s", self.names[key], err, exc_info=True)
+                self._fail_waiting(key, err)
+                continue
+            self._add(key, runner, info).runner.submit(self.waiting.pop(key))
+
+    def _fail_waiting(self, key: str, err: BaseException) -> None:
+        error = as_request_error(err)
+        self.outbox += [Completion(item.future_id, error) for item in self.waiting.pop(key, [])]
+
+    # ---- Runner protocol ---------------------------------------------------------------------------
+
+    def submit(self, items: Sequence[WorkItem]) -> None:
+        for item in items:
+            key = self._route(item)
+            model = self.models.get(key) if key is not None else None
+            if key is None:
+                unknown = RequestError(f"unknown model_id {item.model_id!r}", "user")
+                self.outbox.append(Completion(item.future_id, unknown))
+            elif model is not None and key not in self.waiting:
+                model.last_used = time.monotonic()
+                model.runner.submit([item])
+            else:
+                self.waiting.setdefault(key, []).append(item)
+
+    def _route(self, item: WorkItem) -> str | None:
+        """The model key of an item; a run's model is learned from the item that creates it."""
+        p = item.payload
+        if isinstance(p, CreateModelRequest | LoadWeightsRequest | SampleRequest):
+            key = p.model_dir or p.base_model
+            self.names.setdefault(key, p.base_model)
+            if item.kind != "sample" and item.model_id is not None:
+                self.run_model[item.model_id] = key
+            return key
+        run_key = self.run_model.get(str(item.model_id))
+        if item.kind == "unload_model":
+            self.run_model.pop(str(item.model_id), None)
+        return run_key
+
+    def step(self) -> list[Completion]:
+        self._finish_loads()
+        self._start_loads()
+        done, self.outbox = self.outbox, []
+        worked = False
+        for model in list(self.models.values()):  # one bounded step per model with work: fair turns
+            if not model.runner.idle():
+                model.last_used = time.monotonic()
+                done += model.runner.step()
+                worked = True
+        if not worked and not done and self.loading:  # nothing else to do: wait a little for a load
+            concurrent.futures.wait([f for f, _ in self.loading.values()], 0.05)
+        return done
+
+    def idle(self) -> bool:
+        return not self.outbox and not self.waiting and all(m.runner.idle() for m in self.models.values())
+
+    def discard(self, future_ids: Sequence[str]) -> None:
+        gone = set(future_ids)
+        self.outbox = [c for c in self.outbox if c.future_id not in gone]
+        for key, items in list(self.waiting.items()):
+            self.waiting[key] = [i for i in items if i.future_id not in gone]
+            if not self.waiting[key] and key not in self.loading:
+                del self.waiting[key]
+        for model in self.models.values():
+            model.runner.discard(future_ids)
+
+    def loaded(self) -> dict[str, ModelInfo]:
+        """Model directory -> info of every loaded model; safe to call from any thread."""
+        return self._loaded
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=False, cancel_futures=True)
