@@ -10,6 +10,10 @@ and the cookbook resolve everything locally.
     python tests/e2e/cookbook_offline.py --model-dir /tmp/models/tiny --hf-home /tmp/cbhf
     python tests/e2e/cookbook_offline.py --tiny-qwen3-5 /tmp/models/q35 --hf-home /tmp/cbhf \
         --model-name Qwen/Qwen3.5-9B-Base    # the recipes' default model, a tiny hub-style Qwen3.5
+    python tests/e2e/cookbook_offline.py --tiny-qwen3-5 /tmp/models/q35t --seed 1 --hf-home /tmp/cbhf \
+        --model-name Qwen/Qwen3.5-9B         # on-policy distillation's default teacher, other weights
+
+It also writes a stand-in for `zwhe99/DeepMath-103K` (the distillation recipe's default prompts).
 
 Needs `datasets` and `pyarrow` (run it with the cookbook's interpreter). Not a test: pytest skips it.
 """
@@ -59,6 +63,7 @@ def install_dataset(hf_home: Path, repo: str, config: str, make, n_train: int = 
     import pyarrow as pa
     import pyarrow.parquet as pq
     from datasets.data_files import DataFilesDict
+    from datasets.naming import camelcase_to_snakecase
     from datasets.packaged_modules.parquet.parquet import Parquet
 
     rng = random.Random(0)
@@ -79,7 +84,10 @@ def install_dataset(hf_home: Path, repo: str, config: str, make, n_train: int = 
     )
     builder.download_and_prepare()
     src = Path(builder.cache_dir)
-    dst = hf_home / "datasets" / repo.replace("/", "___") / config / src.parent.name / src.name
+    org, name = repo.split("/")
+    # Where `datasets` looks for it offline: the name in snake case (DeepMath-103K -> deep_math-103_k).
+    cached = f"{org}___{camelcase_to_snakecase(name)}"
+    dst = hf_home / "datasets" / cached / config / src.parent.name / src.name
     if dst.exists():
         shutil.rmtree(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +96,12 @@ def install_dataset(hf_home: Path, repo: str, config: str, make, n_train: int = 
     return dst
 
 
-def write_tiny_qwen3_5(out: Path) -> Path:
+def _deepmath(rng: random.Random, _i: int) -> dict:
+    a, b = rng.randint(0, 50), rng.randint(0, 50)
+    return {"question": f"What is {a} times {b}?", "final_answer": str(a * b), "difficulty": 1.0}
+
+
+def write_tiny_qwen3_5(out: Path, seed: int = 0) -> Path:
     """A tiny random Qwen3.5 as the hub ships it (`Qwen3_5ForConditionalGeneration`, vision tower
     included) with SmolGym's tiny BPE tokenizer and chat template."""
     import sys
@@ -108,7 +121,7 @@ def write_tiny_qwen3_5(out: Path) -> Path:
         eos_token_id=eos, tie_word_embeddings=True,
     )  # fmt: skip
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True, eos_token_id=eos)
     Qwen3_5ForConditionalGeneration(config).eval().save_pretrained(out)
     tokenizer.save(str(out / "tokenizer.json"))
@@ -124,13 +137,15 @@ def main() -> None:
     parser.add_argument(
         "--tiny-qwen3-5", type=Path, help="build a tiny hub-style Qwen3.5 here and publish it (instead of --model-dir)"
     )
+    parser.add_argument("--seed", type=int, default=0, help="weights seed of the tiny Qwen3.5")
     args = parser.parse_args()
     if (args.model_dir is None) == (args.tiny_qwen3_5 is None):
         parser.error("give exactly one of --model-dir and --tiny-qwen3-5")
-    model_dir = args.model_dir or write_tiny_qwen3_5(args.tiny_qwen3_5)
+    model_dir = args.model_dir or write_tiny_qwen3_5(args.tiny_qwen3_5, args.seed)
     install_model(args.hf_home, model_dir, args.model_name)
     print(install_dataset(args.hf_home, "HuggingFaceH4/no_robots", "default", _conversation))
     print(install_dataset(args.hf_home, "openai/gsm8k", "main", _gsm8k))
+    print(install_dataset(args.hf_home, "zwhe99/DeepMath-103K", "default", _deepmath))
     print(f"export HF_HOME={args.hf_home} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1; model name {args.model_name}")
 
 
