@@ -7,7 +7,10 @@ in-process on a loopback port; every call goes through the unmodified tinker SDK
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -166,6 +169,13 @@ def test_a_hub_model_in_the_offline_cache_loads_on_demand(models: Models, servic
     caps = rest.get_server_capabilities().result().supported_models
     expected = {models.qwen[0]: 128, models.llama[0]: 128, HUB_NAME: 128}
     assert {m.model_name: m.max_context_length for m in caps} == expected
+    env = {**os.environ, "TINKER_BASE_URL": models.url, "TINKER_API_KEY": KEY}
+    cli = subprocess.run(
+        [str(Path(sys.executable).parent / "tinker"), "--format", "json", "model", "list"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    assert HUB_NAME in cli.stdout and models.llama[0] in cli.stdout and models.qwen[0] in cli.stdout
 
 
 def test_unknown_and_unsupported_models_fail_clearly(service: tinker.ServiceClient, tmp_path: Path) -> None:

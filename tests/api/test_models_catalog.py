@@ -1,0 +1,102 @@
+"""ModelCatalog without an engine: which model strings a caller may use, where they resolve, what they list.
+
+Model directories here hold only a `config.json` (the catalog never reads weights); uploads come through
+the `find_upload(owner, name)` hook the upload store provides.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fastapi import HTTPException
+
+from tx.api.models import ModelCatalog, ModelRules, default_allow
+from tx.api.validate import ValidationError
+from tx.protocol import ModelInfo
+
+QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"], "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 96,
+}  # fmt: skip
+
+
+def _model_dir(root: Path, name: str, config: dict) -> Path:
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_loopback_allows_any_model_and_other_addresses_only_the_preloaded() -> None:
+    assert default_allow("127.0.0.1", ["a/b"]) is None
+    assert default_allow("0.0.0.0", ["a/b", "/m"]) == ("a/b", "/m")
+    assert default_allow("10.1.2.3", []) == ()
+
+
+def test_allow_globs_refuse_other_strings_but_not_preloaded_models(tmp_path: Path) -> None:
+    inside, outside = _model_dir(tmp_path, "ok/one", QWEN3), _model_dir(tmp_path, "other", QWEN3)
+    catalog = ModelCatalog(ModelRules(allow=(f"{tmp_path}/ok/*",), max_seq_len=4096))
+    assert catalog.get("alice", str(inside)).model_dir == str(inside)
+    with pytest.raises(HTTPException) as refused:
+        catalog.get("alice", str(outside))
+    assert refused.value.status_code == 403 and f"--allow-models {tmp_path}/ok/*" in refused.value.detail
+    catalog.preload(str(outside))  # named on the command line: allowed whatever the globs say
+    assert catalog.get("alice", str(outside)).info.vocab_size == 300
+
+
+def test_uploads_are_private_to_their_owner_even_once_loaded(tmp_path: Path) -> None:
+    mine = _model_dir(tmp_path, "store/alice/mine", QWEN3)
+    uploads = {("alice", "upload:mine"): mine}
+    loaded: dict[str, ModelInfo] = {}
+    catalog = ModelCatalog(
+        ModelRules(allow=()),  # nothing may be loaded on demand, except uploads by their owner
+        lambda: loaded,
+        find_upload=lambda owner, name: uploads.get((owner, name)),
+        list_uploads=lambda owner: [n for o, n in uploads if o == owner],
+    )
+    served = catalog.get("alice", "upload:mine")
+    assert served.model_dir == str(mine) and served.owner == "alice"
+    with pytest.raises(HTTPException) as missing:
+        catalog.get("bob", "upload:mine")
+    assert missing.value.status_code == 404 and "no upload by that name" in missing.value.detail
+    loaded[str(mine)] = served.info
+    assert [m.info.base_model for m in catalog.usable("alice")] == ["upload:mine"]
+    assert catalog.usable("bob") == [] and catalog.usable(None) == []
+
+
+def test_loaded_models_are_listed_with_their_context_length(tmp_path: Path) -> None:
+    pre, extra = _model_dir(tmp_path, "pre", QWEN3), _model_dir(tmp_path, "extra", QWEN3)
+    loaded: dict[str, ModelInfo] = {}
+    catalog = ModelCatalog(ModelRules(max_seq_len=64), lambda: loaded)
+    catalog.preload(str(pre))
+    served = catalog.get("alice", str(extra))
+    assert [m.info.base_model for m in catalog.usable("bob")] == [str(pre)]  # resolved, not loaded yet
+    loaded[served.model_dir] = served.info
+    listed = {m.info.base_model: m.info.max_seq_len for m in catalog.usable("bob")}
+    assert listed == {str(pre): 64, str(extra): 64}
+    long = _model_dir(tmp_path, "long", QWEN3)
+    assert ModelCatalog(ModelRules(max_seq_len=4096)).get("a", str(long)).info.max_seq_len == 96
+
+
+def test_unknown_and_unsupported_models_are_clear_errors(tmp_path: Path) -> None:
+    catalog = ModelCatalog(ModelRules())
+    with pytest.raises(HTTPException) as missing:
+        catalog.get("alice", str(tmp_path / "nowhere"))
+    assert missing.value.status_code == 404 and "no model directory at" in missing.value.detail
+    gpt2 = _model_dir(tmp_path, "gpt2", {"architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValidationError, match=r"unsupported architecture \['GPT2LMHeadModel'\]; supported: .*Qwen3"):
+        catalog.get("alice", str(gpt2))
+    with pytest.raises(HTTPException) as offline:
+        catalog.get("alice", "tiny-org/not-in-the-cache")  # tests run with HF_HUB_OFFLINE=1
+    assert offline.value.status_code == 404 and "not in the HF cache" in offline.value.detail
+
+
+def test_a_catalog_of_one_model_refuses_every_other_name() -> None:
+    info = ModelInfo("smolgym/tiny", vocab_size=10, max_seq_len=8, tokenizer_id="gpt2")
+    catalog = ModelCatalog.single(info)
+    assert catalog.get("alice", "smolgym/tiny").info == info
+    with pytest.raises(ValidationError, match="unknown base_model 'x/y'; this server serves 'smolgym/tiny'"):
+        catalog.get("alice", "x/y")
