@@ -200,6 +200,14 @@ def test_checkpoints_stay_with_their_model(models: Models, service: tinker.Servi
     got = resumed.forward(BATCH, "cross_entropy").result().loss_fn_outputs
     for a, b in zip(want, got, strict=True):
         np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), rtol=1e-6)
+    # A sampler checkpoint samples on its own base model, with its adapter: the run's own logprobs.
+    sampler_path = llama_run.save_weights_for_sampler("snap").result().path
+    sampler = service.create_sampling_client(model_path=sampler_path).result()
+    scored = llama_run.forward([_datum(PROMPT)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    sampled = _sample(sampler).result().prompt_logprobs[1:]
+    np.testing.assert_allclose(sampled, scored.to_numpy(), atol=1e-4)
+    base_logprobs = _reference_logprobs(models.llama[1], PROMPT)
+    assert np.abs(np.asarray(sampled) - base_logprobs).max() > 1e-3, "the snapshot sampled without its adapter"
     qwen_run = service.create_lora_training_client(base_model=qwen_name, rank=4).result()
     with pytest.raises(tinker.BadRequestError, match="was made on base model"):
         qwen_run.load_state(path).result()
