@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -87,8 +88,10 @@ def test_budget_unloads_the_idle_model_and_reloads_it_with_identical_results(dir
     qwen, llama = str(dirs["qwen"]), str(dirs["llama"])
     first = _only(_drain(pool, [_sample(dirs["qwen"])]))
     assert set(pool.models) == {qwen}
+    qwen_weights = weakref.ref(pool.models[qwen].runner.trainer.base[("model", "embed_tokens", "weight")])
     _only(_drain(pool, [_sample(dirs["llama"])]))
     assert set(pool.models) == {llama}, "the idle Qwen3 model was not unloaded to make room"
+    assert qwen_weights() is None, "the unloaded model's weights are still held"
     again = _only(_drain(pool, [_sample(dirs["qwen"])]))
     assert set(pool.models) == {qwen}
     assert isinstance(first, SampleResult) and isinstance(again, SampleResult)
