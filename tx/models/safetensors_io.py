@@ -1,12 +1,16 @@
 """Minimal safetensors reader over a memory map, so a shard is never read into memory whole.
 
 The `safetensors` numpy loader cannot represent bfloat16; this reader maps the file and views each
-tensor with `ml_dtypes`, touching only the bytes of the tensor being loaded.
+tensor with `ml_dtypes`, touching only the bytes of the tensor being loaded. The header is checked before any
+tensor is viewed: a known dtype, a shape of non-negative integers, data offsets that hold exactly that many
+bytes and lie inside the file, so a truncated or inconsistent file is an error naming the tensor, never a
+short read.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +28,54 @@ DTYPES: dict[str, np.dtype] = {
 }
 
 
+MAX_HEADER_BYTES = 100 << 20  # the format's own limit on the JSON header
+
+
+class BadSafetensors(ValueError):
+    """A .safetensors file whose header is malformed or whose tensors do not fit in the file."""
+
+
 def read_header(path: Path) -> tuple[dict, int]:
+    """(tensor name -> {dtype, shape, data_offsets}, byte where the data starts), every entry checked
+    against the file's size."""
+    file_bytes = path.stat().st_size
     with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise BadSafetensors(f"{path.name} is truncated: {file_bytes} bytes, not even a header length")
+        (size,) = struct.unpack("<Q", prefix)
+        if size > min(MAX_HEADER_BYTES, file_bytes - 8):
+            raise BadSafetensors(f"{path.name} is truncated or not safetensors: header of {size} bytes")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError as err:
+            raise BadSafetensors(f"{path.name}: header is not JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise BadSafetensors(f"{path.name}: header is not a JSON object")
     header.pop("__metadata__", None)
+    for name, info in header.items():
+        _check_entry(path.name, name, info, file_bytes - 8 - size)
     return header, 8 + size
+
+
+def _check_entry(file: str, name: str, info: object, data_bytes: int) -> None:
+    if not isinstance(info, dict) or info.get("dtype") not in DTYPES:
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        raise BadSafetensors(f"{file}: tensor {name!r} has unsupported dtype {dtype}; supported: {sorted(DTYPES)}")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise BadSafetensors(f"{file}: tensor {name!r} has shape {shape!r}, not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(n, int) for n in offsets):
+        raise BadSafetensors(f"{file}: tensor {name!r} has data_offsets {offsets!r}, not [start, end]")
+    start, end = offsets
+    want = math.prod(shape) * DTYPES[info["dtype"]].itemsize
+    if not 0 <= start <= end or end - start != want:
+        held = end - start
+        raise BadSafetensors(f"{file}: tensor {name!r} of shape {shape} needs {want} bytes, its offsets hold {held}")
+    if end > data_bytes:
+        raise BadSafetensors(
+            f"{file} is truncated: tensor {name!r} ends at data byte {end}, the file holds {data_bytes} data bytes"
+        )
 
 
 def iter_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
@@ -37,8 +83,6 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
     header, base = read_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     for name, info in header.items():
-        if info["dtype"] not in DTYPES:
-            raise ValueError(f"{path.name}: tensor {name!r} has unsupported dtype {info['dtype']}")
         start, end = info["data_offsets"]
         raw = data[base + start : base + end]
         yield name, raw.view(DTYPES[info["dtype"]]).reshape(info["shape"])

@@ -162,34 +162,56 @@ def _stream_weights(
     values: dict[Path_, jax.Array] = {}
     files = shard_files(model_dir)
     bar = tqdm(desc=f"loading {model_dir.name}", unit="tensor", disable=not progress, leave=False)
-    skipped = SKIPPED.get(cfg.family, ())
     for file in files:
         for key, array in (pair for raw in iter_tensors(file) for pair in hub_layout(*raw)):
             bar.update()
-            if key.startswith(skipped):
+            check_weight_dtype(key, file.name, array.dtype)
+            placed = place_tensor(cfg, expected, key, array.shape, file.name)
+            if placed is None:
                 continue
-            path, layer = hf_key_to_path(key, cfg.checkpoint_prefix)
-            path, expert = split_expert(path)
-            if path == ("lm_head", "weight") and cfg.tie_word_embeddings:
-                continue  # some checkpoints store the tied copy too
-            if path not in expected:
-                raise ValueError(f"unexpected tensor {key!r} in {file.name}: no such weight in a {cfg.family} model")
+            path, index, seen = placed
             var = expected[path]
-            index = _indices(cfg, path, var, layer, expert, key)
-            want = var.shape[len(index) :]
             host = np.asarray(array).astype(var.dtype)
-            if host.shape != tuple(want):
-                raise ValueError(f"tensor {key!r} has shape {array.shape}, expected {tuple(want)}")
             if not index:
                 values[path] = jax.device_put(host, shardings[path])
                 continue
             if path not in values:
                 values[path] = _allocate(var.shape, var.dtype, shardings[path])
             values[path] = _set_at(values[path], jnp.asarray(index, jnp.int32), host)
-            layers_seen.setdefault(path, set()).add((layer, expert))
+            layers_seen.setdefault(path, set()).add(seen)
     bar.close()
-    _check_complete(expected, values, layers_seen, cfg)
+    check_complete(expected, set(values), layers_seen, cfg)
     return values
+
+
+def check_weight_dtype(key: str, file: str, dtype: np.dtype) -> None:
+    """Base weights are stored as floating point (cast to the model's dtype as they load); an integer tensor
+    is a quantised or foreign checkpoint, which casting would silently corrupt."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"tensor {key!r} in {file} has dtype {dtype}; base weights must be floating point")
+
+
+def place_tensor(
+    cfg: ModelConfig, expected: dict[Path_, nnx.Variable], key: str, shape: tuple[int, ...], file: str
+) -> tuple[Path_, tuple, tuple[int | None, int | None]] | None:
+    """Where checkpoint tensor `key` of `shape` goes: (our weight's path, its index in the stacked weight,
+    the (layer, expert) it fills), or None for a tensor loading skips. Raises `ValueError` naming the tensor
+    when the model has no such weight or it has another shape. The loader and `tx.models.checkpoint_check`
+    both place tensors through here, so a checked checkpoint is one that loads."""
+    if key.startswith(SKIPPED.get(cfg.family, ())):
+        return None
+    path, layer = hf_key_to_path(key, cfg.checkpoint_prefix)
+    path, expert = split_expert(path)
+    if path == ("lm_head", "weight") and cfg.tie_word_embeddings:
+        return None  # some checkpoints store the tied copy too
+    if path not in expected:
+        raise ValueError(f"unexpected tensor {key!r} in {file}: no such weight in a {cfg.family} model")
+    var = expected[path]
+    index = _indices(cfg, path, var, layer, expert, key)
+    want = tuple(var.shape[len(index) :])
+    if tuple(shape) != want:
+        raise ValueError(f"tensor {key!r} has shape {tuple(shape)}, expected {want} (in {file})")
+    return path, index, (layer, expert)
 
 
 def _has_experts(var: nnx.Variable) -> bool:
@@ -213,12 +235,14 @@ def _indices(
     return (*index, expert)
 
 
-def _check_complete(expected: dict, values: dict, layers_seen: dict, cfg: ModelConfig) -> None:
+def check_complete(expected: dict, whole: set[Path_], layers_seen: dict, cfg: ModelConfig) -> None:
+    """`ValueError` naming the first weight of `expected` the checkpoint did not fill: `whole` holds the
+    unstacked weights seen, `layers_seen` the (layer, expert) pairs seen of each stacked one."""
     for path, var in expected.items():
         stacked = path[:2] == ("model", "layers")
         experts = range(var.shape[1]) if _has_experts(var) else [None]
         want = [(layer, e) for layer in cfg.layers_holding(path[2]) for e in experts] if stacked else [(None, None)]
-        seen = layers_seen.get(path, set()) if stacked else {(None, None)} if path in values else set()
+        seen = layers_seen.get(path, set()) if stacked else {(None, None)} if path in whole else set()
         missing = [w for w in want if w not in seen]
         if missing:
             key = path_to_hf_key(path, missing[0][0], cfg.checkpoint_prefix, missing[0][1])
