@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from tx.api.app import create_app
-from tx.api.context import Settings
+from tx.api.context import DEFAULT_MAX_UPLOAD_GB, Settings
 from tx.api.models import ModelCatalog, ModelRules, default_allow
 from tx.api.paths import checkpoints_root
 from tx.db import open_database
 from tx.engine.loop import Engine
 from tx.protocol import RequestError
+from tx.upload_store import GB, UploadStore
 
 if TYPE_CHECKING:
     from tx.engine.pool import ModelPool
@@ -119,10 +120,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds without a heartbeat (the SDK sends one every 10 s) before a session expires and its runs "
         "are unloaded, giving their adapter slots back (default 180)",
     )
+    p.add_argument(
+        "--max-upload-gb",
+        type=float,
+        default=DEFAULT_MAX_UPLOAD_GB,
+        help=f"largest base model one `python -m tx.upload` may send, in GB (default {DEFAULT_MAX_UPLOAD_GB:g})",
+    )
     p.add_argument("--log-level", default="info", help="logging level (default info)")
     args = p.parse_args(argv)
     if args.prompt_cache_mb < 0:
         p.error(f"--prompt-cache-mb must be >= 0, got {args.prompt_cache_mb}")
+    if not args.max_upload_gb > 0:
+        p.error(f"--max-upload-gb must be > 0, got {args.max_upload_gb}")
     if args.memory_budget_gb is not None and args.memory_budget_gb <= 0:
         p.error(f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
     return args
@@ -168,11 +177,13 @@ def build_pool(args: argparse.Namespace) -> ModelPool:
     return ModelPool(build, lambda model_dir: estimate_bytes(model_dir, args.dtype), budget)
 
 
-def build_catalog(args: argparse.Namespace, pool: ModelPool) -> ModelCatalog:
-    """The models clients may name; every `--base-model` is located, described and loaded now."""
+def build_catalog(args: argparse.Namespace, pool: ModelPool, uploads: UploadStore | None = None) -> ModelCatalog:
+    """The models clients may name; every `--base-model` is located, described and loaded now. `uploads`:
+    where `upload:NAME` strings are found (`create_app` gives the catalog its default store otherwise)."""
     allow = tuple(args.allow_models) if args.allow_models else default_allow(args.host, args.base_model)
     rules = ModelRules(allow, args.max_seq_len, args.max_lora_rank, args.max_lora_adapters)
-    catalog = ModelCatalog(rules, pool.loaded)
+    hooks = (uploads.find_upload, uploads.list_uploads) if uploads is not None else (None, None)
+    catalog = ModelCatalog(rules, pool.loaded, *hooks)
     try:
         for name in args.base_model:
             pool.preload(name, Path(catalog.preload(name).model_dir))
@@ -211,12 +222,13 @@ def main(argv: list[str] | None = None) -> None:
     swept = sweep_partial(checkpoints_root(Path(args.data_dir)))
     if swept:
         log.warning("removed %d half-written checkpoint directories left by a previous run", len(swept))
+    settings = Settings(data_dir=Path(args.data_dir), api_keys=api_keys, max_upload_bytes=int(args.max_upload_gb * GB))
+    uploads = UploadStore(settings.data_dir / "uploads", settings.max_upload_bytes)
     pool = build_pool(args)
-    catalog = build_catalog(args, pool)
+    catalog = build_catalog(args, pool, uploads)
     engine = Engine(db.queue, pool)
     engine.start()
-    settings = Settings(data_dir=Path(args.data_dir), api_keys=api_keys)
-    app = create_app(settings, db, catalog)
+    app = create_app(settings, db, catalog, uploads)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     key_hint = sorted(api_keys)[0] if api_keys else "tml-local"
     threading.Thread(target=_announce_when_ready, args=(server, args.host, args.port, key_hint), daemon=True).start()

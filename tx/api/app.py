@@ -29,6 +29,7 @@ from tx.api import (
     routes_search,
     routes_session,
     routes_train,
+    routes_upload,
     routes_weights,
 )
 from tx.api.body_limit import BodyLimit, BodyTooLarge
@@ -40,6 +41,7 @@ from tx.api.wire_decode import WireError
 from tx.db import Database
 from tx.names import BadName
 from tx.protocol import ModelInfo, UnloadModelRequest
+from tx.upload_store import UploadStore
 
 log = logging.getLogger("tx.api")
 
@@ -87,10 +89,16 @@ def server_limits(models: ModelCatalog) -> Limits:
     return Limits(max_seq_len=models.rules.max_seq_len, vocab_size=1 << 30)
 
 
-def create_app(settings: Settings, db: Database, models: ModelCatalog | ModelInfo) -> FastAPI:
-    """`models`: the catalog of base models; a bare `ModelInfo` serves that one model (tests, fake engines)."""
+def create_app(
+    settings: Settings, db: Database, models: ModelCatalog | ModelInfo, uploads: UploadStore | None = None
+) -> FastAPI:
+    """`models`: the catalog of base models; a bare `ModelInfo` serves that one model (tests, fake engines).
+    `uploads`: the upload store (default: `<data-dir>/uploads`); a catalog without upload hooks gets its."""
     catalog = ModelCatalog.single(models) if isinstance(models, ModelInfo) else models
-    ctx = AppContext(settings, db, catalog, server_limits(catalog))
+    store = uploads or UploadStore(settings.data_dir / "uploads", settings.max_upload_bytes)
+    if catalog.find_upload is None and catalog.list_uploads is None:
+        catalog.find_upload, catalog.list_uploads = store.find_upload, store.list_uploads
+    ctx = AppContext(settings, db, catalog, server_limits(catalog), store)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -117,6 +125,7 @@ def create_app(settings: Settings, db: Database, models: ModelCatalog | ModelInf
         routes_admin,
         routes_copy,
         routes_search,
+        routes_upload,
     ):
         app.include_router(module.router)
     return app

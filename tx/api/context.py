@@ -26,8 +26,10 @@ from tx.api.models import ModelCatalog, ServedModel
 from tx.db import Database, DuplicateRequestError, owner_of
 from tx.db.tables import TrainingRunRow
 from tx.protocol import Payload
+from tx.upload_store import GB, UploadStore
 
 T = TypeVar("T")
+DEFAULT_MAX_UPLOAD_GB = 100.0  # a 9B model in float32 with room to spare; --max-upload-gb changes it
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class Settings:
     max_num_samples: int = 128
     max_topk_logprobs: int = 20
     archive_url_ttl_s: float = 3600.0
+    max_upload_bytes: int = int(DEFAULT_MAX_UPLOAD_GB * GB)
 
 
 @dataclass
@@ -49,6 +52,7 @@ class AppContext:
     db: Database
     models: ModelCatalog
     limits: Limits  # server-wide bounds for decoding a body before its model is known; each model has its own
+    uploads: UploadStore
     downloads: dict[str, tuple[Path, float]] = field(default_factory=dict)
     # Heavy request bodies are decoded and queued on a few threads: dozens of CPU-bound threads
     # fighting over the GIL are slower than a handful, and the group commit batches them anyway.

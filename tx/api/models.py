@@ -111,6 +111,11 @@ class ModelCatalog:
             self._known[key] = model
         return model
 
+    def forget_upload(self, owner: str, name: str) -> None:
+        """Drop what `get` remembered of `owner`'s upload `name` (deleted: a later request must not find it)."""
+        with self._lock:
+            self._known.pop((owner, name), None)
+
     def _allowed(self, name: str) -> bool:
         patterns = self.rules.allow
         return patterns is None or any(fnmatch.fnmatchcase(name, p) for p in patterns)

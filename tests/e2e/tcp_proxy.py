@@ -1,0 +1,76 @@
+"""A loopback TCP proxy that counts the bytes a client sends and can cut its connection mid-stream.
+
+`CuttingProxy(upstream_port, cut_after=N)` forwards every connection to the server; once N client bytes
+have gone through in total it closes that connection abruptly (both sides), once, as a dropped network
+link would. `sent` is the count of client bytes forwarded, so a test can tell how much a resume re-sent.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+
+class CuttingProxy:
+    def __init__(self, upstream_port: int, cut_after: int | None = None) -> None:
+        self.upstream_port, self.cut_after = upstream_port, cut_after
+        self.sent, self.cuts = 0, 0
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=self._pump_up, args=(client, server), daemon=True).start()
+            threading.Thread(target=self._pump_down, args=(server, client), daemon=True).start()
+
+    def _pump_up(self, client: socket.socket, server: socket.socket) -> None:
+        while data := _recv(client):
+            with self._lock:
+                cut = self.cut_after is not None and self.cuts == 0 and self.sent + len(data) >= self.cut_after
+                if cut:
+                    data = data[: self.cut_after - self.sent]
+                    self.cuts += 1
+                self.sent += len(data)
+            server.sendall(data)
+            if cut:
+                break
+        for sock in (client, server):
+            _shut(sock)
+
+    def _pump_down(self, server: socket.socket, client: socket.socket) -> None:
+        while data := _recv(server):
+            try:
+                client.sendall(data)
+            except OSError:
+                break
+        for sock in (client, server):
+            _shut(sock)
+
+
+def _recv(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(1 << 16)
+    except OSError:
+        return b""
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

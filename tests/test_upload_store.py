@@ -1,0 +1,167 @@
+"""The upload store on real files: chunks kept only when their sha256 matches, resume from the verified
+offset after a restart (an unverified tail cut off), publication by one rename after validation, hostile
+names refused twice, another owner's uploads invisible, deletion."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from tx.names import BadName
+from tx.upload_store import MAX_CHUNK_BYTES, FileSpec, UploadError, UploadStore
+
+OWNER, OTHER = "a" * 24, "b" * 24
+CONFIG = json.dumps({"architectures": ["Qwen3ForCausalLM"]}).encode()
+WEIGHTS = bytes(range(256)) * 40
+
+
+def spec(name: str, data: bytes) -> FileSpec:
+    return FileSpec(name, len(data), hashlib.sha256(data).hexdigest())
+
+
+FILES = {"config.json": CONFIG, "model.safetensors": WEIGHTS}
+
+
+def facts(_model_dir: Path) -> dict:
+    return {"architecture": "Qwen3ForCausalLM", "max_context_length": 128}
+
+
+def send(store: UploadStore, file: str, data: bytes, offset: int, owner: str = OWNER) -> None:
+    with store.chunk(owner, "m", file, offset, len(data)) as writer:
+        writer.write(data)
+        writer.commit(hashlib.sha256(data).hexdigest())
+
+
+def begin(store: UploadStore, owner: str = OWNER) -> dict[str, int]:
+    return store.begin(owner, "m", [spec(n, d) for n, d in FILES.items()])
+
+
+def send_all(store: UploadStore, owner: str = OWNER) -> None:
+    for name, data in FILES.items():
+        held = store.received(owner, "m")[name]  # type: ignore[index]
+        if held < len(data):
+            send(store, name, data[held:], held, owner)
+
+
+def test_round_trip_publishes_only_after_validation(tmp_path):
+    store = UploadStore(tmp_path, 10**6)
+    assert begin(store) == {"config.json": 0, "model.safetensors": 0}
+    send_all(store)
+    assert store.find_upload(OWNER, "upload:m") is None and store.uploads(OWNER) == []
+    info = store.finish(OWNER, "m", facts)
+    model_dir = store.find_upload(OWNER, "upload:m")
+    assert model_dir is not None and (model_dir / "model.safetensors").read_bytes() == WEIGHTS
+    assert info.size_bytes == len(CONFIG) + len(WEIGHTS) and store.list_uploads(OWNER) == ["upload:m"]
+    assert store.find_upload(OTHER, "upload:m") is None and store.uploads(OTHER) == []
+    assert store.find_upload(OWNER, "m") is None  # not an upload string
+    with pytest.raises(UploadError, match="already exists"):
+        begin(store)
+
+
+def test_a_bad_chunk_leaves_nothing_and_a_restart_resumes_at_the_verified_offset(tmp_path):
+    store = UploadStore(tmp_path, 10**6)
+    begin(store)
+    send(store, "model.safetensors", WEIGHTS[:4000], 0)
+    with pytest.raises(UploadError, match="does not match its X-Chunk-Sha256"):
+        with store.chunk(OWNER, "m", "model.safetensors", 4000, 100) as writer:
+            writer.write(WEIGHTS[4000:4100])
+            writer.commit("0" * 64)
+    with pytest.raises(UploadError, match="longer than its declared 10 bytes"):
+        with store.chunk(OWNER, "m", "model.safetensors", 4000, 10) as writer:
+            writer.write(WEIGHTS[4000:4011])
+    part = tmp_path / OWNER / ".staging" / "m" / "model" / "model.safetensors"
+    assert part.stat().st_size == 4000
+    with open(part, "ab") as f:  # a server killed mid-chunk leaves unverified bytes behind
+        f.write(b"garbage" * 2000)  # longer than the rest of the file
+    restarted = UploadStore(tmp_path, 10**6)
+    assert restarted.received(OWNER, "m") == {"config.json": 0, "model.safetensors": 4000}
+    with pytest.raises(UploadError, match="holds 4000 bytes, the chunk starts at 3000") as err:
+        send(restarted, "model.safetensors", WEIGHTS[3000:4000], 3000)
+    assert err.value.status == 416
+    send_all(restarted)
+    restarted.finish(OWNER, "m", facts)
+    assert (restarted.find_upload(OWNER, "upload:m") / "model.safetensors").read_bytes() == WEIGHTS  # type: ignore[operator]
+
+
+def test_an_incomplete_or_refused_upload_is_never_published(tmp_path):
+    store = UploadStore(tmp_path, 10**6)
+    begin(store)
+    send(store, "config.json", CONFIG, 0)
+    with pytest.raises(UploadError, match="'model.safetensors' has 0 of 10240 bytes"):
+        store.finish(OWNER, "m", facts)
+    send_all(store)
+
+    def refuse(_model_dir: Path) -> dict:
+        raise ValueError("tensor 'x' has shape (3,), expected (4,)")
+
+    with pytest.raises(UploadError, match=r"upload 'm' refused: tensor 'x' has shape"):
+        store.finish(OWNER, "m", refuse)
+    assert store.received(OWNER, "m") is None and store.find_upload(OWNER, "upload:m") is None
+
+
+def test_a_file_changed_under_its_declared_sha256_is_sent_again(tmp_path):
+    store = UploadStore(tmp_path, 10**6)
+    store.begin(OWNER, "m", [spec("config.json", CONFIG), FileSpec("model.safetensors", len(WEIGHTS), "f" * 64)])
+    send_all(store)
+    with pytest.raises(UploadError, match="'model.safetensors' does not match its sha256"):
+        store.finish(OWNER, "m", facts)
+    assert store.received(OWNER, "m") == {"config.json": len(CONFIG), "model.safetensors": 0}
+
+
+def test_declarations_are_checked(tmp_path):
+    store = UploadStore(tmp_path, 10_000)
+    with pytest.raises(UploadError, match=r"over this server's --max-upload-gb 1e-05") as err:
+        begin(store)
+    assert err.value.status == 413
+    roomy = UploadStore(tmp_path, 10**6)
+    for files, message in [
+        ([spec("model.safetensors", WEIGHTS)], "needs config.json"),
+        ([spec("config.json", CONFIG)] * 2, "unique"),
+        ([spec("config.json", CONFIG), FileSpec("model.safetensors", 1, "xyz")], "64 lowercase hex"),
+        ([], "1-1024 files"),
+    ]:
+        with pytest.raises(UploadError, match=message):
+            roomy.begin(OWNER, "m", files)
+    with pytest.raises(UploadError, match=f"1-{MAX_CHUNK_BYTES} bytes"):
+        begin(roomy)
+        roomy.chunk(OWNER, "m", "config.json", 0, len(CONFIG) + 1).__enter__()
+
+
+@pytest.mark.parametrize("name", ["..", ".staging", "../x", "a/b", "", "x" * 129])
+def test_hostile_names_never_become_paths(tmp_path, name):
+    store = UploadStore(tmp_path / "uploads", 10**6)
+    with pytest.raises(BadName):
+        store.begin(OWNER, name, [spec(n, d) for n, d in FILES.items()])
+    with pytest.raises(BadName):
+        store.begin(name or ".", "m", [spec(n, d) for n, d in FILES.items()])
+    with pytest.raises(BadName):
+        store.begin(OWNER, "m", [spec(name, CONFIG), spec("config.json", CONFIG), spec("m.safetensors", WEIGHTS)])
+    assert store.find_upload(OWNER, f"upload:{name}") is None and store.find_upload(name, "upload:m") is None
+    assert not (tmp_path / "x").exists() and not (tmp_path / "uploads" / OWNER / ".staging" / "m" / "model").exists()
+
+
+def test_delete_removes_complete_and_partial_uploads_of_their_owner_only(tmp_path):
+    store = UploadStore(tmp_path, 10**6)
+    begin(store)
+    send_all(store)
+    store.finish(OWNER, "m", facts)
+    begin(store, OTHER)
+    assert not store.delete(OWNER, "other-name")
+    assert store.delete(OWNER, "m") and store.find_upload(OWNER, "upload:m") is None
+    assert not (tmp_path / OWNER / "m").exists() and store.received(OTHER, "m") is not None
+    assert store.delete(OTHER, "m") and store.received(OTHER, "m") is None
+
+
+def test_one_request_at_a_time_per_upload(tmp_path):
+    store = UploadStore(tmp_path, 10**6)
+    begin(store)
+    with store.chunk(OWNER, "m", "config.json", 0, len(CONFIG)) as writer:
+        with pytest.raises(UploadError, match="busy") as err:
+            store.delete(OWNER, "m")
+        assert err.value.status == 423
+        writer.write(CONFIG)
+        writer.commit(hashlib.sha256(CONFIG).hexdigest())
+    assert store.received(OWNER, "m") == {"config.json": len(CONFIG), "model.safetensors": 0}
