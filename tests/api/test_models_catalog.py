@@ -100,3 +100,23 @@ def test_a_catalog_of_one_model_refuses_every_other_name() -> None:
     assert catalog.get("alice", "smolgym/tiny").info == info
     with pytest.raises(ValidationError, match="unknown base_model 'x/y'; this server serves 'smolgym/tiny'"):
         catalog.get("alice", "x/y")
+
+
+def test_a_hub_model_with_only_its_config_cached_is_left_to_the_engine_to_fetch(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The catalog needs only `config.json`: a hub model whose weights are not cached is keyed by its name,
+    and the engine's fetcher downloads the weights (`locate_model`, which refuses a config-only snapshot)."""
+    import huggingface_hub.constants
+
+    from tx.models.catalog import locate_model
+
+    snapshot = _model_dir(tmp_path / "hub" / "models--org--big" / "snapshots", "3" * 40, QWEN3)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("3" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    served = ModelCatalog(ModelRules()).get("alice", "org/big")
+    assert served.model_dir == "org/big" and served.info.vocab_size == 300
+    with pytest.raises(FileNotFoundError, match="not in the HF cache"):
+        locate_model("org/big")  # offline, and the cache holds no weights
+    (snapshot / "model.safetensors").write_bytes(b"")
+    assert locate_model("org/big") == snapshot
+    assert ModelCatalog(ModelRules()).get("alice", "org/big").model_dir == str(snapshot)

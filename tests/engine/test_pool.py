@@ -3,6 +3,7 @@ fair turns across models, and each model's compiled programs kept while others l
 
 from __future__ import annotations
 
+import shutil
 import time
 import uuid
 import weakref
@@ -51,9 +52,9 @@ def _item(kind: str, model_id: str, payload: Any) -> WorkItem:
     return WorkItem(uuid.uuid4().hex, kind, model_id, payload, time.time())  # type: ignore[arg-type]
 
 
-def _sample(model_dir: Path, max_tokens: int = 6, seed: int = 7) -> WorkItem:
+def _sample(model: Path | str, max_tokens: int = 6, seed: int = 7) -> WorkItem:
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, stop_at_eos=False)
-    request = SampleRequest([3, 5, 7, 9], 1, params, str(model_dir), prompt_logprobs=True, model_dir=str(model_dir))
+    request = SampleRequest([3, 5, 7, 9], 1, params, str(model), prompt_logprobs=True, model_dir=str(model))
     return _item("sample", "sampler", request)
 
 
@@ -148,3 +149,22 @@ def test_models_take_fair_turns_and_keep_their_compiled_programs(dirs, tmp_path:
     results = _drain(pool, [_fb("run-q"), _fb("run-l"), _sample(dirs["qwen"], 4), _sample(dirs["llama"], 4)])
     assert all(not isinstance(r, RequestError) for r in results.values()), results
     assert compile_count() == before, "another model's load or unload recompiled a model's programs"
+
+
+def test_a_model_keyed_by_its_hub_name_is_fetched_then_loaded(dirs, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The API keys a hub model whose weights are not cached by its name; the pool's fetcher locates them
+    (here in an offline HF cache) before the loader builds the model."""
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("2" * 40)
+    shutil.copytree(dirs["qwen"], snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("2" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    pool = _pool(tmp_path, 100 * MB)
+    by_name = _only(_drain(pool, [_sample("org/tiny")]))
+    assert pool.located["org/tiny"] == snapshot and set(pool.models) == {"org/tiny"}
+    by_dir = _only(_drain(pool, [_sample(dirs["qwen"])]))
+    assert by_name.sequences[0].logprobs == by_dir.sequences[0].logprobs
+    (missing,) = _drain(pool, [_sample("org/absent")]).values()
+    assert isinstance(missing, RequestError) and "'org/absent' is not a local directory" in missing.message

@@ -22,7 +22,7 @@ from fastapi import HTTPException
 
 from tx.api.limits import Limits, limits_for
 from tx.api.validate import ValidationError
-from tx.models.catalog import describe_model, locate_model
+from tx.models.catalog import describe_model, has_weights, is_hub_name, locate_config, locate_model
 from tx.protocol import ModelInfo
 
 UPLOAD_PREFIX = "upload:"
@@ -34,7 +34,9 @@ Loaded = Callable[[], Mapping[str, ModelInfo]]  # model directory -> info of the
 @dataclass(frozen=True)
 class ServedModel:
     info: ModelInfo
-    model_dir: str  # the engine's key for this model ("" for a catalog that serves one fixed model)
+    # The engine's key: the directory of the weights, or the hub name when they still have to be downloaded
+    # ("" for a catalog that serves one fixed model).
+    model_dir: str
     limits: Limits
     owner: str | None = None  # an upload's owner; None: any caller may see it
 
@@ -106,7 +108,7 @@ class ModelCatalog:
             raise HTTPException(
                 403, detail=f"base_model {name!r} is not allowed on this server (--allow-models {self._allow_text()})"
             )
-        model = self._describe(owner if is_upload else None, name, self._locate(owner, name, is_upload))
+        model = self._describe(owner if is_upload else None, name, self._locate_config(owner, name, is_upload))
         with self._lock:
             self._known[key] = model
         return model
@@ -123,14 +125,16 @@ class ModelCatalog:
     def _allow_text(self) -> str:
         return " ".join(self.rules.allow or ("*",))
 
-    def _locate(self, owner: str, name: str, is_upload: bool) -> Path:
+    def _locate_config(self, owner: str, name: str, is_upload: bool) -> Path:
+        """The directory of the model's `config.json`: for a hub name not in the cache, a snapshot with the
+        config alone (the engine downloads the weights when it loads the model)."""
         found = self.find_upload(owner, name) if self.find_upload is not None else None
         if found is not None:
             return found
         if is_upload:
             _not_found(f"unknown base_model {name!r}: you have no upload by that name")
         try:
-            return locate_model(name)
+            return locate_config(name)
         except FileNotFoundError as err:
             _not_found(f"unknown base_model {name!r}: {err}")
 
@@ -142,7 +146,9 @@ class ModelCatalog:
             _not_found(f"base_model {name!r} has no usable model files: {err}")
         except (ValueError, KeyError) as err:  # unsupported architecture (with the list) or a broken config
             raise ValidationError(f"base_model {name!r} cannot be served: {err}") from err
-        return ServedModel(info, str(model_dir), limits_for(info), owner)
+        fetch = is_hub_name(name) and not has_weights(model_dir)  # weights not cached: the engine downloads them
+        engine_key = name if fetch else str(model_dir)
+        return ServedModel(info, engine_key, limits_for(info), owner)
 
     def usable(self, owner: str | None) -> list[ServedModel]:
         """What a caller can use now: preloaded models, models loaded on demand (other owners' uploads

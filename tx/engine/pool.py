@@ -5,14 +5,16 @@ directory, the HF cache), so two names for the same files share one loaded copy,
 under one name never do. Each loaded model is one `JaxRunner` with its own weights, adapter slots and
 compiled programs; loading or unloading another model never touches them (no recompiles).
 
-Routing: `create_model`, `load_weights` and `sample` carry their model's directory; every other item
-names a run, whose model the pool learned when the run was created. Work for a model that is not loaded
-waits while a loader thread builds it (the engine thread keeps stepping the other models meanwhile), then
-runs in arrival order. Before a load the pool makes room within the memory budget by unloading idle
-models (no live runs, nothing queued or running), least recently used first; if that is not enough the
-waiting requests fail with the sizes. A model with live runs is never unloaded. Scheduling is fair: each
-`step` gives every model with work one runner step (one training round and one decode chunk), so work on
-one model delays another's next step by at most that much.
+Routing: `create_model`, `load_weights` and `sample` carry their model's directory (or, for a hub model
+not in the local cache, its name); every other item names a run, whose model the pool learned when the
+run was created. Work for a model that is not loaded waits while a loader thread builds it (the engine
+thread keeps stepping the other models meanwhile), then runs in arrival order; a model known only by its
+hub name is first downloaded by a fetcher thread, so a download blocks neither the engine nor the API.
+Before a load the pool makes room within the memory budget by unloading idle models (no live runs,
+nothing queued or running), least recently used first; if that is not enough the waiting requests fail
+with the sizes. A model with live runs is never unloaded. Scheduling is fair: each `step` gives every
+model with work one runner step (one training round and one decode chunk), so work on one model delays
+another's next step by at most that much.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import jax
 
 from tx.engine.errors import as_request_error
 from tx.engine.loop import Completion, Runner
+from tx.models.catalog import locate_model
 from tx.protocol import CreateModelRequest, LoadWeightsRequest, ModelInfo, RequestError, SampleRequest, WorkItem
 
 log = logging.getLogger("tx.engine")
@@ -71,10 +74,17 @@ def gb(n: int) -> str:
 
 
 class ModelPool:
-    """`build(name, directory)` loads a model; `estimate(directory)` is its size in bytes before loading."""
+    """`build(name, directory)` loads a model; `estimate(directory)` is its size in bytes before loading;
+    `locate(key)` finds or downloads the directory of a model keyed by a hub name."""
 
-    def __init__(self, build: Build, estimate: Callable[[Path], int], budget_bytes: int) -> None:
-        self._build, self._estimate, self.budget_bytes = build, estimate, budget_bytes
+    def __init__(
+        self,
+        build: Build,
+        estimate: Callable[[Path], int],
+        budget_bytes: int,
+        locate: Callable[[str], Path] = locate_model,
+    ) -> None:
+        self._build, self._estimate, self.budget_bytes, self._locate = build, estimate, budget_bytes, locate
         self.models: dict[str, PoolModel] = {}
         self._loaded: dict[str, ModelInfo] = {}  # replaced, never mutated: other threads read it (capabilities)
         self.names: dict[str, str] = {}  # model key -> the name it was first asked for by
@@ -82,6 +92,9 @@ class ModelPool:
         self.loading: dict[str, tuple[concurrent.futures.Future, int]] = {}  # key -> (load, bytes reserved)
         self.run_model: dict[str, str] = {}  # run id -> model key
         self.sizes: dict[str, int] = {}  # measured size of every model loaded once: the next estimate
+        self.located: dict[str, Path] = {}  # hub-name key -> the directory its weights were downloaded to
+        self.fetching: dict[str, concurrent.futures.Future] = {}  # key -> download of its weights
+        self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tx-fetch")
         self.outbox: list[Completion] = []
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tx-load")
 
@@ -96,7 +109,11 @@ class ModelPool:
         return self._add(key, runner, info).info
 
     def _size_of(self, key: str) -> int:
-        return self.sizes.get(key) or self._estimate(Path(key))
+        return self.sizes.get(key) or self._estimate(self.located.get(key, Path(key)))
+
+    def _directory(self, key: str) -> Path | None:
+        """Where a model's weights are, or None while they still have to be downloaded."""
+        return Path(key) if Path(key).is_dir() else self.located.get(key)
 
     def _add(self, key: str, runner: ModelRunner, info: ModelInfo) -> PoolModel:
         model = PoolModel(key, runner, info, time.monotonic())
@@ -150,7 +167,12 @@ class ModelPool:
             )
 
     def _start_loads(self) -> None:
-        for key in [k for k in self.waiting if k not in self.loading]:
+        for key in [k for k in self.waiting if k not in self.loading and k not in self.fetching]:
+            directory = self._directory(key)
+            if directory is None:
+                log.info("fetching %s for %d waiting requests", self.names[key], len(self.waiting[key]))
+                self.fetching[key] = self._fetcher.submit(self._locate, key)
+                continue
             try:
                 needed = self._size_of(key)
                 self._make_room(key, needed)
@@ -158,7 +180,16 @@ class ModelPool:
                 self._fail_waiting(key, err)
                 continue
             log.info("loading %s for %d waiting requests", self.names[key], len(self.waiting[key]))
-            self.loading[key] = (self._loader.submit(self._build, self.names[key], Path(key)), needed)
+            self.loading[key] = (self._loader.submit(self._build, self.names[key], directory), needed)
+
+    def _finish_fetches(self) -> None:
+        for key, fetch in list(self.fetching.items()):
+            if fetch.done():
+                del self.fetching[key]
+                try:
+                    self.located[key] = fetch.result()
+                except Exception as err:
+                    self._fail_waiting(key, err)
 
     def _finish_loads(self) -> None:
         for key, (load, _) in list(self.loading.items()):
@@ -207,6 +238,7 @@ class ModelPool:
         return run_key
 
     def step(self) -> list[Completion]:
+        self._finish_fetches()
         self._finish_loads()
         self._start_loads()
         done, self.outbox = self.outbox, []
@@ -216,8 +248,9 @@ class ModelPool:
                 model.last_used = time.monotonic()
                 done += model.runner.step()
                 worked = True
-        if not worked and not done and self.loading:  # nothing else to do: wait a little for a load
-            concurrent.futures.wait([f for f, _ in self.loading.values()], 0.05)
+        pending = [f for f, _ in self.loading.values()] + list(self.fetching.values())
+        if not worked and not done and pending:  # nothing else to do: wait a little for a load
+            concurrent.futures.wait(pending, 0.05)
         return done
 
     def idle(self) -> bool:
@@ -228,7 +261,7 @@ class ModelPool:
         self.outbox = [c for c in self.outbox if c.future_id not in gone]
         for key, items in list(self.waiting.items()):
             self.waiting[key] = [i for i in items if i.future_id not in gone]
-            if not self.waiting[key] and key not in self.loading:
+            if not self.waiting[key] and key not in self.loading and key not in self.fetching:
                 del self.waiting[key]
         for model in self.models.values():
             model.runner.discard(future_ids)
@@ -239,3 +272,4 @@ class ModelPool:
 
     def close(self) -> None:
         self._loader.shutdown(wait=False, cancel_futures=True)
+        self._fetcher.shutdown(wait=False, cancel_futures=True)

@@ -1,7 +1,9 @@
 """Where a model string's files are and what the model is, without JAX.
 
-`locate_model` turns a hub name or a local directory into a directory (the local HF cache first, the
-hub only when it is reachable and not switched off with `HF_HUB_OFFLINE=1`); `describe_model` reads its
+`locate_model` turns a hub name or a local directory into a directory with the weights (the local HF
+cache first, the hub only when it is reachable and not switched off with `HF_HUB_OFFLINE=1`);
+`locate_config` finds (or fetches) only its `config.json`, so the API can answer at once and leave the
+download of the weights to the engine's loader; `describe_model` reads its
 `config.json` into the `ModelInfo` the API validates requests with (an unsupported architecture is a
 `ValueError` listing the supported ones); `weight_bytes` sizes the text model's weights from the
 safetensors headers, so a load can be refused before it starts. The API (which must not load JAX to
@@ -37,10 +39,12 @@ def locate_model(name_or_dir: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(name_or_dir, allow_patterns=list(HF_FILES), local_files_only=True))
+        cached = Path(snapshot_download(name_or_dir, allow_patterns=list(HF_FILES), local_files_only=True))
+        if has_weights(cached):  # a snapshot may hold only the config.json `locate_config` fetched
+            return cached
     except Exception:
         pass
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
+    if hub_offline():
         raise FileNotFoundError(f"{name_or_dir!r} is not a local directory and is not in the HF cache (offline mode)")
     try:
         return Path(snapshot_download(name_or_dir, allow_patterns=list(HF_FILES)))
@@ -49,6 +53,30 @@ def locate_model(name_or_dir: str) -> Path:
             f"cannot fetch {name_or_dir!r} from the Hugging Face hub ({type(err).__name__}); "
             "pass a local model directory instead"
         ) from err
+
+
+def locate_config(name_or_dir: str) -> Path:
+    """The directory holding `config.json` of a local directory or a hub name: the name's cached snapshot, or
+    (online) a snapshot with the config alone, fetched in a moment whatever the size of the weights."""
+    path = Path(name_or_dir).expanduser()
+    if path.is_dir() or not is_hub_name(name_or_dir):
+        return locate_model(name_or_dir)
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(name_or_dir, "config.json", local_files_only=hub_offline())).parent
+    except Exception as err:
+        offline = hub_offline()
+        where = "is not in the HF cache (offline mode)" if offline else f"cannot be fetched ({type(err).__name__})"
+        raise FileNotFoundError(f"{name_or_dir!r} is not a local directory and {where}") from err
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def has_weights(model_dir: Path) -> bool:
+    return any(model_dir.glob("*.safetensors"))
 
 
 def describe_model(
