@@ -4,6 +4,7 @@ fair turns across models, and each model's compiled programs kept while others l
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 import uuid
 import weakref
@@ -168,3 +169,29 @@ def test_a_model_keyed_by_its_hub_name_is_fetched_then_loaded(dirs, tmp_path: Pa
     assert by_name.sequences[0].logprobs == by_dir.sequences[0].logprobs
     (missing,) = _drain(pool, [_sample("org/absent")]).values()
     assert isinstance(missing, RequestError) and "'org/absent' is not a local directory" in missing.message
+
+
+def test_other_models_keep_running_while_one_loads(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A load runs on the loader thread: the engine keeps stepping the loaded model meanwhile."""
+    pool = _pool(tmp_path, 100 * MB)
+    _only(_drain(pool, [_create(dirs["qwen"], "run-q")]))
+    release = threading.Event()
+    build = pool._build
+
+    def held_build(name: str, model_dir: Path) -> Any:  # the real build, started only once the test says so
+        assert release.wait(120)
+        return build(name, model_dir)
+
+    pool._build = held_build
+    waiting, training = _sample(dirs["llama"]), _fb("run-q")
+    pool.submit([waiting, training])
+    finished: dict[str, Any] = {}
+    deadline = time.monotonic() + 120
+    while training.future_id not in finished and time.monotonic() < deadline:
+        finished.update((c.future_id, c.result) for c in pool.step())
+    assert not isinstance(finished.get(training.future_id), (RequestError, type(None))), finished
+    assert waiting.future_id not in finished and str(dirs["llama"]) in pool.loading
+    release.set()
+    while waiting.future_id not in finished and time.monotonic() < deadline:
+        finished.update((c.future_id, c.result) for c in pool.step())
+    assert isinstance(finished.get(waiting.future_id), SampleResult), finished
