@@ -42,9 +42,9 @@ def model_files(model_dir: Path) -> list[Path]:
     picked = [p for p in sorted(model_dir.iterdir()) if p.is_file() and _wanted(p.name)]
     bad = [p.name for p in picked if not is_valid_name(p.name)]
     if bad:
-        raise SystemExit(f"error: file names the server will refuse: {bad}")
+        fail(f"file names the server will refuse: {bad}")
     if not any(p.name == "config.json" for p in picked):
-        raise SystemExit(f"error: {model_dir} has no config.json (not a Hugging Face model directory)")
+        fail(f"{model_dir} has no config.json (not a Hugging Face model directory)")
     return picked
 
 
@@ -82,7 +82,7 @@ class Uploader:
                 return action()
             except (httpx.TransportError, httpx.HTTPStatusError) as err:
                 if attempt == self.retries:
-                    raise SystemExit(f"error: {what} failed after {attempt + 1} tries ({_reason(err)})") from None
+                    fail(f"{what} failed after {attempt + 1} tries ({_reason(err)})")
                 tqdm.write(f"{what}: {_reason(err)}; resuming in {self.wait_s * 2**attempt:g} s", file=sys.stderr)
                 time.sleep(self.wait_s * 2**attempt)
         raise AssertionError("unreachable")
@@ -131,7 +131,7 @@ def send_file(client: Uploader, name: str, path: Path, chunk_bytes: int, bar: tq
             except (httpx.TransportError, httpx.HTTPStatusError) as err:
                 failures += 1
                 if failures > client.retries:
-                    raise SystemExit(f"error: sending {path.name} failed {failures} times ({_reason(err)})") from None
+                    fail(f"sending {path.name} failed {failures} times ({_reason(err)})")
                 tqdm.write(f"{path.name}: {_reason(err)}; asking the server what it holds", file=sys.stderr)
                 time.sleep(client.wait_s * 2 ** (failures - 1))
                 new_held = client.retrying(lambda: held_bytes(client, name, path.name), "resuming")
