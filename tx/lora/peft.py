@@ -119,8 +119,13 @@ def save_peft(
         (tmp / CONFIG_NAME).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
 
 
+def _short(module: str) -> str:
+    """The short module name a target names: `model.layers.0.self_attn.q_proj` -> `q_proj`."""
+    return module.rpartition(".")[2]
+
+
 def _check_pair(config: AdapterConfig, module: str, a: np.ndarray, b: np.ndarray) -> None:
-    short = module.rsplit(".", 1)[-1]
+    short = _short(module)
     if short not in config.target_modules:
         raise ValueError(f"module {module!r} is not in target_modules {list(config.target_modules)}")
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0] or a.shape[1] < config.rank:
@@ -228,7 +233,7 @@ def _check_config(raw: Mapping[str, Any]) -> None:
         raise ValueError(f"bias={raw['bias']!r} is not supported; only bias='none' adapters can be loaded")
     targets = raw.get("target_modules")
     if isinstance(targets, list):
-        _check_short_names({t.rsplit(".", 1)[-1] for t in targets}, "target_modules")
+        _check_short_names({_short(t) for t in targets}, "target_modules")
 
 
 def _check_short_names(names: set[str], where: str) -> None:
@@ -268,7 +273,7 @@ def _read_pairs(root: Path, raw: Mapping[str, Any]) -> dict[str, tuple[np.ndarra
     pairs = {m: (kinds["lora_A"], kinds["lora_B"]) for m, kinds in found.items()}
     if raw.get("target_parameters"):
         pairs = peft_experts.unfuse(pairs, raw)
-    _check_short_names({m.rsplit(".", 1)[-1] for m in pairs}, str(file))
+    _check_short_names({_short(m) for m in pairs}, str(file))
     return pairs
 
 
@@ -318,7 +323,7 @@ def _uniform(
         if own != scaling:
             b *= np.float32(own / scaling)
         weights[module] = (a, b)
-    present = {m.rsplit(".", 1)[-1] for m in weights}
+    present = {_short(m) for m in weights}
     config = AdapterConfig(
         rank=rank,
         alpha=alpha,
