@@ -62,7 +62,7 @@ def rewrite(path: Path, edit) -> None:
 
 def header_length_past_the_end(d: Path) -> None:
     f = d / "model.safetensors"
-    f.write_bytes(struct.pack("<Q", 10**6) + f.read_bytes()[8:100])
+    f.write_bytes(struct.pack("<Q", 10**9) + f.read_bytes()[8:])
 
 
 def cut_the_data(d: Path) -> None:
@@ -93,6 +93,11 @@ def layer_past_the_end(d: Path) -> None:
     )
 
 
+def a_million_layers(d: Path) -> None:
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**6}))
+
+
 def unsupported_architecture(d: Path) -> None:
     config = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
@@ -101,7 +106,7 @@ def unsupported_architecture(d: Path) -> None:
 @pytest.mark.parametrize(
     "spoil,message",
     [
-        (header_length_past_the_end, r"model.safetensors is truncated or not safetensors: header of 1000000 bytes"),
+        (header_length_past_the_end, r"model.safetensors is truncated or not safetensors: header of 1000000000 bytes"),
         (cut_the_data, r"model.safetensors is truncated: tensor '.*' ends at data byte \d+, the file holds \d+"),
         (
             integer_weights,
@@ -124,6 +129,15 @@ def test_a_checkpoint_that_cannot_load_is_named_before_loading(hf_models, tmp_pa
         check_checkpoint(path)
     with pytest.raises(ValueError):  # the loader agrees: the check never passes what cannot load
         load_model(str(path), progress=False)
+
+
+def test_a_config_larger_than_its_weights_is_refused_before_anything_is_counted_per_layer(hf_models, tmp_path):
+    """A hostile config (a million layers over a two-layer checkpoint) is refused by size at once; the loader
+    itself would try to allocate the stacked weights (32 GB here) before finding the layers missing."""
+    path = Path(shutil.copytree(hf_models()[0], tmp_path / "m"))
+    a_million_layers(path)
+    with pytest.raises(ValueError, match=r"describes \d+ weights, \d+ bytes at 2 bytes each, but the safetensors"):
+        check_checkpoint(path)
 
 
 def spoil_index(d: Path, edit) -> None:

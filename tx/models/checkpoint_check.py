@@ -6,12 +6,14 @@ field is a `ValueError` naming it, with the supported list), builds the model ab
 fit the file (a truncated shard is named), every tensor must be floating point, and every tensor's name and
 shape is placed through `tx.models.weights.place_tensor`, the loader's own mapping, so a directory that
 passes is one `load_model` loads. A sharded checkpoint's index must name exactly the tensors its shards hold.
-Memory: one header at a time; no tensor data is read.
+A config that describes more weights than the files can hold (at 2 bytes each) is refused first, so a
+hostile layer count costs nothing. Memory: one header at a time; no tensor data is read.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -33,12 +35,11 @@ def check_checkpoint(model_dir: Path) -> ModelConfig:
     expected = _expected_weights(cfg)
     weight_map = _read_index(model_dir)
     files = shard_files(model_dir)
+    _check_size(expected, files)
     whole: set[Path_] = set()
     layers_seen: dict[Path_, set[tuple[int | None, int | None]]] = {}
     held: dict[str, str] = {}  # tensor name -> file
     for file in files:
-        if not file.is_file():
-            raise FileNotFoundError(f"{INDEX} names {file.name}, which is not in the directory")
         header, _ = read_header(file)
         for key, info in header.items():
             if key in held:
@@ -55,6 +56,21 @@ def _expected_weights(cfg: ModelConfig) -> dict[Path_, nnx.Variable]:
     _, state = nnx.split(abstract_for(cfg, None, False))
     flat = {tuple(map(str, p)): v for p, v in nnx.to_flat_state(state)}
     return {p: v for p, v in flat.items() if not isinstance(v, LoRAParam)}
+
+
+def _check_size(expected: dict[Path_, nnx.Variable], files: list[Path]) -> None:
+    """The weights the config describes must fit in the files, at 2 bytes each at least: a config that
+    claims a billion layers is refused here, before anything is built or counted per layer."""
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{INDEX} names {missing[0]}, which is not in the directory")
+    count = sum(math.prod(var.shape) for var in expected.values())
+    stored = sum(f.stat().st_size for f in files)
+    if 2 * count > stored:
+        raise ValueError(
+            f"config.json describes {count} weights, {2 * count} bytes at 2 bytes each, "
+            f"but the safetensors files hold {stored} bytes"
+        )
 
 
 def _place_all(
