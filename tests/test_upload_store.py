@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -165,3 +167,14 @@ def test_one_request_at_a_time_per_upload(tmp_path):
         writer.write(CONFIG)
         writer.commit(hashlib.sha256(CONFIG).hexdigest())
     assert store.received(OWNER, "m") == {"config.json": len(CONFIG), "model.safetensors": 0}
+
+
+def test_a_partial_upload_abandoned_for_a_week_is_removed_at_start(tmp_path):
+    store = UploadStore(tmp_path, 10**6)
+    begin(store)
+    begin(store, OTHER)
+    week_ago = time.time() - 7 * 86400 - 60
+    os.utime(tmp_path / OWNER / ".staging" / "m" / "state.json", (week_ago, week_ago))
+    restarted = UploadStore(tmp_path, 10**6)
+    assert restarted.received(OWNER, "m") is None and not (tmp_path / OWNER / ".staging" / "m").exists()
+    assert restarted.received(OTHER, "m") == {"config.json": 0, "model.safetensors": 0}

@@ -11,7 +11,8 @@ An upload is written into `.staging`, one checked chunk at a time at the offset 
 (the bytes past the last verified chunk are cut off first, so a dropped connection or a killed server
 resumes at a chunk boundary), and becomes visible only by one rename of the whole staging directory
 after every file's sha256 and the caller's validation passed. So a partial upload is never listed or
-found, and a present `<name>/upload.json` means a whole upload. Deletion renames the directory into
+found, and a present `<name>/upload.json` means a whole upload. A partial upload no chunk reached for a
+week (`STALE_AFTER_S`) is removed when a server starts. Deletion renames the directory into
 `.trash` before removing it. Names never start with '.', so no upload can be called `.staging`. The
 model directory carries the upload's id, so an upload deleted and sent again under the same name is
 another directory: model serving keys loaded models by directory and never mistakes new weights for old.
@@ -44,6 +45,7 @@ MAX_CHUNK_BYTES = 8 << 20  # one chunk request's body; below the API's smallest 
 GB = 1e9
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _HASH_READ = 8 << 20
+STALE_AFTER_S = 7 * 86400.0  # a partial upload untouched this long is removed when a server starts
 
 
 class UploadError(Exception):
@@ -109,13 +111,16 @@ def check_files(files: list[FileSpec], max_bytes: int) -> int:
 class UploadStore:
     """Staging, chunk writes, validation hand-off, listing, lookup and deletion of uploads."""
 
-    def __init__(self, root: Path, max_upload_bytes: int) -> None:
+    def __init__(self, root: Path, max_upload_bytes: int, stale_after_s: float = STALE_AFTER_S) -> None:
         self.root = Path(root).resolve()
         self.max_upload_bytes = max_upload_bytes
         self._busy: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         for trash in self.root.glob("*/.trash"):
             shutil.rmtree(trash, ignore_errors=True)  # deletions a previous process did not finish
+        for state in self.root.glob("*/.staging/*/state.json"):
+            if time.time() - state.stat().st_mtime > stale_after_s:  # abandoned: no chunk for a week
+                shutil.rmtree(state.parent, ignore_errors=True)
 
     # ---- paths: every component checked where it enters and again once the path is built ---------
 
