@@ -154,7 +154,12 @@ def held_bytes(client: Uploader, name: str, file: str) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tx.upload", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m tx.upload",
+        description="Send a Hugging Face model directory to a SmolGym server, resumably; the last line printed is "
+        "the base-model string to use (upload:NAME).",
+        epilog="Reads TINKER_BASE_URL (default http://localhost:8000) and TINKER_API_KEY, like the tinker SDK.",
+    )
     p.add_argument("model_dir", nargs="?", help="Hugging Face model directory (config.json, tokenizer, safetensors)")
     p.add_argument("--name", help="the upload's name: it is served as base model upload:NAME")
     p.add_argument("--delete", metavar="NAME", help="delete your upload NAME (complete or partial)")
