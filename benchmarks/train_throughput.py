@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from limits import matmul_peak  # noqa: E402
 from shapes import SHAPES, model_config, param_count, peak_memory, random_model  # noqa: E402
 
+from tx.engine.bank import AdapterBank  # noqa: E402
 from tx.engine.trainer import Trainer  # noqa: E402
 from tx.lora.layers import LoRASpec  # noqa: E402
 from tx.protocol import AdamParams, Datum, ForwardBackwardRequest, LoraConfig  # noqa: E402
@@ -47,7 +48,7 @@ def measure(shape: str, mode: str, batch: int, length: int, steps: int, max_rank
     rank = None if mode == "full" else int(mode.split("r")[1])
     spec = LoRASpec(slots=2, max_rank=max(max_rank, rank or 1), kernel=for_backend().lora_kernel)
     model = random_model(shape, spec, dtype)
-    trainer = Trainer(model, micro_batch_tokens=max(batch * length, 2048))
+    trainer = Trainer(model, AdapterBank.of(model), micro_batch_tokens=max(batch * length, 2048))
     if rank is None:
         trainer.create_full_run("run")
     else:
@@ -59,7 +60,7 @@ def measure(shape: str, mode: str, batch: int, length: int, steps: int, max_rank
         start = time.perf_counter()
         trainer.forward_backward([("run", req)])
         trainer.optim_step("run", adam)
-        jax.block_until_ready((trainer.lora, trainer.runs["run"].params))
+        jax.block_until_ready((trainer.bank.arrays, trainer.runs["run"].params))
         times.append(time.perf_counter() - start)
     steady = statistics.median(times[1:])
     tokens = batch * length

@@ -67,12 +67,16 @@ class ModelInfo:
 # ---------------------------------------------------------------------------------------------
 
 
+# Tinker fixes alpha at 32 for every adapter (scale = 32 / rank); see shared/tinker-protocol.md §7.1.
+DEFAULT_LORA_ALPHA = 32.0
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     """Adapter shape; scale = alpha / rank. Which projections get adapters is set by the flags."""
 
     rank: int
-    alpha: float = 32.0
+    alpha: float = DEFAULT_LORA_ALPHA
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True

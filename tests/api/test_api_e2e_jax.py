@@ -13,12 +13,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_train_save_sample_resume(hf_models, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from tx.engine import build_runner
+    from tx.engine import AdapterConfig, EngineConfig, build_runner
+    from tx.engine.sampler import SamplerConfig
 
     model_dir, _ = hf_models()
     runner, info = build_runner(
-        base_model=str(model_dir), data_dir=tmp_path, max_lora_adapters=4, max_lora_rank=8, dtype="float32",
-        max_seq_len=64, decode_rows=4,
+        EngineConfig(base_model=str(model_dir), data_dir=tmp_path, dtype="float32",
+            adapters=AdapterConfig(4, 8), sampler=SamplerConfig(max_rows=4, max_seq_len=64))
     )  # fmt: skip
     with running_server(runner, info, tmp_path) as (url, _db):
         with tinker.ServiceClient(base_url=url, api_key="tml-e2e") as service:

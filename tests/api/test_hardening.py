@@ -30,13 +30,14 @@ KEY = "tml-hardening"
 
 @pytest.fixture(scope="module")
 def real(hf_models, tmp_path_factory) -> Iterator[dict[str, Any]]:  # type: ignore[no-untyped-def]
-    from tx.engine import build_runner
+    from tx.engine import AdapterConfig, EngineConfig, build_runner
+    from tx.engine.sampler import SamplerConfig
 
     data_dir = tmp_path_factory.mktemp("hardening")
     model_dir, _ = hf_models()
     runner, info = build_runner(
-        base_model=str(model_dir), data_dir=data_dir, max_lora_adapters=6, max_lora_rank=8, dtype="float32",
-        max_seq_len=64, decode_rows=4,
+        EngineConfig(base_model=str(model_dir), data_dir=data_dir, dtype="float32",
+            adapters=AdapterConfig(6, 8), sampler=SamplerConfig(max_rows=4, max_seq_len=64))
     )  # fmt: skip
     with running_server(runner, info, data_dir) as (url, db):
         service = tinker.ServiceClient(base_url=url, api_key=KEY)

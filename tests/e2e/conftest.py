@@ -47,19 +47,16 @@ def start_server(
     from tx.api.app import create_app
     from tx.api.context import Settings
     from tx.db import open_database
-    from tx.engine import build_runner
+    from tx.engine import AdapterConfig, EngineConfig, build_runner
     from tx.engine.loop import Engine
+    from tx.engine.sampler import SamplerConfig
 
     db = open_database(database_url, data_dir)
     db.queue.recover()
     runner, info = build_runner(
-        base_model=str(model_dir),
-        data_dir=data_dir,
-        max_lora_adapters=max_lora_adapters,
-        max_lora_rank=16,
-        max_seq_len=256,
-        decode_rows=16,
-    )
+        EngineConfig(base_model=str(model_dir), data_dir=data_dir,
+            adapters=AdapterConfig(max_lora_adapters, 16), sampler=SamplerConfig(max_rows=16, max_seq_len=256))
+    )  # fmt: skip
     engine = Engine(db.queue, runner)
     engine.start()
     port = _free_port()

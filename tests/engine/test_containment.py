@@ -42,12 +42,13 @@ CULPRIT = 77  # a datum starting with this token makes the planted fault fire
 
 @pytest.fixture(scope="module")
 def runner(hf_models, tmp_path_factory) -> Iterator[JaxRunner]:  # type: ignore[no-untyped-def]
-    from tx.engine import build_runner
+    from tx.engine import AdapterConfig, EngineConfig, build_runner
+    from tx.engine.sampler import SamplerConfig
 
     model_dir, _ = hf_models()
     built, _ = build_runner(
-        base_model=str(model_dir), data_dir=tmp_path_factory.mktemp("containment"), max_lora_adapters=8,
-        max_lora_rank=8, dtype="float32", max_seq_len=64, decode_rows=4,
+        EngineConfig(base_model=str(model_dir), data_dir=tmp_path_factory.mktemp("containment"), dtype="float32",
+            adapters=AdapterConfig(8, 8), sampler=SamplerConfig(max_rows=4, max_seq_len=64))
     )  # fmt: skip
     yield built
 

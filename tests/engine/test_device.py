@@ -5,7 +5,8 @@ weights once (the sampler reads the trainer's own buffers)."""
 import jax
 import pytest
 
-from tx.engine import build_runner
+from tx.engine import AdapterConfig, EngineConfig, build_runner
+from tx.engine.sampler import SamplerConfig
 from tx.tuning import for_backend
 
 pytestmark = pytest.mark.device
@@ -17,8 +18,8 @@ def served(hf_models, tmp_path_factory):
         pytest.skip("needs an accelerator")
     model_dir, _ = hf_models()
     runner, _ = build_runner(
-        base_model=str(model_dir), data_dir=tmp_path_factory.mktemp("device"), max_lora_adapters=2,
-        max_lora_rank=8, dtype="auto", max_seq_len=64, decode_rows=4,
+        EngineConfig(base_model=str(model_dir), data_dir=tmp_path_factory.mktemp("device"), dtype="auto",
+            adapters=AdapterConfig(2, 8), sampler=SamplerConfig(max_rows=4, max_seq_len=64))
     )  # fmt: skip
     return runner
 

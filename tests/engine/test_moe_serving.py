@@ -37,15 +37,16 @@ HF = dict(
 def served(tmp_path_factory) -> Iterator[tuple[JaxRunner, Any]]:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from tx.engine import build_runner
+    from tx.engine import AdapterConfig, EngineConfig, build_runner
+    from tx.engine.sampler import SamplerConfig
 
     torch.manual_seed(0)
     ref = Qwen3MoeForCausalLM(Qwen3MoeConfig(**HF)).eval()
     path = tmp_path_factory.mktemp("qwen3_moe")
     ref.save_pretrained(path)
     runner, info = build_runner(
-        base_model=str(path), data_dir=tmp_path_factory.mktemp("data"), max_lora_adapters=3, max_lora_rank=4,
-        dtype="float32", max_seq_len=64, decode_rows=2,
+        EngineConfig(base_model=str(path), data_dir=tmp_path_factory.mktemp("data"), dtype="float32",
+            adapters=AdapterConfig(3, 4), sampler=SamplerConfig(max_rows=2, max_seq_len=64))
     )  # fmt: skip
     assert info.arch == "qwen3_moe"
     yield runner, ref
@@ -125,13 +126,14 @@ def test_forward_backward_reports_the_routers_load_balance(served) -> None:  # t
 def served_qwen3_5_moe(tmp_path_factory) -> Iterator[tuple[JaxRunner, Any]]:
     from models.test_qwen3_5_moe import build
 
-    from tx.engine import build_runner
+    from tx.engine import AdapterConfig, EngineConfig, build_runner
+    from tx.engine.sampler import SamplerConfig
 
     path = tmp_path_factory.mktemp("qwen3_5_moe")
     ref = build(path, multimodal=True)
     runner, info = build_runner(
-        base_model=str(path), data_dir=tmp_path_factory.mktemp("data35"), max_lora_adapters=2, max_lora_rank=4,
-        dtype="float32", max_seq_len=64, decode_rows=2,
+        EngineConfig(base_model=str(path), data_dir=tmp_path_factory.mktemp("data35"), dtype="float32",
+            adapters=AdapterConfig(2, 4), sampler=SamplerConfig(max_rows=2, max_seq_len=64))
     )  # fmt: skip
     assert info.arch == "qwen3_5_moe"
     yield runner, ref, path
@@ -151,7 +153,7 @@ def test_qwen3_5_moe_trains_exports_reports_balance_and_samples_as_generate(serv
     assert 1 / 4 <= result.metrics["moe/max_expert_fraction:max"] <= 1 / 2
     run(runner, "optim_step", "run", OptimStepRequest(AdamParams(learning_rate=1e-2)))
     trained = run(runner, "forward_backward", "run", ForwardBackwardRequest([datum], "cross_entropy"))
-    runner.io.save_peft(tmp_path / "adapter", runner.trainer, runner.trainer.runs["run"].slot, lora)
+    runner.io.save_peft(tmp_path / "adapter", runner.bank, runner.trainer.runs["run"].slot, lora)
     exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), str(tmp_path / "adapter"))
     with torch.no_grad():
         logits = exported.eval()(torch.tensor([tokens])).logits[0]

@@ -16,6 +16,7 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 
+from tx.engine.bank import AdapterBank
 from tx.engine.trainer import Trainer
 from tx.lora.layers import LoRASpec
 from tx.models.weights import load_model
@@ -108,7 +109,7 @@ def make_run(trainer: Trainer, torch_model: torch.nn.Module, full: bool):
 @pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
 def test_optim_steps_match_torch_adamw(setup, full):
     torch_model, model, cfg = setup
-    trainer = Trainer(model)
+    trainer = Trainer(model, AdapterBank.of(model))
     run, reference, trained = make_run(trainer, torch_model, full)
     tensors = [t for _, _, t in trained]
     first = STEPS[0]

@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tx.engine import build_runner
+from tx.engine import AdapterConfig, EngineConfig, build_runner
 from tx.engine.build import estimate_bytes
 from tx.engine.compiles import compile_count
 from tx.engine.pool import ModelPool
+from tx.engine.sampler import SamplerConfig
 from tx.protocol import (
     CreateModelRequest,
     Datum,
@@ -41,10 +42,11 @@ def dirs(hf_models) -> dict[str, Path]:  # type: ignore[no-untyped-def]
 
 def _pool(tmp_path: Path, budget_bytes: int) -> ModelPool:
     def build(name: str, model_dir: Path) -> Any:
-        return build_runner(
-            base_model=name, model_dir=model_dir, data_dir=tmp_path, max_lora_adapters=2, max_lora_rank=4,
-            max_seq_len=64, decode_rows=4, dtype="float32",
+        config = EngineConfig(
+            data_dir=tmp_path, base_model=name, dtype="float32", adapters=AdapterConfig(2, 4),
+            sampler=SamplerConfig(max_rows=4, max_seq_len=64),
         )  # fmt: skip
+        return build_runner(config, model_dir)
 
     return ModelPool(build, lambda d: estimate_bytes(d, "float32"), budget_bytes)
 

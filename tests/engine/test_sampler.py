@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from adapter_view import FixedAdapters
 from conftest import build_hf_model
 from flax import nnx
 
@@ -81,7 +82,7 @@ class Setup:
             CFG,
             eos,
             char_decode,
-            None if scale is None else lambda: scale,
+            None if scale is None else FixedAdapters(lambda: scale),
         )
 
     def logprobs(self, tokens: list[int], slot: int = 0) -> np.ndarray:
@@ -281,8 +282,9 @@ def test_prompt_cache_reuses_a_prefill_until_the_weights_change(qwen):
 
     def sampler_over(version: bool) -> Sampler:
         return Sampler(
-            qwen.graphdef, lambda: qwen.weights, qwen.cfg, CFG, (), char_decode, lambda: scale[0],
-            qwen.sampler.programs, (lambda: np.asarray(scale[0]).tobytes()) if version else None,
+            qwen.graphdef, lambda: qwen.weights, qwen.cfg, CFG, (), char_decode,
+            FixedAdapters(lambda: scale[0], (lambda: np.asarray(scale[0]).tobytes()) if version else None),
+            qwen.sampler.programs,
         )  # fmt: skip
 
     cached, reference = sampler_over(True), sampler_over(False)
@@ -307,8 +309,8 @@ def test_prompt_cache_within_its_byte_budget_keeps_the_most_recent_prompt(qwen):
     L, K, E = qwen.cfg.num_layers, qwen.cfg.num_kv_heads, qwen.cfg.head_dim
     one_prompt = 2 * L * CFG.length_buckets[0] * K * E * 4  # keys and values of a prompt in the 32 bucket, fp32
     cfg = dataclasses.replace(CFG, prompt_cache_bytes=one_prompt)
-    sampler = Sampler(qwen.graphdef, lambda: qwen.weights, qwen.cfg, cfg, (), char_decode, lambda: qwen.scale,
-                      qwen.sampler.programs, lambda: "v1")  # fmt: skip
+    sampler = Sampler(qwen.graphdef, lambda: qwen.weights, qwen.cfg, cfg, (), char_decode,
+                      FixedAdapters(lambda: qwen.scale, lambda: "v1"), qwen.sampler.programs)  # fmt: skip
 
     def prefills(prompt: list[int]) -> int:
         before = sampler.prefill_count
@@ -424,7 +426,7 @@ def test_stacked_weights_sample_like_split_ones(qwen):
     """The scanned program over stacked weights and the unrolled one over per-layer buffers (another
     attention form, another cache layout) give the same tokens and logprobs for a mixed batch."""
     stacked = Sampler(
-        qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, lambda: qwen.scale
+        qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, FixedAdapters(lambda: qwen.scale)
     )  # fmt: skip
 
     def workload() -> dict:
@@ -500,7 +502,9 @@ def test_a_split_burst_takes_the_next_compiled_bucket(qwen):
     """Two requests admitted after a round of four decode in the four-row shapes already compiled (as
     the first part of a client's burst would) instead of compiling two-row ones, with the same tokens as
     a sampler that decodes them at two rows; a lone request that only shrinks the batch still moves down."""
-    fresh = Sampler(qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, lambda: qwen.scale)
+    fresh = Sampler(
+        qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, FixedAdapters(lambda: qwen.scale)
+    )
     four = {f"r{i}": (make_req(PROMPTS[i % 4], 6, temperature=1.0, seed=30 + i), 0) for i in range(4)}
     run(fresh, four)
     compiled = fresh.compile_count
@@ -513,6 +517,8 @@ def test_a_split_burst_takes_the_next_compiled_bucket(qwen):
     while not fresh.idle():
         results.update(fresh.step())
     assert fresh.compile_count == compiled
-    alone = Sampler(qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, lambda: qwen.scale)
+    alone = Sampler(
+        qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, FixedAdapters(lambda: qwen.scale)
+    )
     expected, _ = run(alone, two)
     assert {k: tokens_of(v) for k, v in results.items()} == {k: tokens_of(v) for k, v in expected.items()}

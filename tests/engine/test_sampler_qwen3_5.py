@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from adapter_view import FixedAdapters
 from conftest import build_qwen3_5
 from flax import nnx
 
@@ -45,8 +46,8 @@ class Setup:
         # stacked form is checked against transformers in tests/models/test_qwen3_5.py).
         weights = decode_layout(flat(self.state), CPU)
         self.sampler = Sampler(
-            self.graphdef, lambda: weights, self.cfg, CFG, (), lambda ids: "", lambda: self.scale,
-            weights_version=lambda: 0,
+            self.graphdef, lambda: weights, self.cfg, CFG, (), lambda ids: "",
+            FixedAdapters(lambda: self.scale, lambda: 0),
         )  # fmt: skip
 
     def logprobs(self, tokens: list[int], slot: int = 0) -> np.ndarray:

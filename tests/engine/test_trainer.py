@@ -10,6 +10,7 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 
+from tx.engine.bank import AdapterBank
 from tx.engine.compiles import compile_count
 from tx.engine.trainer import Trainer
 from tx.lora.layers import LoRASpec
@@ -99,7 +100,7 @@ LOSSES = [
 @pytest.mark.parity
 def test_every_loss_matches_torch_peft(setup):
     path, torch_model, model, cfg = setup
-    trainer = Trainer(model)
+    trainer = Trainer(model, AdapterBank.of(model))
     run = trainer.create_lora_run("a", LoraConfig(rank=RANK, alpha=ALPHA), slot=1)
     params = random_lora(trainer, run, seed=0)
     rng = np.random.RandomState(1)
@@ -144,7 +145,7 @@ def sft_batch(cfg, seed=0, n=6):
 
 def test_fused_runs_equal_alone_and_steps_are_isolated(setup):
     _, _, model, cfg = setup
-    trainer = Trainer(model)
+    trainer = Trainer(model, AdapterBank.of(model))
     a = trainer.create_lora_run("a", LoraConfig(rank=4, train_unembed=False), slot=1)
     b = trainer.create_lora_run("b", LoraConfig(rank=8, train_attn=False), slot=2)
     random_lora(trainer, a, 3), random_lora(trainer, b, 4)
@@ -162,19 +163,22 @@ def test_fused_runs_equal_alone_and_steps_are_isolated(setup):
             np.testing.assert_allclose(np.asarray(g), want, rtol=1e-4, atol=2e-6 * max(1.0, np.abs(want).max()))
     b_params = {p: np.asarray(v) for p, v in trainer.run_params(b).items()}
     b_state = [np.asarray(x) for x in __import__("jax").tree.leaves(b.opt_state)]
-    lora_b_slot = {p: np.asarray(v[..., 2, :, :]) for p, v in trainer.lora.items()}
+    lora_b_slot = {p: np.asarray(v[..., 2, :, :]) for p, v in trainer.bank.arrays.items()}
     trainer.optim_step("a", AdamParams(learning_rate=1e-2, weight_decay=0.5))
     for p, v in trainer.run_params(b).items():
         np.testing.assert_array_equal(np.asarray(v), b_params[p])
     for before, after in zip(b_state, __import__("jax").tree.leaves(b.opt_state), strict=True):
         np.testing.assert_array_equal(before, np.asarray(after))
-    for p, v in trainer.lora.items():
+    for p, v in trainer.bank.arrays.items():
         np.testing.assert_array_equal(np.asarray(v[..., 2, :, :]), lora_b_slot[p])
 
 
 def test_micro_batches_equal_one_batch(setup):
     _, _, model, cfg = setup
-    big, small = Trainer(model, micro_batch_tokens=1 << 16), Trainer(model, micro_batch_tokens=128)
+    big, small = (
+        Trainer(model, AdapterBank.of(model), micro_batch_tokens=1 << 16),
+        Trainer(model, AdapterBank.of(model), micro_batch_tokens=128),
+    )
     req = sft_batch(cfg, 5, n=12)
     outs = []
     for trainer in (big, small):
@@ -193,7 +197,7 @@ def test_micro_batches_equal_one_batch(setup):
 @pytest.mark.parametrize("full", [False, True])
 def test_sft_lowers_loss_and_replays_without_compiles(setup, full, caplog):
     _, _, model, cfg = setup
-    trainer = Trainer(model)
+    trainer = Trainer(model, AdapterBank.of(model))
     if full:
         trainer.create_full_run("a")
     else:
@@ -226,7 +230,7 @@ def test_rematerialised_layers_give_the_same_gradients(setup):
     req = sft_batch(cfg, 11)
     grads = []
     for m in (model, remat_model):
-        trainer = Trainer(m)
+        trainer = Trainer(m, AdapterBank.of(m))
         run = trainer.create_lora_run("a", LoraConfig(rank=4), slot=1)
         random_lora(trainer, run, 12)
         trainer.forward_backward([("a", req)])
@@ -242,7 +246,7 @@ def test_bf16_full_finetuning_keeps_fp32_moments_and_compiles_once(setup):
     second step compiled `adam_step` again."""
     path = setup[0]
     model, cfg = load_model(str(path), dtype="bfloat16", lora=LoRASpec(slots=4, max_rank=8), progress=False)
-    trainer = Trainer(model)
+    trainer = Trainer(model, AdapterBank.of(model))
     run = trainer.create_full_run("a")
     trainer.await_warm_up()
     assert {leaf.dtype for leaf in jax.tree.leaves(run.opt_state) if leaf.dtype.kind == "f"} == {np.dtype("float32")}

@@ -7,9 +7,11 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from adapter_view import FixedAdapters
 from conftest import build_hf_model
 from flax import nnx
 
+from tx.engine.bank import AdapterBank
 from tx.engine.decode_steps import DecodeRows
 from tx.engine.sampler import Sampler, SamplerConfig
 from tx.engine.train_step import flat
@@ -51,7 +53,8 @@ class Tuned:
         self.scale = np.stack([np.zeros_like(one), one, one])
         sampler_cfg = dataclasses.replace(CFG, layer_cache=tuning.per_layer_decode)
         self.sampler = Sampler(
-            self.graphdef, lambda: self.weights, self.cfg, sampler_cfg, (), lambda ids: "", lambda: self.scale
+            self.graphdef, lambda: self.weights, self.cfg, sampler_cfg, (), lambda ids: "",
+            FixedAdapters(lambda: self.scale),
         )  # fmt: skip
 
 
@@ -159,7 +162,7 @@ def test_plain_tuning_trains_like_cpu(pair):
     req = ForwardBackwardRequest([Datum(tokens[:-1].tolist(), {"target_tokens": tokens[1:]})], "cross_entropy")
     grads = []
     for tuned in pair:
-        trainer = Trainer(tuned.model)
+        trainer = Trainer(tuned.model, AdapterBank.of(tuned.model))
         run = trainer.create_lora_run("run", LoraConfig(rank=4), slot=1)
         init = np.random.RandomState(1)  # both trainers get the same adapter
         params = {p: init.normal(0, 0.1, v.shape).astype(np.float32) for p, v in trainer.run_params(run).items()}

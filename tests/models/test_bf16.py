@@ -21,6 +21,7 @@ import pytest
 from conftest import build_hf_model
 from flax import nnx
 
+from tx.engine.bank import AdapterBank
 from tx.engine.sampler import Sampler, SamplerConfig
 from tx.engine.train_step import flat
 from tx.engine.trainer import Trainer
@@ -86,7 +87,7 @@ def test_forward_logits_and_logprobs(pair):
 
 
 def lora_gradients(model: nnx.Module) -> dict:
-    trainer = Trainer(model)
+    trainer = Trainer(model, AdapterBank.of(model))
     run = trainer.create_lora_run("run", LoraConfig(rank=8), slot=1)
     init = np.random.RandomState(1)
     trainer.set_run_params(

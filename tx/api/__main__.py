@@ -10,6 +10,7 @@ how to point the `tinker` SDK at it and the line "SmolGym ready on http://HOST:P
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import threading
@@ -68,7 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--database-url", default=None, help="SQLAlchemy/Postgres URL; default: SQLite file in --data-dir")
     p.add_argument(
-        "--max-lora-adapters", type=int, default=8, help="LoRA adapter slots: concurrent training runs (default 8)"
+        "--max-lora-adapters",
+        type=int,
+        default=8,
+        help="LoRA adapter slots: concurrent training runs (default 8)",
     )
     p.add_argument(
         "--max-lora-rank",
@@ -147,31 +151,41 @@ def load_api_keys(keys: list[str], keys_file: str | None) -> frozenset[str]:
     return frozenset(found)
 
 
+def engine_config(args: argparse.Namespace) -> Any:
+    """The CLI flags as one `tx.engine.EngineConfig`, the same for every model the pool loads (which sets
+    `base_model`). Imported here: JAX loads with the engine, not with the CLI."""
+    from tx.engine.config import AdapterConfig, EngineConfig, TrainerConfig
+    from tx.engine.sampler import SamplerConfig
+
+    return EngineConfig(
+        data_dir=Path(args.data_dir),
+        dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        fsdp_size=args.fsdp_size,
+        adapters=AdapterConfig(args.max_lora_adapters, args.max_lora_rank),
+        trainer=TrainerConfig(args.train_micro_batch_tokens, args.remat),
+        sampler=SamplerConfig(
+            max_rows=args.decode_rows, max_seq_len=args.max_seq_len, prompt_cache_bytes=args.prompt_cache_mb << 20
+        ),
+    )
+
+
 def build_pool(args: argparse.Namespace) -> ModelPool:
     """THE ENGINE FACTORY: the one place the server builds the JAX engine. Each model the pool loads is
-    one `tx.engine.build_runner(...)` with these options."""
+    one `tx.engine.build_runner(config)` with the flags' `EngineConfig`."""
     try:
         from tx.engine import build_runner
         from tx.engine.build import estimate_bytes
         from tx.engine.pool import ModelPool, default_budget_bytes
     except ImportError:
         sys.exit("error: tx.engine is not available (the JAX engine failed to import)")
-    options: dict[str, Any] = {
-        "data_dir": Path(args.data_dir),
-        "max_lora_adapters": args.max_lora_adapters,
-        "max_lora_rank": args.max_lora_rank,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "fsdp_size": args.fsdp_size,
-        "dtype": args.dtype,
-        "train_micro_batch_tokens": args.train_micro_batch_tokens,
-        "remat": args.remat,
-        "max_seq_len": args.max_seq_len,
-        "decode_rows": args.decode_rows,
-        "prompt_cache_mb": args.prompt_cache_mb,
-    }
+    try:
+        config = engine_config(args)
+    except ValueError as err:  # a flag out of range: say which, no traceback
+        sys.exit(f"error: {err}")
 
     def build(name: str, model_dir: Path) -> Any:
-        return build_runner(base_model=name, model_dir=model_dir, **options)
+        return build_runner(dataclasses.replace(config, base_model=name), model_dir)
 
     budget = int(args.memory_budget_gb * 1e9) if args.memory_budget_gb else default_budget_bytes()
     return ModelPool(build, lambda model_dir: estimate_bytes(model_dir, args.dtype), budget)

@@ -18,6 +18,7 @@ from tx.api.context import AppContext, Ctx, Owner, not_found, run_model, submit,
 from tx.api.wire_decode import WireError, decompress, parse_forward_backward_json, parse_forward_backward_proto
 from tx.db.tables import TrainingRunRow
 from tx.protocol import (
+    DEFAULT_LORA_ALPHA,
     AdamParams,
     CreateModelRequest,
     ForwardBackwardRequest,
@@ -27,8 +28,6 @@ from tx.protocol import (
 )
 
 router = APIRouter(prefix="/api/v1")
-
-LORA_ALPHA = 32.0
 
 
 def _seq_key(model_id: str, seq_id: int | None) -> str | None:
@@ -52,7 +51,7 @@ def create_model(body: schemas.CreateModelRequest, ctx: Ctx, owner: Owner) -> di
         if not (lora_in.train_attn or lora_in.train_mlp or lora_in.train_unembed):
             user_error("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
         lora = LoraConfig(
-            lora_in.rank, LORA_ALPHA, lora_in.train_attn, lora_in.train_mlp, lora_in.train_unembed, lora_in.seed
+            lora_in.rank, DEFAULT_LORA_ALPHA, lora_in.train_attn, lora_in.train_mlp, lora_in.train_unembed, lora_in.seed
         )
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
     run = new_run_row(model_id, body.session_id, owner, body.base_model, lora, body.user_metadata or {})

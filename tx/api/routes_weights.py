@@ -21,7 +21,14 @@ from tx.api.context import AppContext, Ctx, Owner, not_found, run_model, submit,
 from tx.api.paths import TinkerPath, checkpoint_dir, parse_tinker_path
 from tx.api.routes_train import new_run_row
 from tx.db.tables import CheckpointRow, SamplerSnapshotRow, SamplingSessionRow, TrainingRunRow, utcnow
-from tx.protocol import LoadStateRequest, LoadWeightsRequest, LoraConfig, SaveSamplerRequest, SaveStateRequest
+from tx.protocol import (
+    DEFAULT_LORA_ALPHA,
+    LoadStateRequest,
+    LoadWeightsRequest,
+    LoraConfig,
+    SaveSamplerRequest,
+    SaveStateRequest,
+)
 
 router = APIRouter(prefix="/api/v1")
 
@@ -196,7 +203,7 @@ def _create_from_state(
 def _run_lora(run: TrainingRunRow) -> LoraConfig | None:
     if run.lora_rank is None:
         return None
-    alpha = run.lora_alpha if run.lora_alpha is not None else 32.0
+    alpha = run.lora_alpha if run.lora_alpha is not None else DEFAULT_LORA_ALPHA
     return LoraConfig(run.lora_rank, alpha, run.train_attn, run.train_mlp, run.train_unembed)
 
 

@@ -1,22 +1,23 @@
-"""Builds the JAX runner for the server: load the base model, then the trainer, sampler and slot table."""
+"""Builds the JAX runner for one base model from one `EngineConfig`: load the model, then its adapter bank,
+the trainer, the sampler and the runner."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from tx.engine.bank import AdapterBank
 from tx.engine.compiles import enable_persistent_cache, install_counter
+from tx.engine.config import EngineConfig
 from tx.engine.runner import JaxRunner
-from tx.engine.sampler import Sampler, SamplerConfig
+from tx.engine.sampler import Sampler
 from tx.engine.trainer import Trainer
 from tx.engine.weights_io import WeightsIO
 from tx.lora.layers import LoRASpec
-from tx.lora.slots import SlotTable
 from tx.models.catalog import describe_model, locate_model, weight_bytes
 from tx.models.causal_lm import decode_layout
 from tx.models.sharding import make_mesh
@@ -62,67 +63,47 @@ def estimate_bytes(model_dir: Path, dtype: str | None) -> int:
     return weights * (2 if tuning.per_layer_decode else 1)
 
 
-def build_runner(
-    base_model: str,
-    data_dir: Path,
-    max_lora_adapters: int = 8,
-    max_lora_rank: int = 32,
-    tensor_parallel_size: int = 1,
-    fsdp_size: int = 1,
-    dtype: str | None = None,
-    train_micro_batch_tokens: int = 8192,
-    max_seq_len: int = 4096,
-    decode_rows: int = 64,
-    prompt_cache_mb: int = 256,
-    remat: bool = False,
-    model_dir: Path | None = None,
-    **_: Any,
-) -> tuple[JaxRunner, ModelInfo]:
-    """`base_model` is the name the model is served under; `model_dir` its files when the caller has
-    located them already (default: `locate_model(base_model)`)."""
+def build_runner(config: EngineConfig, model_dir: Path | None = None) -> tuple[JaxRunner, ModelInfo]:
+    """`config.base_model` is the name the model is served under; `model_dir` its files when the caller has
+    located them already (default: `locate_model(config.base_model)`)."""
     install_counter()
-    enable_persistent_cache(Path(data_dir) / "compile-cache")
-    model_dir = model_dir or locate_model(base_model)
+    enable_persistent_cache(Path(config.data_dir) / "compile-cache")
+    model_dir = model_dir or locate_model(config.base_model)
     tuning = for_backend()
-    dtype = resolve_dtype(dtype, tuning)
-    slots = SlotTable(max_lora_adapters, max_lora_rank)
-    mesh = make_mesh(1, fsdp_size, tensor_parallel_size)
+    dtype = resolve_dtype(config.dtype, tuning)
+    adapters = config.adapters
+    mesh = make_mesh(1, config.fsdp_size, config.tensor_parallel_size)
     log.info("loading %s (%s)", model_dir, dtype or "checkpoint dtype")
-    lora = LoRASpec(slots.slots, max_lora_rank, tuning.lora_kernel)
-    model, cfg = load_model(str(model_dir), dtype=dtype, lora=lora, mesh=mesh, remat=remat, tuning=tuning)
-    trainer = Trainer(model, train_micro_batch_tokens)
+    lora = LoRASpec(adapters.max_lora_adapters + 1, adapters.max_lora_rank, tuning.lora_kernel)  # slot 0: base
+    model, cfg = load_model(
+        str(model_dir), dtype=dtype, lora=lora, mesh=mesh, remat=config.trainer.remat, tuning=tuning
+    )
+    bank = AdapterBank.of(model)
+    trainer = Trainer(model, bank, config.trainer.micro_batch_tokens)
     tok, eos = _tokenizer(model_dir)
-    seq_len = min(max_seq_len, cfg.max_position_embeddings)
+    seq_len = min(config.max_seq_len, cfg.max_position_embeddings)
 
     def decode(tokens: list[int]) -> str:
         return tok.decode(tokens) if tok is not None else ""
 
-    sampler_cfg = SamplerConfig(
-        max_rows=decode_rows,
-        max_seq_len=seq_len,
-        prompt_cache_bytes=prompt_cache_mb << 20,
-        layer_cache=tuning.per_layer_decode,
-    )
-
-    def scale() -> np.ndarray:
-        return trainer.scale
+    sampler_cfg = dataclasses.replace(config.sampler, max_seq_len=seq_len, layer_cache=tuning.per_layer_decode)
 
     def make_sampler(get_base: Callable[[], dict], programs: Any = None) -> Sampler:
         def state() -> dict:
-            return {**get_base(), **trainer.lora}
+            return {**get_base(), **bank.arrays}
 
-        def version() -> tuple[int, bytes]:  # adapter weights and scales: all a prompt's cache depends on
-            return trainer.version, trainer.scale.tobytes()
-
-        return Sampler(trainer.steps.graphdef, state, cfg, sampler_cfg, eos, decode, scale, programs, version)
+        return Sampler(trainer.steps.graphdef, state, cfg, sampler_cfg, eos, decode, bank, programs)
 
     # The frozen base as the sampler reads it (on CPU a per-layer copy: +1x the base weights; elsewhere the
     # trainer's own buffers).
     decode_base = decode_layout(trainer.base, tuning)
     sampler = make_sampler(lambda: decode_base)
-    io = WeightsIO(base_model, model_dir, cfg, tuning, mesh)
+    io = WeightsIO(config.base_model, model_dir, cfg, tuning, mesh)
     runner = JaxRunner(
-        trainer, sampler, slots, io, base_model, lambda get_base: make_sampler(get_base, sampler.programs),
-        checkpoint_root=Path(data_dir).resolve() / "checkpoints",
+        trainer, sampler, io, config.base_model, lambda get_base: make_sampler(get_base, sampler.programs),
+        checkpoint_root=Path(config.data_dir).resolve() / "checkpoints",
     )  # fmt: skip
-    return runner, describe_model(base_model, model_dir, max_seq_len, max_lora_rank, max_lora_adapters)
+    info = describe_model(
+        config.base_model, model_dir, config.max_seq_len, adapters.max_lora_rank, adapters.max_lora_adapters
+    )
+    return runner, info

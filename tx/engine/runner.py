@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 
 from tx.engine import checkpoints
-from tx.engine import train_step as ts
 from tx.engine.errors import as_request_error
 from tx.engine.loop import Completion
 from tx.engine.sampler import Sampler
@@ -88,7 +87,6 @@ class JaxRunner:
         self,
         trainer: Trainer,
         sampler: Sampler,
-        slots: SlotTable,
         io: WeightsIO,
         base_model: str,
         make_sampler: SamplerFactory | None = None,
@@ -97,7 +95,8 @@ class JaxRunner:
     ) -> None:
         """`checkpoint_root`: every checkpoint directory a request names must lie inside it (the API
         checked the name too); None only in tests that write to temporary directories."""
-        self.trainer, self.sampler, self.slots, self.io = trainer, sampler, slots, io
+        self.trainer, self.sampler, self.io = trainer, sampler, io
+        self.bank = trainer.bank
         self.checkpoint_root = checkpoint_root
         self.base_model = base_model
         self.make_sampler = make_sampler
@@ -131,13 +130,17 @@ class JaxRunner:
     def resident_bytes(self) -> int:
         """Device bytes this model holds: base weights (and the sampler's copy, if it has its own), adapter
         slots, runs' optimizer state and full fine-tuning weights, full snapshots' sampler weights."""
-        trees: list[Any] = [self.trainer.base, self.trainer.lora, *(s.get_state() for s in self._samplers())]
+        trees: list[Any] = [self.trainer.base, self.bank.arrays, *(s.get_state() for s in self._samplers())]
         trees += [(run.grads, run.opt_state, run.params) for run in self.trainer.runs.values()]
         unique = {id(leaf): leaf for leaf in jax.tree.leaves(trees) if isinstance(leaf, jax.Array)}
         return sum(int(leaf.nbytes) for leaf in unique.values())
 
     def _samplers(self) -> list[Sampler]:
         return [self.sampler, *self.full_samplers.values()]
+
+    @property
+    def slots(self) -> SlotTable:
+        return self.bank.slots
 
     def step(self) -> list[Completion]:
         done, self.outbox = self.outbox, []
@@ -236,8 +239,8 @@ class JaxRunner:
             self.trainer.create_full_run(run_id)
             return
         self._make_room()
-        info = self.slots.allocate(run_id, "run", lora.rank, lora.alpha, lora_targets(lora))
-        self.trainer.create_lora_run(run_id, lora, info.slot, seed=lora.seed or 0)
+        slot = self.slots.allocate(run_id, "run", lora.rank, lora.alpha, lora_targets(lora)).slot
+        self.trainer.create_lora_run(run_id, lora, slot, seed=lora.seed or 0)
 
     def _load(self, run_id: str, source: Path, with_optimizer: bool) -> None:
         run = self._run(run_id)
@@ -262,12 +265,10 @@ class JaxRunner:
         if run.lora is None:
             return self._save_full_for_sampler(run, p)
         slot = self._sampler_slot_for(p.snapshot_id, run.lora)
-        params = self.trainer.run_params(run)
-        self.trainer.lora = ts.write_slot_params(self.trainer.lora, jnp.int32(slot), params)
-        self.trainer.scale[slot] = self.trainer.scale[run.slot]
+        self.bank.copy(run.slot, slot, self.trainer.run_params(run))
         size = None
         if p.dest_dir:
-            size = self.io.save_peft(self._path(p.dest_dir), self.trainer, slot, run.lora)
+            size = self.io.save_peft(self._path(p.dest_dir), self.bank, slot, run.lora)
         return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
 
     def _save_full_for_sampler(self, run: Run, p: SaveSamplerRequest) -> CheckpointResult:
@@ -301,21 +302,21 @@ class JaxRunner:
                 raise RequestError(
                     f"sampler weights {snapshot_id!r} are being sampled; save under another name", "user"
                 )
-            self.slots.free(snapshot_id)
+            self.bank.clear(self.slots.free(snapshot_id).slot)
         self._make_room()
         info = self.slots.allocate(snapshot_id, "sampler", lora.rank, lora.alpha, lora_targets(lora))
-        self.trainer.clear_slot(info.slot)
+        self.bank.clear(info.slot)
         return info.slot
 
     def _make_room(self) -> None:
         """When every slot is taken, evict the least recently used sampler snapshot (runs are never evicted)."""
-        if len(self.slots) < self.slots.slots - 1:
+        if len(self.slots) < self.slots.max_adapters:
             return
         busy = self.sampler.slots_in_use()
         protect = frozenset(info.owner for info in self.slots if info.slot in busy)
         victim = self.slots.eviction_victim(protect)
         if victim is not None:
-            self.trainer.clear_slot(self.slots.free(victim).slot)
+            self.bank.clear(self.slots.free(victim).slot)
 
     def _submit_sample(self, item: WorkItem) -> None:
         req = item.payload
@@ -346,6 +347,6 @@ class JaxRunner:
         if directory and ref.checkpoint_type == "sampler":
             lora = self.io.peft_lora_config(directory)
             slot = self._sampler_slot_for(ref.snapshot_id, lora)
-            self.io.load_peft(directory, self.trainer, slot)
+            self.io.load_peft(directory, self.bank, slot)
             return slot
         raise RequestError(f"sampler weights {ref.snapshot_id!r} are not available (not saved, or evicted)", "user")

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
+from typing import Protocol
 
 import numpy as np
 from flax import nnx
@@ -113,6 +114,19 @@ def plan_admission(waiting: Sequence[tuple[int, int]], free_rows: int, max_rows:
     return counts
 
 
+class AdapterView(Protocol):
+    """What a sampler reads of an adapter bank (`tx.engine.bank.AdapterBank`)."""
+
+    @property
+    def scale(self) -> np.ndarray:
+        """[S, R] float32: each slot's scaling on its live rank columns (host memory)."""
+        ...
+
+    def weights_version(self) -> Hashable:
+        """A value that changes whenever an adapter weight or scale changes; None: not versioned."""
+        ...
+
+
 class Sampler:
     """The continuous-batching sampling engine (see the module docstring)."""
 
@@ -124,23 +138,23 @@ class Sampler:
         cfg: SamplerConfig,
         eos_token_ids: Sequence[int],
         decode: Callable[[list[int]], str],
-        lora_scale: Callable[[], np.ndarray] | None,
+        adapters: AdapterView | None,
         programs: DecodePrograms | None = None,
-        weights_version: Callable[[], Hashable] | None = None,
     ) -> None:
-        """`lora_scale()`: the [S, R] scale table of the adapter slots (host memory), None for a model
-        without adapters. `programs`: share another sampler's compiled programs (same graph and config),
-        e.g. the sampler of a full fine-tuning snapshot reuses the base sampler's compiles.
-        `weights_version()`: a value that changes whenever any weight or adapter scale `get_state` and
-        `lora_scale` return changes; with it, prefilled prompts are kept for reuse (`PromptCache`)."""
+        """`adapters`: the model's adapter bank (its scale table, and its weights version), None for a model
+        without adapters; `get_state()` returns the base weights and the bank's arrays. `programs`: share
+        another sampler's compiled programs (same graph and config), e.g. the sampler of a full fine-tuning
+        snapshot reuses the base sampler's compiles. When the bank has a version, prefilled prompts are kept
+        for reuse (`PromptCache`)."""
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.get_state = get_state
-        self.lora_scale = lora_scale
+        self.lora_scale: Callable[[], np.ndarray] | None = None if adapters is None else (lambda: adapters.scale)
         self.eos_token_ids = tuple(eos_token_ids)
         self.decode = decode
         self.programs = programs or DecodePrograms(graphdef, cfg.chunk_steps, cfg.k_cap)
-        self.weights_version = weights_version
+        versioned = adapters is not None and adapters.weights_version() is not None
+        self.weights_version = adapters.weights_version if versioned and adapters is not None else None
         self.prefill_count = 0  # prompts prefilled (one per distinct prompt of an admission, cache misses only)
         self._prompt_cache = PromptCache(cfg.prompt_cache_bytes)
         self._waiting: deque[Job] = deque()

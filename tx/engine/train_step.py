@@ -20,7 +20,7 @@ from flax import nnx
 
 from tx.engine.compiles import train_jit
 from tx.engine.losses import LossInputs, token_losses
-from tx.lora.select import Selection, take_adapters
+from tx.lora.select import Selection, slot_slice, take_adapters
 
 Flat = dict[tuple[str, ...], jax.Array]
 _jit = train_jit
@@ -134,8 +134,7 @@ def is_lora_a(path: tuple[str, ...]) -> bool:
 
 def take_slot(x: jax.Array, slot: jax.Array, rank: int, a: bool) -> jax.Array:
     """[..., S, I, R] -> the slot's [..., I, rank] (A), or [..., S, R, O] -> [..., rank, O] (B)."""
-    one = jnp.take(x, slot, axis=x.ndim - 3)
-    return one[..., :rank] if a else one[..., :rank, :]
+    return slot_slice(x, slot, rank, a)
 
 
 def put_slot(x: jax.Array, slot: jax.Array, value: jax.Array, a: bool) -> jax.Array:

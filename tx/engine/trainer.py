@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tx.engine import train_step as ts
+from tx.engine.bank import AdapterBank
 from tx.engine.train_batch import (
     Example,
     build_batch,
@@ -32,7 +33,6 @@ from tx.engine.train_batch import (
     plan_rows,
     scatter_outputs,
 )
-from tx.lora import adapters
 from tx.lora.params import LoRAParam
 from tx.lora.select import select, take_adapters
 from tx.lora.slots import targets_from_flags
@@ -72,15 +72,12 @@ class Run:
 
 
 class Trainer:
-    def __init__(self, model: CausalLM | Qwen3_5CausalLM, micro_batch_tokens: int = 8192) -> None:
-        graphdef, lora, base = nnx.split(model, LoRAParam, ...)  # type: ignore[misc]
+    """`bank`: the model's adapter bank (`tx.engine.bank`), the one writer of adapter slots."""
+
+    def __init__(self, model: CausalLM | Qwen3_5CausalLM, bank: AdapterBank, micro_batch_tokens: int = 8192) -> None:
+        graphdef, _, base = nnx.split(model, LoRAParam, ...)  # type: ignore[misc]
         self.steps = ts.StepFunctions(graphdef)
-        # The trainer updates LoRA slots in place (donated buffers), so it owns a copy of them.
-        self.version = 0  # bumped on every adapter write: what samplers key their prompt caches on
-        # Committed to their placement, as every program output is: an uncommitted input is another
-        # compile key, so the second step would compile its programs again.
-        self.lora = {p: jax.device_put(jnp.array(v, copy=True), v.sharding) for p, v in ts.flat(lora).items()}
-        self._lora_vars = [(tuple(str(k) for k in path), var) for path, var in nnx.to_flat_state(lora)]
+        self.bank = bank
         self.base = {p: jax.device_put(v, v.sharding) for p, v in ts.flat(base).items()}
         sharding = next(iter(self.base.values())).sharding
         mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
@@ -90,50 +87,32 @@ class Trainer:
         self.config = model.config
         self.micro_batch_tokens = micro_batch_tokens
         self.runs: dict[str, Run] = {}
-        self.scale = np.zeros(self._lora_shape(), np.float32)  # [S, R] per-slot alpha/rank on live columns
         self._warm_up_thread: threading.Thread | None = None
 
     @property
-    def lora(self) -> Flat:
-        """The stacked adapter weights {path: [..., S, in, R] / [..., S, R, out]}; assign to replace them."""
-        return self._lora
-
-    @lora.setter
-    def lora(self, value: Flat) -> None:
-        self._lora = value
-        self.version += 1
-
-    def _lora_shape(self) -> tuple[int, int]:
-        a = self.lora.get(("lm_head", "lora_a"))
-        if a is None:
-            raise RuntimeError("the model was built without LoRA slots")
-        return a.shape[0], a.shape[-1]
-
-    @property
     def max_rank(self) -> int:
-        return self._lora_shape()[1]
+        return self.bank.max_rank
 
     # ---- runs -------------------------------------------------------------------------------------
 
     def create_lora_run(self, run_id: str, cfg: LoraConfig, slot: int, seed: int = 0) -> Run:
         """A fresh adapter in `slot`, initialised as PEFT does (so training starts at the base model)."""
         targets = lora_targets(cfg)
-        self.take_lora(
-            adapters.init_slot(self.lora_view(), slot, cfg.rank, targets, seed if cfg.seed is None else cfg.seed)
-        )
-        self.scale[slot] = np.where(np.arange(self.max_rank) < cfg.rank, cfg.alpha / cfg.rank, 0.0)
+        self.bank.init(slot, cfg.rank, cfg.alpha, targets, seed if cfg.seed is None else cfg.seed)
         slot_ = jnp.int32(slot)
         params = {
-            p: ts.take_slot(v, slot_, cfg.rank, ts.is_lora_a(p)) for p, v in self.lora.items() if p[-2] in targets
+            p: ts.take_slot(v, slot_, cfg.rank, ts.is_lora_a(p))
+            for p, v in self.bank.arrays.items()
+            if p[-2] in targets
         }
         # Placed as `adam_step` returns them (replicated over the mesh), or the second step recompiles
         # `accumulate_slot` and `adam_step` for the new placement (+0.6 s on `small`).
         grads, opt_state = self._placed_like(ts.fresh_state(params), {})
         run = Run(run_id, slot, cfg, grads, opt_state)
         self.runs[run_id] = run
-        lora, slot_, ranks = dict(self.lora), jnp.int32(slot), run.ranks
+        lora, slot_, ranks = dict(self.bank.arrays), jnp.int32(slot), run.ranks
         # A gradient over the compact stack `lora_grad` returns for a batch of this run alone.
-        alone = select([slot], self.scale)
+        alone = select([slot], self.bank.scale)
         assert alone is not None
         shapes = jax.eval_shape(lambda weights: take_adapters(weights, alone), lora)
         compact = {p: self._placed_like(jnp.zeros(v.shape, v.dtype), {}) for p, v in shapes.items()}
@@ -199,36 +178,22 @@ class Trainer:
 
         return jax.tree_util.tree_map_with_path(put, state)
 
-    def clear_slot(self, slot: int) -> None:
-        self.take_lora(adapters.clear_slot(self.lora_view(), slot))
-        self.scale[slot] = 0.0
-
-    def lora_view(self) -> nnx.State:
-        """The adapter weights as a typed nnx State (logical-axis metadata) for `tx.lora.adapters`."""
-        return nnx.from_flat_state([(path, var.replace(self.lora[path])) for path, var in self._lora_vars])
-
-    def take_lora(self, state: nnx.State) -> None:
-        """Adopt the arrays of a State returned by `tx.lora.adapters` (which consumed the previous ones)."""
-        for path, var in nnx.to_flat_state(state):
-            self._lora[tuple(str(k) for k in path)] = var.get_value()
-        self.version += 1
-
     def drop_run(self, run_id: str) -> Run:
         run = self.runs.pop(run_id)
         if run.lora is not None:
-            self.clear_slot(run.slot)
+            self.bank.clear(run.slot)
         return run
 
     def run_params(self, run: Run) -> Flat:
         if run.params is not None:
             return run.params
-        return ts.read_slot_params(self.lora, jnp.int32(run.slot), run.grads)
+        return self.bank.read(run.slot, run.grads)
 
     def set_run_params(self, run: Run, params: Flat) -> None:
         if run.lora is None:
             run.params = params
         else:
-            self.lora = ts.write_slot_params(self.lora, jnp.int32(run.slot), params)
+            self.bank.write(run.slot, params)
 
     # ---- forward / backward -----------------------------------------------------------------------
 
@@ -278,7 +243,7 @@ class Trainer:
         for batch in plan.batches:
             if not batch.segments:
                 continue
-            inputs, datums = build_batch(examples, batch, self.scale)
+            inputs, datums = build_batch(examples, batch, self.bank.scale)
             present = {work_of[d][0] for d in datums}
             needs_grad = {work_of[d][0] for d in datums if not work_of[d][1].forward_only}
             out = self._execute(inputs, present, needs_grad)
@@ -290,13 +255,13 @@ class Trainer:
         full = [self.runs[r] for r in present if self.runs[r].lora is None]
         base = full[0].params if full else self.base
         if not needs_grad:
-            return self.steps.forward(self.lora, base, inputs)
+            return self.steps.forward(self.bank.arrays, base, inputs)
         if full:  # a full fine-tuning run is alone in its batch
-            grads, out = self.steps.full_grad(self.lora, base, inputs)
+            grads, out = self.steps.full_grad(self.bank.arrays, base, inputs)
             self.await_warm_up()
             full[0].grads = ts.accumulate_full(full[0].grads, grads)
             return out
-        grads, out = self.steps.lora_grad(self.lora, base, inputs)
+        grads, out = self.steps.lora_grad(self.bank.arrays, base, inputs)
         self.await_warm_up()
         assert inputs.adapters is not None  # a LoRA run's rows always carry its slot
         active = [int(s) for s in np.asarray(inputs.adapters.active)]

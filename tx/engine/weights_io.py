@@ -1,5 +1,5 @@
 """Moving adapter slots to and from disk (PEFT format), full weight sets too, and the full fine-tuning
-memory check. Adapter slots are read and written through the trainer's typed view (`lora_view`).
+memory check. Adapter slots are read and written through the model's `AdapterBank`.
 
 PEFT module names are the text model's (`model.layers.N.<module>`, what `AutoModelForCausalLM` builds from
 either Qwen3.5 checkpoint class), numbered by model layer; adapters named for the multimodal class
@@ -15,8 +15,9 @@ import psutil
 from flax import nnx
 from jax.sharding import Mesh
 
+from tx.engine.bank import AdapterBank
 from tx.engine.trainer import Trainer, lora_targets
-from tx.lora import adapters, peft
+from tx.lora import peft
 from tx.lora.targets import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
 from tx.models.causal_lm import decode_layout
 from tx.models.config import ModelConfig
@@ -42,10 +43,9 @@ class WeightsIO:
         self.mesh = mesh
         self.tuning = tuning
 
-    def save_peft(self, dest: Path, trainer: Trainer, slot: int, lora: LoraConfig) -> int:
-        view = trainer.lora_view()
-        targets = lora_targets(lora) & adapters.adapter_targets(view)  # the flags' names this model has
-        weights = adapters.read_slot(view, slot, lora.rank, targets, self._layer_of)
+    def save_peft(self, dest: Path, bank: AdapterBank, slot: int, lora: LoraConfig) -> int:
+        targets = lora_targets(lora) & bank.targets()  # the flags' names this model has
+        weights = bank.read_peft(slot, lora.rank, targets, self._layer_of)
         config = peft.AdapterConfig(lora.rank, lora.alpha, tuple(sorted(targets)), self.base_model)
         peft.save_peft(dest, config, weights, fused_experts=self.cfg.family in FUSED_EXPERT_FAMILIES)
         return sum(f.stat().st_size for f in dest.iterdir() if f.is_file())
@@ -61,11 +61,10 @@ class WeightsIO:
             train_unembed=bool(t & UNEMBED_TARGETS),
         )
 
-    def load_peft(self, source: Path, trainer: Trainer, slot: int) -> None:
+    def load_peft(self, source: Path, bank: AdapterBank, slot: int) -> None:
         config, weights = peft.load_peft(source)
         weights = {text_module_name(name, self.cfg): pair for name, pair in weights.items()}
-        trainer.take_lora(adapters.write_slot(trainer.lora_view(), slot, config, weights, self._layer_of))
-        trainer.scale[slot] = np.where(np.arange(trainer.max_rank) < config.rank, config.scaling, 0.0)
+        bank.write_peft(slot, config, weights, self._layer_of)
 
     def _layer_of(self, path: tuple[str, ...], index: int) -> int:
         """The model layer of entry `index` of a stacked sub-module (Qwen3.5's mixers skip layers)."""

@@ -26,6 +26,7 @@ from flax import nnx
 
 from tx.lora.params import LoRAParam
 from tx.lora.peft import AdapterConfig, AdapterWeights
+from tx.lora.select import slot_slice
 
 LayerOf = Callable[[tuple[str, ...], int], int]  # (module path, stacked index) -> model layer number
 
@@ -164,11 +165,11 @@ def read_slot(
             continue
         a_var, b_var = flat[module.a], flat[module.b]
         _check_slot(slot, a_var, module.slot_axis, writing=False)
-        a = np.asarray(jax.device_get(jnp.take(a_var.get_value(), slot, axis=module.slot_axis)), np.float32)
-        b = np.asarray(jax.device_get(jnp.take(b_var.get_value(), slot, axis=module.slot_axis)), np.float32)
+        a = np.asarray(jax.device_get(slot_slice(a_var.get_value(), slot, rank, a=True)), np.float32)
+        b = np.asarray(jax.device_get(slot_slice(b_var.get_value(), slot, rank, a=False)), np.float32)
         a, b = module.entries(a), module.entries(b)
         for i, name in enumerate(module.hf_names(layer_of)):
-            weights[name] = (np.ascontiguousarray(a[i, :, :rank]), np.ascontiguousarray(b[i, :rank, :]))
+            weights[name] = (np.ascontiguousarray(a[i]), np.ascontiguousarray(b[i]))
     return weights
 
 

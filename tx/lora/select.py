@@ -72,13 +72,16 @@ def select(slots: Sequence[int] | np.ndarray, scale: np.ndarray) -> Selection | 
     return Selection(active, LoRARows(rows, compact))  # type: ignore[arg-type]
 
 
+def slot_slice(x: jax.Array, slots: jax.Array | int, rank: int, a: bool) -> jax.Array:
+    """The one cut of a stacked adapter: slots `slots` of A `[..., S, in, R]` (a=True) or B `[..., S, R, out]`,
+    first `rank` rank columns. A scalar `slots` drops the slot axis, an array [G] keeps it (length G)."""
+    picked = jnp.take(x, slots, axis=x.ndim - 3)
+    return picked[..., :rank] if a else picked[..., :rank, :]
+
+
 def _take(path: tuple, x: jax.Array, active: jax.Array, rank: int) -> jax.Array | None:
     name = str(path[-1])
-    if name == A_NAME:
-        return jnp.take(x, active, axis=x.ndim - 3)[..., :rank]
-    if name == B_NAME:
-        return jnp.take(x, active, axis=x.ndim - 3)[..., :rank, :]
-    return None
+    return slot_slice(x, active, rank, name == A_NAME) if name in (A_NAME, B_NAME) else None
 
 
 def take_adapters(weights: Mapping[tuple, jax.Array], selection: Selection) -> dict[tuple, jax.Array]:

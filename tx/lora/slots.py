@@ -20,11 +20,11 @@ from typing import Literal
 import numpy as np
 
 from tx.lora.targets import ALL_TARGETS, ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
+from tx.protocol import DEFAULT_LORA_ALPHA
 
 OwnerKind = Literal["run", "sampler"]
 
-# Tinker fixes alpha at 32 for every adapter (scale = 32 / rank); see shared/tinker-protocol.md §7.1.
-DEFAULT_ALPHA = 32.0
+DEFAULT_ALPHA = DEFAULT_LORA_ALPHA  # the one default, `tx.protocol`'s
 
 
 class SlotsExhausted(RuntimeError):

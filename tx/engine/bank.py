@@ -1,0 +1,112 @@
+"""The adapter bank: the one owner of a base model's adapter state.
+
+It holds the stacked device slots (A `[..., S, in, R]`, B `[..., S, R, out]`, fp32 `LoRAParam`s), the
+slot table (which run or sampler snapshot holds which slot), each slot's scale row (`alpha / rank` on its
+live columns) and a version bumped on every write (what prompt caches key on). Nothing else writes adapter arrays: the
+trainer, the runner and PEFT loading all go through these methods. Writes donate the arrays they
+replace; readers take `arrays` afresh at every call.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tx.engine import train_step as ts
+from tx.lora import adapters
+from tx.lora.params import LoRAParam
+from tx.lora.peft import AdapterConfig, AdapterWeights
+from tx.lora.slots import SlotTable
+
+Flat = ts.Flat
+
+
+class AdapterBank:
+    """Adapter slots of one model."""
+
+    def __init__(self, lora: nnx.State) -> None:
+        # Committed copies: the bank updates them in place (donated buffers), and an uncommitted input would
+        # be another compile key for every program that reads them.
+        self._arrays = {p: jax.device_put(jnp.array(v, copy=True), v.sharding) for p, v in ts.flat(lora).items()}
+        self._vars = [(tuple(str(k) for k in path), var) for path, var in nnx.to_flat_state(lora)]
+        head = self._arrays.get(("lm_head", "lora_a"))
+        if head is None:
+            raise RuntimeError("the model was built without LoRA slots")
+        S, R = head.shape[0], head.shape[-1]
+        self.slots = SlotTable(S - 1, R)
+        self.scale = np.zeros((S, R), np.float32)  # [S, R] per-slot alpha/rank on live columns
+        self.version = 0  # bumped on every adapter write
+
+    @classmethod
+    def of(cls, model: nnx.Module) -> AdapterBank:
+        return cls(nnx.state(model, LoRAParam))
+
+    @property
+    def arrays(self) -> Flat:
+        """The stacked adapter weights {path: [..., S, in, R] / [..., S, R, out]}; read afresh at each use."""
+        return self._arrays
+
+    @property
+    def max_rank(self) -> int:
+        return int(self.scale.shape[1])
+
+    def weights_version(self) -> tuple[int, bytes]:
+        """Adapter weights and scales: all a prefilled prompt depends on besides the base weights."""
+        return self.version, self.scale.tobytes()
+
+    # ---- slot writes ------------------------------------------------------------------------------
+
+    def _replace(self, arrays: Flat) -> None:
+        self._arrays = arrays
+        self.version += 1
+
+    def view(self) -> nnx.State:
+        """The adapter weights as a typed nnx State (logical-axis metadata) for `tx.lora.adapters`."""
+        return nnx.from_flat_state([(path, var.replace(self._arrays[path])) for path, var in self._vars])
+
+    def _adopt(self, state: nnx.State) -> None:
+        """Take the arrays of a State returned by `tx.lora.adapters` (which consumed the previous ones)."""
+        arrays = dict(self._arrays)
+        for path, var in nnx.to_flat_state(state):
+            arrays[tuple(str(k) for k in path)] = var.get_value()
+        self._replace(arrays)
+
+    def set_scale(self, slot: int, rank: int, scaling: float) -> None:
+        self.scale[slot] = np.where(np.arange(self.max_rank) < rank, scaling, 0.0)
+
+    def init(self, slot: int, rank: int, alpha: float, targets: frozenset[str], seed: int) -> None:
+        """A fresh adapter in `slot`, initialised as PEFT does (so training starts at the base model)."""
+        self._adopt(adapters.init_slot(self.view(), slot, rank, targets, seed))
+        self.set_scale(slot, rank, alpha / rank)
+
+    def clear(self, slot: int) -> None:
+        """Zero `slot` (weights and scale), so a reused slot starts as the base model."""
+        self._adopt(adapters.clear_slot(self.view(), slot))
+        self.scale[slot] = 0.0
+
+    def read(self, slot: int, like: Flat) -> Flat:
+        """Slot `slot` cut to the shapes of `like` (a run's own adapter: its targets, its rank)."""
+        return ts.read_slot_params(self._arrays, jnp.int32(slot), like)
+
+    def write(self, slot: int, params: Flat) -> None:
+        """Put a run's adapter `params` into `slot`, zero-padded to the stacked rank."""
+        self._replace(ts.write_slot_params(self._arrays, jnp.int32(slot), params))
+
+    def copy(self, src: int, dst: int, params: Flat) -> None:
+        """Slot `dst` becomes a copy of `params` (the adapter in `src`) with `src`'s scale (a sampler snapshot)."""
+        self.clear(dst)
+        self.write(dst, params)
+        self.scale[dst] = self.scale[src]
+
+    def read_peft(self, slot: int, rank: int, targets: frozenset[str], layer_of: adapters.LayerOf) -> AdapterWeights:
+        return adapters.read_slot(self.view(), slot, rank, targets, layer_of)
+
+    def write_peft(self, slot: int, config: AdapterConfig, weights: AdapterWeights, layer_of: adapters.LayerOf) -> None:
+        self._adopt(adapters.write_slot(self.view(), slot, config, weights, layer_of))
+        self.set_scale(slot, config.rank, config.scaling)
+
+    def targets(self) -> frozenset[str]:
+        """The short module names this model carries adapters for."""
+        return adapters.adapter_targets(self.view())
