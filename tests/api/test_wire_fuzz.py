@@ -181,7 +181,7 @@ def test_no_route_answers_5xx_to_any_json(app_client: Any, data: st.DataObject) 
     method, path = data.draw(st.sampled_from(routes))
     special = st.sampled_from([math.nan, math.inf, -math.inf, 2**64, 2**70, -(2**70), -1, "", "..", [], {}])
     shaped = st.dictionaries(st.sampled_from(fields), st.one_of(special, JSON_VALUES), max_size=6)
-    for param in ("run_id", "kind", "name", "sampler_id", "token", "file_path", "session_id", "model_id"):
+    for param in ("run_id", "kind", "name", "sampler_id", "token", "file_path", "file", "session_id", "model_id"):
         path = path.replace("{" + param + "}", data.draw(st.text("ab.%/-_:", min_size=1, max_size=6)))
         path = path.replace("{" + param + ":path}", data.draw(st.text("ab./", min_size=1, max_size=6)))
     assert "{" not in path, path
