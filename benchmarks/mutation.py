@@ -53,6 +53,7 @@ TARGETS: dict[str, list[str]] = {
     "tx/engine/sampling.py": ["tests/engine/test_sampling.py"],
     "tx/engine/weights_io.py": [
         "tests/engine/test_weights_io.py",
+        "tests/engine/test_moe_serving.py",  # the fused-experts export of Qwen3.5-MoE, loaded in peft
         "tests/e2e/test_peft_export.py",
         "tests/e2e/test_full_finetune.py",
     ],
