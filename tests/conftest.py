@@ -115,3 +115,45 @@ def build_qwen3_5(path: Path, multimodal: bool, tied: bool = False, **text_extra
                 p.add_(0.3 * torch.randn_like(p))
     model.eval().save_pretrained(path)
     return model
+
+
+GPT_OSS: dict[str, Any] = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=4,
+    swiglu_limit=0.6,
+    max_position_embeddings=256,
+    # YaRN whose ramp between kept and interpolated frequencies falls inside the 8 frequencies of a head
+    rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=8.0, beta_fast=4.0, beta_slow=0.5, truncate=False,
+        original_max_position_embeddings=32,
+    ),
+)  # fmt: skip
+
+
+def build_gpt_oss(path: Path, seed: int = 0):
+    """A tiny random gpt-oss saved to `path`; returns the torch model. transformers initialises biases and
+    norms to constants and sinks near 0: all are randomised so that each shows up; the experts' weights are
+    scaled so that the clamp at `swiglu_limit` is reached."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    ref = GptOssForCausalLM(GptOssConfig(**GPT_OSS)).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith(("bias", "sinks")) or "router" in name:
+                p.normal_(0.0, 1.0 if ("sinks" in name or "router" in name) else 0.1)
+            elif "experts" in name:
+                p.normal_(0.0, 0.3)
+    ref.save_pretrained(path)
+    return ref

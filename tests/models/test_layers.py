@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tx.models.layers import AttentionMask, apply_rope, rms_norm, rope_frequencies, swiglu
+from tx.models.layers import AttentionMask, rms_norm, swiglu
+from tx.models.rotary import apply_rope, rope_frequencies
 
 
 def test_swiglu_gradient_equals_autodiff_of_the_plain_expression():

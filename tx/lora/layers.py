@@ -83,10 +83,14 @@ class LoRALinear(nnx.Module):
         lora: LoRASpec | None = None,
         stack: tuple[int, ...] = (),
         weight_major_rows: int = 0,
+        bias: bool = False,
     ) -> None:
-        """`weight_major_rows`: see `linear` (a backend choice, `tx.tuning.Tuning`)."""
+        """`weight_major_rows`: see `linear` (a backend choice, `tx.tuning.Tuning`); `bias`: a frozen
+        `bias [*stack, out]` added to the base product (gpt-oss's attention)."""
         lead = ("layers",) * len(stack)
         self.weight = nnx.Param(jnp.zeros((*stack, d_out, d_in), dtype), logical_axes=(*lead, axes[1], axes[0]))
+        if bias:
+            self.bias = nnx.Param(jnp.zeros((*stack, d_out), dtype), logical_axes=(*lead, axes[1]))
         self.kernel_form: Kernel = lora.kernel if lora else DEFAULT_KERNEL
         self.weight_major_rows = weight_major_rows
         if lora is not None:
@@ -94,6 +98,8 @@ class LoRALinear(nnx.Module):
 
     def __call__(self, x: jax.Array, rows: LoRARows | None) -> jax.Array:
         y = linear(x, self.weight[...], weight_major_rows=self.weight_major_rows)
+        if hasattr(self, "bias"):
+            y = y + self.bias[...]
         if rows is not None and hasattr(self, "lora_a"):
             y = y + lora_delta(x, rows, self.lora_a[...], self.lora_b[...], self.kernel_form)
         return y

@@ -8,7 +8,7 @@ inputs, and the output projection.
 
 SOFTMAX_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 DELTANET = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
+MLP = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")  # gate_up_proj: gpt-oss's fused experts
 UNEMBED = ("lm_head",)
 ALL = (*SOFTMAX_ATTN, *DELTANET, *MLP, *UNEMBED)  # PEFT files may name any of these
 

@@ -1,4 +1,4 @@
-"""Decoder-only causal LM (Qwen3, Llama 3, Qwen3-MoE) as one Flax NNX definition with scanned layers.
+"""Decoder-only causal LM (Qwen3, Llama 3, Qwen3-MoE, gpt-oss) as one Flax NNX definition with scanned layers.
 
 All decoder layers live in one `DecoderLayer` whose weights carry a leading layer axis; the forward
 pass scans over it, so compile time does not grow with depth. The module tree mirrors the HF
@@ -7,7 +7,9 @@ segment ids (packed rows: attention stays inside a segment, positions restart) a
 slots explicitly; with a `KVCache`, a call's tokens occupy consecutive positions from `positions[:, 0]`:
 they attend to the cache's earlier positions and to each other, and their keys/values are written into
 the fixed-shape cache once, after the layer scan (prefill and decode are the same code path).
-Qwen3-MoE differs from Qwen3 only in its MLP, the routed `tx.models.moe.SparseMoeBlock` in every layer.
+Qwen3-MoE differs from Qwen3 only in its MLP, the routed `tx.models.moe.SparseMoeBlock` in every layer;
+gpt-oss too, and in its attention (biases, sinks, YaRN: `tx.models.layers.Attention`), whose sliding-window
+layers take their window as a per-layer value of the scan (`layer_windows`), so one layer body serves both.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from tx.lora.layers import LoRASpec, linear, lora_pair
 from tx.lora.params import LoRARows
 from tx.models.cache import KVCache, LayerCache
 from tx.models.config import ModelConfig
-from tx.models.layers import MLP, Attention, AttentionMask, RMSNorm, rope_frequencies
+from tx.models.layers import MLP, Attention, AttentionMask, RMSNorm
 from tx.models.moe import SparseMoeBlock
+from tx.models.rotary import rope_frequencies
 from tx.tuning import Tuning, for_backend
 
 CacheT = TypeVar("CacheT", KVCache, LayerCache)
@@ -47,17 +50,18 @@ class DecoderLayer(nnx.Module):
         inv_freq: jax.Array,
         rows: LoRARows | None,
         cache: tuple[KVCache | LayerCache, jax.Array | int] | None,
+        window: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, jax.Array | None]:
         """Returns (x, cache part, the experts each token picked [B*T, k], None for a dense MLP).
         With `cache` = (a `KVCache`, this layer's index), read only: the cache part is this call's (k, v).
         With `cache` = (a `LayerCache`, this layer's index): writes this call's keys and values into the
         layer's buffers first, attends over them, and returns the updated buffers. Writing first makes the
         read depend on the write, so XLA updates the buffers in place (a read-then-write order made it copy
-        every layer's cache twice per decode step)."""
+        every layer's cache twice per decode step). `window`: this layer's sliding window (None: attends fully)."""
         q, k, v = self.self_attn.project_qkv(self.input_layernorm(x), positions, inv_freq, rows)
         if cache is None:
             mask = AttentionMask(segments, segments, positions, positions)
-            x = x + self.self_attn.attend(q, k, v, mask, rows)
+            x = x + self.self_attn.attend(q, k, v, mask, rows, window)
             new = None
         elif isinstance(cache[0], LayerCache):
             own, layer = cache[0], cache[1]
@@ -66,12 +70,12 @@ class DecoderLayer(nnx.Module):
             row = jnp.arange(k.shape[0])[:, None]  # k, v [B, T, K, E] into keys [B, K, E, S], values [B, K, S, E]
             k_own = k_old.at[row, :, :, positions].set(k.astype(k_old.dtype), mode="drop")
             v_own = v_old.at[row, :, positions].set(v.astype(v_old.dtype), mode="drop")
-            x = x + self.self_attn.attend_written(q, k_own, v_own, positions, rows)
+            x = x + self.self_attn.attend_written(q, k_own, v_own, positions, rows, window)
             new = (k_own, v_own)
         else:
             full, layer = cache
             k_in, v_in = full.k[layer], full.v[layer]
-            x = x + self.self_attn.attend_cached(q, k, v, k_in, v_in, positions[:, 0], rows)
+            x = x + self.self_attn.attend_cached(q, k, v, k_in, v_in, positions[:, 0], rows, window)
             new = (k, v)
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, SparseMoeBlock):
@@ -79,6 +83,14 @@ class DecoderLayer(nnx.Module):
         else:
             out, picks = self.mlp(h, rows), None
         return x + out, new, picks
+
+
+def layer_windows(cfg: ModelConfig) -> jax.Array | None:
+    """Each layer's sliding window [L] int32, a full layer's larger than any position; None without any."""
+    if not cfg.sliding_layers:
+        return None
+    full = 2**30
+    return jnp.asarray([cfg.sliding_window if i in cfg.sliding_layers else full for i in range(cfg.num_layers)])
 
 
 def _write_cache(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Array) -> KVCache:
@@ -167,10 +179,12 @@ class CausalLM(nnx.Module):
         inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         segments = jnp.ones_like(tokens) if segments is None else segments
         graphdef, stacked = nnx.split(self.model.layers)
+        windows = layer_windows(cfg)
 
         def run_layer(h: jax.Array, layer: jax.Array | int, layer_state: nnx.State) -> tuple:
             read = None if cache is None else (cache, layer)
-            return nnx.merge(graphdef, layer_state)(h, positions, segments, inv_freq, rows, read)
+            window = None if windows is None else windows[layer]
+            return nnx.merge(graphdef, layer_state)(h, positions, segments, inv_freq, rows, read, window)
 
         h = self.model.embed_tokens(tokens)
         if layers is not None:

@@ -5,14 +5,17 @@
 rejected here, with the field that caused it, rather than silently approximated. Hybrid families
 (Qwen3.5 / Qwen3.6, `qwen3_5`) add `layer_types` and a `LinearAttention` section; their parsing lives in
 `tx.models.config_qwen3_5`, which reads every field of the HF file and rejects the ones it does not know.
-Mixture-of-experts families (Qwen3-MoE, `qwen3_moe`; Qwen3.5-MoE, `qwen3_5_moe`) add a `MoE` section, parsed
-the same way in `tx.models.config_qwen3_moe` and `tx.models.config_qwen3_5`.
+Mixture-of-experts families (Qwen3-MoE, `qwen3_moe`; Qwen3.5-MoE, `qwen3_5_moe`; gpt-oss, `gpt_oss`) add a
+`MoE` section, parsed the same way in `tx.models.config_qwen3_moe`, `tx.models.config_qwen3_5` and
+`tx.models.config_gpt_oss`; gpt-oss also sets the attention extras (biases, learned sinks, sliding-window
+layers) and YaRN rotary scaling.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -25,27 +28,40 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 LAYER_TYPES = ("full_attention", "linear_attention")
 
-ROPE_TYPES = ("default", "llama3", "linear")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Rotary frequency scaling (`rope_type` "llama3" as in Llama 3.1/3.2, or "linear")."""
+    """Rotary frequency scaling (`rope_type` "llama3" as in Llama 3.1/3.2, "linear", or "yarn" as in
+    gpt-oss: `beta_fast` / `beta_slow` bound the ramp between extrapolated and interpolated frequencies,
+    `truncate` rounds its ends to whole dimensions, and q and k are scaled by `attention_factor`)."""
 
     rope_type: str
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_scaling.rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
         if self.factor <= 0:
             raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+
+    @property
+    def attention_factor(self) -> float:
+        """YaRN's scale of q and k (each; the scores by its square): 0.1 ln(factor) + 1 for factor > 1."""
+        if self.rope_type != "yarn" or self.factor <= 1:
+            return 1.0
+        return 0.1 * math.log(self.factor) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +92,21 @@ class LinearAttention:
         return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
 
 
-MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe")
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "gpt_oss")
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")  # DeltaNet + gated attention layers (`tx.models.qwen3_5`)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation: gate clamped above and up on both sides at `limit`, then
+    `(up + 1) * gate * sigmoid(alpha * gate)`."""
+
+    alpha: float
+    limit: float
+
+    def __post_init__(self) -> None:
+        if self.limit <= 0:
+            raise ValueError(f"swiglu_limit must be > 0, got {self.limit}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +114,10 @@ class MoE:
     """The sparse MLP's shape: each token's `top_k` of `experts` routed experts (SwiGLU MLPs of width
     `expert_size`), weighted by the router's softmax probabilities, renormalised over the chosen ones
     when `norm_topk_prob`; `shared_expert_size` > 0 adds a dense expert behind a sigmoid gate
-    (Qwen3.5-MoE). `sparse_layers`: the layers whose MLP is this block (the others are dense)."""
+    (Qwen3.5-MoE). `sparse_layers`: the layers whose MLP is this block (the others are dense).
+    gpt-oss (`gpt_oss`): the router and the experts have biases, the top-k logits are picked first and
+    softmaxed among themselves, gate and up are one interleaved projection (`gate_up_proj`, gate in the
+    even rows) and the activation is the `ClampedSwiGLU`."""
 
     experts: int
     top_k: int
@@ -93,6 +125,7 @@ class MoE:
     norm_topk_prob: bool
     sparse_layers: tuple[int, ...]
     shared_expert_size: int = 0
+    gpt_oss: ClampedSwiGLU | None = None
 
     def __post_init__(self) -> None:
         if self.experts < 1 or self.expert_size < 1:
@@ -124,6 +157,10 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # the leading fraction of each head's dims that rotary rotates
     checkpoint_prefix: str = "model"  # where the text model's tensors live ("model.language_model": multimodal)
     moe: MoE | None = None  # set for mixture-of-experts families
+    attention_bias: bool = False  # q/k/v/o projections have biases (gpt-oss)
+    attention_sinks: bool = False  # one learned logit per head joins each softmax, its value 0 (gpt-oss)
+    sliding_window: int = 0  # the layers in `sliding_layers` see their last `sliding_window` positions only
+    sliding_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.family not in ARCHITECTURES.values():
@@ -142,6 +179,12 @@ class ModelConfig:
             raise ValueError(f"a moe section goes with the {MOE_FAMILIES} families only, not {self.family!r}")
         if self.moe is not None and any(not 0 <= i < self.num_layers for i in self.moe.sparse_layers):
             raise ValueError(f"sparse layers {self.moe.sparse_layers} outside 0..{self.num_layers - 1}")
+        if any(not 0 <= i < self.num_layers for i in self.sliding_layers) or (
+            bool(self.sliding_layers) != (self.sliding_window > 0)
+        ):
+            raise ValueError(f"sliding layers {self.sliding_layers} with window {self.sliding_window}")
+        if (self.attention_bias or self.attention_sinks) and self.family != "gpt_oss":
+            raise ValueError(f"attention biases and sinks go with gpt_oss only, not {self.family!r}")
 
     def _check_layer_types(self) -> None:
         if not self.layer_types:
@@ -189,6 +232,10 @@ class ModelConfig:
             from tx.models.config_qwen3_moe import qwen3_moe_from_hf  # that module builds a ModelConfig
 
             return qwen3_moe_from_hf(hf, dtype)
+        if family == "gpt_oss":
+            from tx.models.config_gpt_oss import gpt_oss_from_hf  # that module builds a ModelConfig
+
+            return gpt_oss_from_hf(hf, dtype)
         for flag in ("attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise ValueError(f"config.json sets {flag}=true, which SmolGym does not support")

@@ -1,4 +1,4 @@
-"""The blocks every model family shares: RMSNorm, rotary embeddings, GQA attention, SwiGLU MLP.
+"""The blocks every model family shares: RMSNorm, GQA attention, SwiGLU MLP (rotary: `tx.models.rotary`).
 
 Attribute names match the HF checkpoint (`self_attn.q_proj`, `mlp.gate_proj`, `q_norm`, ...), so weight
 loading and PEFT export need no renaming table beyond transposes. Dimension letters: B batch, T query
@@ -18,7 +18,8 @@ from flax import nnx
 
 from tx.lora.layers import LoRALinear, LoRASpec
 from tx.lora.params import LoRARows
-from tx.models.config import ModelConfig, RopeScaling
+from tx.models.config import ModelConfig
+from tx.models.rotary import apply_rope
 from tx.tuning import Tuning
 
 NEG_INF = -1e30  # additive mask: exp(NEG_INF - max) is exactly 0 in float32, and a finite value keeps gradients finite
@@ -81,65 +82,17 @@ def _rms_norm_bwd(eps: float, res: tuple, dy: jax.Array) -> tuple[jax.Array, jax
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
-    """Inverse frequencies [E/2], with Llama 3's piecewise long-context scaling when configured."""
-    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    if scaling is None:
-        return inv
-    if scaling.rope_type == "linear":
-        return inv / scaling.factor
-    old = scaling.original_max_position_embeddings
-    low_wavelen = old / scaling.low_freq_factor
-    high_wavelen = old / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    scaled = jnp.where(wavelen > low_wavelen, inv / scaling.factor, inv)
-    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return jnp.where(medium, smoothed, scaled)
-
-
-@jax.custom_vjp
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """x [B, T, N, E], positions [B, T]: rotate-half RoPE as in the HF reference. A rotation, so its
-    backward is the inverse rotation of the incoming gradient, recomputed from the positions (autodiff
-    kept the cos/sin tables of every layer)."""
-    cos, sin = _rope_tables(positions, inv_freq)
-    return (x.astype(jnp.float32) * cos + _rotate_half(x).astype(jnp.float32) * sin).astype(x.dtype)
-
-
-def _rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, E/2]
-    angles = jnp.concatenate([angles, angles], -1)[:, :, None, :]
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def _rotate_half(x: jax.Array) -> jax.Array:
-    half = x.shape[-1] // 2
-    return jnp.concatenate([-x[..., half:], x[..., :half]], -1)
-
-
-def _apply_rope_fwd(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, tuple]:
-    return apply_rope(x, positions, inv_freq), (positions, inv_freq)
-
-
-def _apply_rope_bwd(res: tuple, dy: jax.Array) -> tuple[jax.Array, None, None]:
-    positions, inv_freq = res
-    cos, sin = _rope_tables(positions, inv_freq)
-    d32, ds = dy.astype(jnp.float32), dy.astype(jnp.float32) * sin
-    half = dy.shape[-1] // 2
-    dx = d32 * cos + jnp.concatenate([ds[..., half:], -ds[..., :half]], -1)  # the transpose of rotate_half
-    return dx.astype(dy.dtype), None, None  # the output's dtype, which is x's
-
-
-apply_rope.defvjp(_apply_rope_fwd, _apply_rope_bwd)
-
-
 def grouped_attention(
-    qg: jax.Array, keys: jax.Array, values: jax.Array, allowed: jax.Array, keys_es: bool = False
+    qg: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    allowed: jax.Array,
+    keys_es: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Softmax attention of scaled queries qg [B, T, K, G, E] over keys [B, K, S, E] ([B, K, E, S] with
     `keys_es`, the decode cache's layout) and values [B, K, S, E] where `allowed` [B, T, S] -> [B, T, K*G*E].
+    `sinks` [K, G]: one more logit per head in each softmax, whose value is 0 (gpt-oss).
 
     Heads first, with a kv head's G query heads stacked along the query axis: each (row, kv head) is one
     plain [G*T, E] x [E, S] product, the mask an additive bias, and the softmax is normalised after the
@@ -151,17 +104,47 @@ def grouped_attention(
     bias = jnp.tile(jnp.where(allowed, 0.0, NEG_INF), (1, G, 1))[:, None]  # [B, 1, G*T, S]
     spec = "bkqe,bkes->bkqs" if keys_es else "bkqe,bkse->bkqs"  # [B, K, S, E] keys measured 3% faster in training
     s = jnp.einsum(spec, qh, keys, preferred_element_type=jnp.float32) + bias
-    p = jnp.exp(s - jax.lax.stop_gradient(s.max(-1, keepdims=True)))
-    o = jnp.einsum("bkqs,bkse->bkqe", p.astype(values.dtype), values) / p.sum(-1, keepdims=True).astype(values.dtype)
+    sink = None if sinks is None else jnp.repeat(sinks.astype(jnp.float32), T, axis=-1)[None, :, :, None]
+    top = jax.lax.stop_gradient(_top(s, -1, sink))
+    p = jnp.exp(s - top)
+    o = jnp.einsum("bkqs,bkse->bkqe", p.astype(values.dtype), values) / _denominator(p, -1, sink, top).astype(
+        values.dtype
+    )
     return o.reshape(B, K, G, T, E).transpose(0, 3, 1, 2, 4).reshape(B, T, K * G * E)
 
 
+def _top(s: jax.Array, axis: int, sink: jax.Array | None) -> jax.Array:
+    """The largest logit along `axis` (kept), the sink's included."""
+    top = s.max(axis, keepdims=True)
+    return top if sink is None else jnp.maximum(top, sink)
+
+
+def _denominator(p: jax.Array, axis: int, sink: jax.Array | None, top: jax.Array) -> jax.Array:
+    """The softmax's normaliser along `axis` (kept): the keys' exponentials and the sink's."""
+    total = p.sum(axis, keepdims=True)
+    return total if sink is None else total + jnp.exp(sink - top)
+
+
+def in_window(q_positions: jax.Array, k_positions: jax.Array, window: jax.Array | None) -> jax.Array | bool:
+    """A key within a sliding window of the query: fewer than `window` positions behind it (True without)."""
+    if window is None:
+        return True
+    return k_positions > q_positions - window
+
+
 class Attention(nnx.Module):
+    """GQA attention; with `cfg.attention_bias` its projections have biases, with `cfg.attention_sinks` a
+    learned logit per head (`sinks` [H]) joins each softmax, and YaRN's attention factor scales the scores.
+    The attend methods take an optional `window`: a sliding-window layer's width (a traced scalar, so one
+    scanned layer body serves sliding and full layers)."""
+
     def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...], tuning: Tuning) -> None:
         dt = jnp.dtype(cfg.dtype)
         D, H, K, E = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         rows = tuning.weight_major_rows
-        make = functools.partial(LoRALinear, dtype=dt, lora=lora, stack=stack, weight_major_rows=rows)
+        make = functools.partial(
+            LoRALinear, dtype=dt, lora=lora, stack=stack, weight_major_rows=rows, bias=cfg.attention_bias
+        )
         self.q_proj = make(D, H * E, axes=("embed", "q_heads"))
         self.k_proj = make(D, K * E, axes=("embed", "kv_heads"))
         self.v_proj = make(D, K * E, axes=("embed", "kv_heads"))
@@ -169,7 +152,12 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(E, cfg.rms_norm_eps, dt, stack)
             self.k_norm = RMSNorm(E, cfg.rms_norm_eps, dt, stack)
+        if cfg.attention_sinks:
+            lead = ("layers",) * len(stack)
+            self.sinks = nnx.Param(jnp.zeros((*stack, H), dt), logical_axes=(*lead, "q_heads"))
         self.heads, self.kv_heads, self.head_dim = H, K, E
+        # YaRN scales cos and sin, so each of q and k, by its factor: the scores by its square.
+        self.score_scale = (cfg.rope_scaling.attention_factor if cfg.rope_scaling else 1.0) ** 2 / math.sqrt(E)
 
     def project_qkv(
         self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, rows: LoRARows | None
@@ -182,39 +170,68 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, rows: LoRARows | None) -> jax.Array:
+    def _sinks(self) -> jax.Array | None:
+        """The sink logits as [K, G] (float32), None without."""
+        if not hasattr(self, "sinks"):
+            return None
+        return self.sinks[...].astype(jnp.float32).reshape(self.kv_heads, self.heads // self.kv_heads)
+
+    def attend(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        mask: AttentionMask,
+        rows: LoRARows | None,
+        window: jax.Array | None = None,
+    ) -> jax.Array:
         """q [B, T, H, E] against k, v [B, S, K, E] -> o_proj output [B, T, D]."""
         B, T, H, E = q.shape
         K = self.kv_heads
         qg = q.reshape(B, T, K, H // K, E)
+        allowed = mask.allowed() & in_window(mask.q_positions[:, :, None], mask.k_positions[:, None, :], window)
+        sinks = self._sinks()
         if T == 1:  # decode: a streaming multiply-and-sum over the cache beats XLA CPU's tiny batched GEMMs
-            allowed = mask.allowed()[:, None, None]  # [B, 1, 1, T, S]
             scores = jnp.sum(qg[:, 0, None].astype(jnp.float32) * k[:, :, :, None, :], axis=-1)  # [B, S, K, G]
-            scores = jnp.where(allowed[:, 0, 0, 0, :, None, None], scores / math.sqrt(E), jnp.finfo(jnp.float32).min)
-            probs = jax.nn.softmax(scores, axis=1).astype(v.dtype)
+            scores = jnp.where(allowed[:, 0, :, None, None], scores * self.score_scale, jnp.finfo(jnp.float32).min)
+            sink = None if sinks is None else sinks[None, None]
+            top = _top(scores, 1, sink)
+            p = jnp.exp(scores - top)
+            probs = (p / _denominator(p, 1, sink, top)).astype(v.dtype)
             out = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1).reshape(B, 1, H * E)
             return self.o_proj(out, rows)
         kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, E]
-        out = grouped_attention(qg / math.sqrt(E), kh, vh, mask.allowed())
+        out = grouped_attention(qg * self.score_scale, kh, vh, allowed, sinks=sinks)
         return self.o_proj(out, rows)
 
     def attend_written(
-        self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, rows: LoRARows | None
+        self,
+        q: jax.Array,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        positions: jax.Array,
+        rows: LoRARows | None,
+        window: jax.Array | None = None,
     ) -> jax.Array:
         """Attention over a cache that already holds this call's keys: q [B, T, H, E] at `positions` [B, T]
         sees cache positions <= its own (keys [B, K, E, S], values [B, K, S, E]; later positions are stale)."""
         B, T, H, E = q.shape
         K = self.kv_heads
-        qg = (q.reshape(B, T, K, H // K, E) / math.sqrt(E)).astype(jnp.float32)
-        seen = jnp.arange(k_cache.shape[-1])[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        qg = (q.reshape(B, T, K, H // K, E) * self.score_scale).astype(jnp.float32)
+        key_at = jnp.arange(k_cache.shape[-1])[None, None, :]
+        seen = (key_at <= positions[:, :, None]) & in_window(positions[:, :, None], key_at, window)  # [B, T, S]
+        sinks = self._sinks()
         if T == 1:  # decode: multiply-and-sum streams the cache (XLA CPU's tiny batched GEMMs are slower)
             s = jnp.sum(qg[:, 0, :, :, :, None] * k_cache[:, :, None], axis=-2)  # [B, K, G, S]
             s = jnp.where(seen[:, 0, None, None, :], s, jnp.finfo(jnp.float32).min)
-            p = jnp.exp(s - s.max(-1, keepdims=True))
+            sink = None if sinks is None else sinks[None, :, :, None]
+            top = _top(s, -1, sink)
+            p = jnp.exp(s - top)
             num = jnp.sum(p[..., None] * v_cache[:, :, None], axis=-2)  # [B, K, G, E]
-            out = (num / p.sum(-1)[..., None]).astype(v_cache.dtype).reshape(B, 1, H * E)
+            out = (num / _denominator(p, -1, sink, top)).astype(v_cache.dtype).reshape(B, 1, H * E)
             return self.o_proj(out, rows)
-        return self.o_proj(grouped_attention(qg, k_cache, v_cache, seen, keys_es=True), rows)  # prefill
+        out = grouped_attention(qg, k_cache, v_cache, seen, keys_es=True, sinks=sinks)  # prefill
+        return self.o_proj(out, rows)
 
     def attend_cached(
         self,
@@ -225,43 +242,62 @@ class Attention(nnx.Module):
         v_cache: jax.Array,
         start: jax.Array,
         rows: LoRARows | None,
+        window: jax.Array | None = None,
     ) -> jax.Array:
         """`cached_attention` through o_proj."""
-        return self.o_proj(cached_attention(q, k, v, k_cache, v_cache, start), rows)
+        heads = cached_attention(
+            q, k, v, k_cache, v_cache, start, self._sinks(), window, self.score_scale * math.sqrt(self.head_dim)
+        )
+        return self.o_proj(heads, rows)
 
 
 def cached_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    start: jax.Array,
+    sinks: jax.Array | None = None,
+    window: jax.Array | None = None,
+    score_factor: float = 1.0,
 ) -> jax.Array:
     """Attention of this call's queries over the cache's earlier positions and this call's own keys.
 
     q [B, T, H, E]; k, v [B, T, K, E] for positions start[b] + 0..T-1; k_cache, v_cache [B, S, K, E]
     hold positions < start[b] (later cache positions are stale and masked) -> the heads' output
     [B, T, H*E]. The two blocks are combined with one softmax, so the cache is read, never copied, and
-    written once per call by the caller.
+    written once per call by the caller. `sinks` [K, G], `window`: as in `Attention`; `score_factor`
+    multiplies the usual 1/sqrt(E) (YaRN).
     """
     B, T, H, E = q.shape
     K = k.shape[2]
-    qg = (q.reshape(B, T, K, H // K, E) / math.sqrt(E)).astype(jnp.float32)
+    qg = (q.reshape(B, T, K, H // K, E) * (score_factor / math.sqrt(E))).astype(jnp.float32)
     low = jnp.finfo(jnp.float32).min
-    old = jnp.arange(k_cache.shape[1])[None, :] < start[:, None]  # [B, S]
+    key_at = jnp.arange(k_cache.shape[1])[None, None, :]  # [1, 1, S]
+    query_at = start[:, None] + jnp.arange(T)[None, :]  # [B, T]
+    old = (key_at < start[:, None, None]) & in_window(query_at[:, :, None], key_at, window)  # [B, T, S]
     if T == 1:  # decode: streaming multiply-and-sum beats XLA CPU's tiny batched GEMMs
         s_old = jnp.sum(qg[:, 0, None] * k_cache[:, :, :, None, :], axis=-1)  # [B, S, K, G]
-        s_old = jnp.where(old[:, :, None, None], s_old, low)
+        s_old = jnp.where(old[:, 0, :, None, None], s_old, low)
         s_new = jnp.sum(qg[:, 0] * k[:, 0, :, None, :], axis=-1)[:, None]  # [B, 1, K, G]
         top = jnp.maximum(s_old.max(axis=1, keepdims=True), s_new)
+        sink = None if sinks is None else sinks[None, None]
+        top = top if sink is None else jnp.maximum(top, sink)
         p_old, p_new = jnp.exp(s_old - top), jnp.exp(s_new - top)
-        denom = p_old.sum(axis=1) + p_new[:, 0]  # [B, K, G]
+        denom = (_denominator(p_old, 1, sink, top) + p_new)[:, 0]  # [B, K, G]
         num = jnp.sum(p_old[..., None] * v_cache[:, :, :, None, :], axis=1) + p_new[:, 0, ..., None] * v[:, 0, :, None]
         return (num / denom[..., None]).astype(v.dtype).reshape(B, 1, H * E)
     s_old = jnp.einsum("btkge,bske->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
-    s_old = jnp.where(old[:, None, None, None, :], s_old, low)
+    s_old = jnp.where(old[:, None, None], s_old, low)
     s_new = jnp.einsum("btkge,bske->bkgts", qg, k, preferred_element_type=jnp.float32)
-    causal = jnp.tril(jnp.ones((T, T), bool))
+    own = jnp.arange(T)
+    causal = (own[None, :] <= own[:, None]) & in_window(own[:, None], own[None, :], window)
     s_new = jnp.where(causal, s_new, low)
-    top = jnp.maximum(s_old.max(-1, keepdims=True), s_new.max(-1, keepdims=True))
+    sink = None if sinks is None else sinks[None, :, :, None, None]
+    top = _top(jnp.maximum(s_old.max(-1, keepdims=True), s_new.max(-1, keepdims=True)), -1, sink)
     p_old, p_new = jnp.exp(s_old - top), jnp.exp(s_new - top)
-    denom = p_old.sum(-1) + p_new.sum(-1)  # [B, K, G, T]
+    denom = _denominator(p_old, -1, sink, top)[..., 0] + p_new.sum(-1)  # [B, K, G, T]
     num = jnp.einsum("bkgts,bske->bkgte", p_old, v_cache) + jnp.einsum("bkgts,bske->bkgte", p_new, v)
     out = (num / denom[..., None]).astype(v.dtype)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)

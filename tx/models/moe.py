@@ -4,7 +4,10 @@ Attribute names follow the hub checkpoints (`mlp.gate` the router, `mlp.experts.
 expert projection is one `weight [*stack, X, out, in]`, the checkpoint's per-expert [out, in] tensors
 stacked on a leading `expert` logical axis, which the sharding rules map onto the mesh's `expert` axis
 (expert parallelism). An optional shared expert (a dense SwiGLU MLP, scaled by a per-token sigmoid gate)
-runs beside the routed ones (Qwen3.5-MoE). Letters as in `tx.models.layers`, plus N tokens (B*T),
+runs beside the routed ones (Qwen3.5-MoE). gpt-oss names its router `mlp.router` and gives it a bias, picks
+the top-k logits before a softmax over them, and fuses each expert's gate and up into one interleaved
+`mlp.experts.gate_up_proj` (gate in the even rows, as its checkpoint stores them), with biases on both
+projections and its clamped SwiGLU; the same two forms run it. Letters as in `tx.models.layers`, plus N tokens (B*T),
 X experts, k experts per token, M = N*k (token, expert) pairs, F an expert's width.
 
 The grouped expert product has two exact forms, chosen per backend by measurement
@@ -44,9 +47,14 @@ class Routing:
     weights: jax.Array
 
 
-def route(logits: jax.Array, top_k: int, normalize: bool) -> Routing:
+def route(logits: jax.Array, top_k: int, normalize: bool, softmax_of_top: bool = False) -> Routing:
     """Router logits [N, X] -> the top-k experts by softmax probability (ties to the lower index), the
-    probabilities renormalised to sum to 1 over the chosen ones when `normalize`."""
+    probabilities renormalised to sum to 1 over the chosen ones when `normalize`. `softmax_of_top`
+    (gpt-oss): the top-k logits first, then a softmax over those alone (the same function as normalised
+    probabilities, computed the way gpt-oss does)."""
+    if softmax_of_top:
+        top, experts = jax.lax.top_k(logits.astype(jnp.float32), top_k)
+        return Routing(experts.astype(jnp.int32), jax.nn.softmax(top, axis=-1).astype(logits.dtype))
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if normalize:
@@ -62,27 +70,49 @@ def dense_combine(routing: Routing, experts: int) -> jax.Array:
 
 Adapters = tuple[ExpertAdapter | None, ExpertAdapter | None, ExpertAdapter | None]  # gate, up, down
 NO_ADAPTERS: Adapters = (None, None, None)
+Biases = tuple[jax.Array | None, jax.Array | None, jax.Array | None]  # gate, up, down: [X, out] each
+NO_BIASES: Biases = (None, None, None)
+Activation = Callable[..., jax.Array]  # the projected inputs (gate, up; or gpt-oss's fused gate_up) -> h
 
 
 def _plus(y: jax.Array, adapter: ExpertAdapter | None, delta: Callable[[ExpertAdapter], jax.Array]) -> jax.Array:
     return y if adapter is None else y + delta(adapter)
 
 
+def clamped_swiglu(alpha: float, limit: float) -> Activation:
+    """gpt-oss's activation of its interleaved gate_up [..., 2F] (gate at even, up at odd indices) -> [..., F]."""
+
+    def act(gate_up: jax.Array) -> jax.Array:
+        pairs = gate_up.reshape(*gate_up.shape[:-1], -1, 2)
+        gate, up = jnp.minimum(pairs[..., 0], limit), jnp.clip(pairs[..., 1], -limit, limit)
+        return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
+
+    return act
+
+
 def dense_experts(
     x: jax.Array,
     routing: Routing,
     gate: jax.Array,
-    up: jax.Array,
+    up: jax.Array | None,
     down: jax.Array,
     adapters: Adapters = NO_ADAPTERS,
+    biases: Biases = NO_BIASES,
+    act: Activation = swiglu,
 ) -> jax.Array:
     """x [N, D], expert weights gate, up [X, F, D] and down [X, D, F] -> [N, D]: all experts on all
-    tokens, each expert's activations scaled by its routing weight before the down projection."""
+    tokens, each expert's activations scaled by its routing weight before the down projection. With
+    `up` None, `gate` is a fused input projection that `act` alone reads (gpt-oss)."""
     combine = dense_combine(routing, gate.shape[0])
-    g = _plus(jnp.einsum("nd,xfd->xnf", x, gate), adapters[0], lambda a: a.dense(x))
-    u = _plus(jnp.einsum("nd,xfd->xnf", x, up), adapters[1], lambda a: a.dense(x))
-    h = swiglu(g, u) * combine.T[:, :, None].astype(x.dtype)
-    return _plus(jnp.einsum("xnf,xdf->nd", h, down), adapters[2], lambda a: a.dense_summed(h))
+
+    def project(w: jax.Array, bias: jax.Array | None, adapter: ExpertAdapter | None) -> jax.Array:
+        y = jnp.einsum("nd,xfd->xnf", x, w) + (0 if bias is None else bias[:, None, :])
+        return _plus(y, adapter, lambda a: a.dense(x))
+
+    inputs = [project(w, b, a) for w, b, a in zip((gate, up), biases[:2], adapters[:2], strict=True) if w is not None]
+    h = act(*inputs) * combine.T[:, :, None].astype(x.dtype)
+    out = _plus(jnp.einsum("xnf,xdf->nd", h, down), adapters[2], lambda a: a.dense_summed(h))
+    return out if biases[2] is None else out + combine.astype(x.dtype) @ biases[2]
 
 
 _OUT_IN = jax.lax.RaggedDotDimensionNumbers(
@@ -98,23 +128,31 @@ def ragged_experts(
     x: jax.Array,
     routing: Routing,
     gate: jax.Array,
-    up: jax.Array,
+    up: jax.Array | None,
     down: jax.Array,
     adapters: Adapters = NO_ADAPTERS,
+    biases: Biases = NO_BIASES,
+    act: Activation = swiglu,
 ) -> jax.Array:
     """x [N, D] -> [N, D]: the (token, expert) pairs sorted by expert, one ragged group per expert."""
     N, k = routing.experts.shape
     flat = routing.experts.reshape(N * k)
     order = jnp.argsort(flat, stable=True)  # pair indices, grouped by expert
     sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
-    token = order // k
+    token, expert = order // k, jnp.take(flat, order)
     rows = jnp.take(x, token, axis=0)  # [M, D]
 
-    def project(inputs: jax.Array, weight: jax.Array, adapter: ExpertAdapter | None) -> jax.Array:
-        return _plus(_grouped(inputs, weight, sizes), adapter, lambda a: a.ragged(inputs, token, sizes))
+    def project(
+        inputs: jax.Array, weight: jax.Array, bias: jax.Array | None, adapter: ExpertAdapter | None
+    ) -> jax.Array:
+        y = _grouped(inputs, weight, sizes) + (0 if bias is None else jnp.take(bias, expert, axis=0))
+        return _plus(y, adapter, lambda a: a.ragged(inputs, token, sizes))
 
-    h = swiglu(project(rows, gate, adapters[0]), project(rows, up, adapters[1]))
-    out = project(h, down, adapters[2]) * jnp.take(routing.weights.reshape(N * k), order)[:, None].astype(x.dtype)
+    weights = zip((gate, up), biases[:2], adapters[:2], strict=True)
+    h = act(*[project(rows, w, b, a) for w, b, a in weights if w is not None])
+    out = project(h, down, biases[2], adapters[2]) * jnp.take(routing.weights.reshape(N * k), order)[:, None].astype(
+        x.dtype
+    )
     back = jnp.argsort(order)  # the inverse permutation: pair i's row in the sorted order
     return jnp.sum(jnp.take(out, back, axis=0).reshape(N, k, -1), axis=1)
 
@@ -135,10 +173,13 @@ class ExpertLinear(nnx.Module):
         dtype: jnp.dtype,
         stack: tuple,
         lora: LoRASpec | None = None,
+        bias: bool = False,
     ) -> None:
         lead = ("layers",) * len(stack)
         shape = (*stack, experts, d_out, d_in)
         self.weight = nnx.Param(jnp.zeros(shape, dtype), logical_axes=(*lead, "expert", axes[1], axes[0]))
+        if bias:  # [*stack, X, out]
+            self.bias = nnx.Param(jnp.zeros(shape[:-1], dtype), logical_axes=(*lead, "expert", axes[1]))
         if lora is not None:
             self.lora_a, self.lora_b = expert_lora_pair(experts, d_in, d_out, axes, lora, stack)
 
@@ -147,33 +188,50 @@ class ExpertLinear(nnx.Module):
             return None
         return ExpertAdapter.of(self.lora_a[...], self.lora_b[...], mask)
 
+    def bias_or_none(self) -> jax.Array | None:
+        return self.bias[...] if hasattr(self, "bias") else None
+
 
 class Experts(nnx.Module):
-    """HF's `mlp.experts`: the routed experts' gate, up and down projections, stacked."""
+    """HF's `mlp.experts`: the routed experts' gate, up and down projections, stacked; gpt-oss's fused
+    `gate_up_proj` [X, 2F, D] (interleaved) and `down_proj`, with biases."""
 
     def __init__(self, cfg: ModelConfig, moe: MoE, lora: LoRASpec | None, stack: tuple[int, ...]) -> None:
         dt, D, F, X = jnp.dtype(cfg.dtype), cfg.hidden_size, moe.expert_size, moe.experts
-        self.gate_proj = ExpertLinear(X, D, F, ("embed", "mlp"), dt, stack, lora)
-        self.up_proj = ExpertLinear(X, D, F, ("embed", "mlp"), dt, stack, lora)
-        self.down_proj = ExpertLinear(X, F, D, ("mlp", "embed"), dt, stack, lora)
+        biased = moe.gpt_oss is not None
+        if moe.gpt_oss is not None:
+            self.gate_up_proj = ExpertLinear(X, D, 2 * F, ("embed", "mlp"), dt, stack, lora, bias=True)
+        else:
+            self.gate_proj = ExpertLinear(X, D, F, ("embed", "mlp"), dt, stack, lora)
+            self.up_proj = ExpertLinear(X, D, F, ("embed", "mlp"), dt, stack, lora)
+        self.down_proj = ExpertLinear(X, F, D, ("mlp", "embed"), dt, stack, lora, bias=biased)
+        self.clamp = None if moe.gpt_oss is None else (moe.gpt_oss.alpha, moe.gpt_oss.limit)  # static floats
 
     def __call__(self, x: jax.Array, routing: Routing, form: Form, mask: jax.Array | None = None) -> jax.Array:
         """x [N, D]; `mask` [N, G*R]: each token's adapter columns (`tx.lora.experts.token_columns`)."""
-        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        adapters = (gate.adapter(mask), up.adapter(mask), down.adapter(mask))
-        return FORMS[form](x, routing, gate.weight[...], up.weight[...], down.weight[...], adapters)
+        gate = self.gate_up_proj if hasattr(self, "gate_up_proj") else self.gate_proj
+        up, down = getattr(self, "up_proj", None), self.down_proj
+        adapters = (gate.adapter(mask), None if up is None else up.adapter(mask), down.adapter(mask))
+        biases = (gate.bias_or_none(), None, down.bias_or_none())
+        weights = (gate.weight[...], None if up is None else up.weight[...], down.weight[...])
+        act = swiglu if self.clamp is None else clamped_swiglu(*self.clamp)
+        return FORMS[form](x, routing, *weights, adapters, biases, act)
 
 
 class Router(nnx.Module):
-    """HF's `mlp.gate`: one logit per expert, weight [*stack, X, D] (replicated: it is small)."""
+    """HF's `mlp.gate` (`mlp.router` in gpt-oss, with a bias [*stack, X]): one logit per expert, weight
+    [*stack, X, D] (replicated: it is small)."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoE, stack: tuple[int, ...]) -> None:
+    def __init__(self, cfg: ModelConfig, moe: MoE, stack: tuple[int, ...], bias: bool = False) -> None:
         lead = ("layers",) * len(stack)
         shape = (*stack, moe.experts, cfg.hidden_size)
         self.weight = nnx.Param(jnp.zeros(shape, cfg.dtype), logical_axes=(*lead, "router", "embed"))
+        if bias:
+            self.bias = nnx.Param(jnp.zeros(shape[:-1], cfg.dtype), logical_axes=(*lead, "router"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return linear(x, self.weight[...])
+        logits = linear(x, self.weight[...])
+        return logits + self.bias[...] if hasattr(self, "bias") else logits
 
 
 class SparseMoeBlock(nnx.Module):
@@ -182,14 +240,17 @@ class SparseMoeBlock(nnx.Module):
     def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...], tuning: Tuning) -> None:
         moe = cfg.moe
         assert moe is not None, "a SparseMoeBlock needs the config's moe section"
-        self.gate = Router(cfg, moe, stack)
+        if moe.gpt_oss is not None:
+            self.router = Router(cfg, moe, stack, bias=True)
+        else:
+            self.gate = Router(cfg, moe, stack)
         self.experts = Experts(cfg, moe, lora, stack)
         if moe.shared_expert_size:
             self.shared_expert = MLP(cfg, lora, stack, tuning, size=moe.shared_expert_size)
             self.shared_expert_gate = LoRALinear(
                 cfg.hidden_size, 1, axes=("embed", "router"), dtype=jnp.dtype(cfg.dtype), stack=stack
             )
-        self.top_k, self.normalize = moe.top_k, moe.norm_topk_prob
+        self.top_k, self.normalize, self.softmax_of_top = moe.top_k, moe.norm_topk_prob, moe.gpt_oss is not None
         self.form: Form = "dense" if moe.experts <= tuning.moe_dense_max_experts else "ragged"
 
     def __call__(self, x: jax.Array, rows: LoRARows | None) -> jax.Array:
@@ -201,7 +262,8 @@ class SparseMoeBlock(nnx.Module):
         cost nothing (XLA drops them)."""
         B, T, D = x.shape
         tokens = x.reshape(B * T, D)
-        routing = route(self.gate(tokens), self.top_k, self.normalize)
+        router = self.router if hasattr(self, "router") else self.gate
+        routing = route(router(tokens), self.top_k, self.normalize, self.softmax_of_top)
         mask = None if rows is None else token_columns(rows, T, x.dtype)
         out = self.experts(tokens, routing, self.form, mask).reshape(B, T, D)
         if hasattr(self, "shared_expert"):

@@ -26,9 +26,10 @@ from tx.lora.params import LoRARows
 from tx.models.cache import HybridCache, KVCache, LinearState
 from tx.models.causal_lm import Embedding, LMHead, _write_cache, layer_state
 from tx.models.config import ModelConfig
-from tx.models.layers import MLP, RMSNorm, rope_frequencies
+from tx.models.layers import MLP, RMSNorm
 from tx.models.moe import SparseMoeBlock
 from tx.models.qwen3_5_layers import GatedAttention, GatedDeltaNet, TokenFlags
+from tx.models.rotary import rope_frequencies
 from tx.tuning import PLAIN
 
 MIXERS = {"linear_attention": "linear_attn", "full_attention": "self_attn"}

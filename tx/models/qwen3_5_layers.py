@@ -21,7 +21,8 @@ from tx.lora.params import LoRARows
 from tx.models.cache import LinearState
 from tx.models.config import ModelConfig
 from tx.models.delta_rule import chunked_delta_rule, recurrent_delta_rule
-from tx.models.layers import AttentionMask, RMSNorm, apply_rope, cached_attention, grouped_attention, rms_norm
+from tx.models.layers import AttentionMask, RMSNorm, cached_attention, grouped_attention, rms_norm
+from tx.models.rotary import apply_rope
 
 
 @jax.tree_util.register_dataclass

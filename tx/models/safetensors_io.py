@@ -25,6 +25,7 @@ DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
     "I64": np.dtype(np.int64),
     "I32": np.dtype(np.int32),
+    "U8": np.dtype(np.uint8),  # MXFP4 blocks and scales (gpt-oss's experts)
 }
 
 

@@ -11,6 +11,8 @@ stacked over only some layers (Qwen3.5's `linear_attn`, `self_attn`) takes layer
 A mixture-of-experts block's per-expert tensors (`mlp.experts.{i}.gate_proj.weight`, the hub's layout and
 what transformers' `save_pretrained` writes) are stacked on the expert axis as they stream; transformers 5's
 fused in-memory form (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) is read too, split per expert.
+gpt-oss keeps its fused, interleaved `gate_up_proj` whole per expert, read from its fused or MXFP4 tensors
+and written back fused (`tx.models.gpt_oss_checkpoint`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tqdm import tqdm
 
 from tx.lora.layers import LoRASpec
 from tx.lora.params import LoRAParam
+from tx.models import gpt_oss_checkpoint
 from tx.models.catalog import SKIPPED_PARTS, locate_model
 from tx.models.causal_lm import CausalLM, abstract_model
 from tx.models.config import HYBRID_FAMILIES, ModelConfig, load_hf_config
@@ -97,6 +100,24 @@ def hub_layout(key: str, array: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
         yield key, array
 
 
+def checkpoint_tensors(cfg: ModelConfig, files: list[Path]) -> Iterator[tuple[str, str, np.ndarray]]:
+    """The checkpoint's tensors in the names and layouts the model holds (experts per expert), each with the
+    name of the file it came from. gpt-oss's MXFP4 blocks and scales may sit in different files."""
+    current = [""]
+
+    def raw() -> Iterator[tuple[str, np.ndarray]]:
+        for file in files:
+            current[0] = file.name
+            yield from iter_tensors(file)
+
+    if cfg.family == "gpt_oss":
+        stream = gpt_oss_checkpoint.per_expert(raw())
+    else:
+        stream = (pair for key, array in raw() for pair in hub_layout(key, array))
+    for key, array in stream:
+        yield current[0], key, array
+
+
 def abstract_for(
     cfg: ModelConfig, lora: LoRASpec | None, remat: bool, tuning: Tuning | None = None
 ) -> CausalLM | Qwen3_5CausalLM:
@@ -162,23 +183,22 @@ def _stream_weights(
     values: dict[Path_, jax.Array] = {}
     files = shard_files(model_dir)
     bar = tqdm(desc=f"loading {model_dir.name}", unit="tensor", disable=not progress, leave=False)
-    for file in files:
-        for key, array in (pair for raw in iter_tensors(file) for pair in hub_layout(*raw)):
-            bar.update()
-            check_weight_dtype(key, file.name, array.dtype)
-            placed = place_tensor(cfg, expected, key, array.shape, file.name)
-            if placed is None:
-                continue
-            path, index, seen = placed
-            var = expected[path]
-            host = np.asarray(array).astype(var.dtype)
-            if not index:
-                values[path] = jax.device_put(host, shardings[path])
-                continue
-            if path not in values:
-                values[path] = _allocate(var.shape, var.dtype, shardings[path])
-            values[path] = _set_at(values[path], jnp.asarray(index, jnp.int32), host)
-            layers_seen.setdefault(path, set()).add(seen)
+    for file_name, key, array in checkpoint_tensors(cfg, files):
+        bar.update()
+        check_weight_dtype(key, file_name, array.dtype)
+        placed = place_tensor(cfg, expected, key, array.shape, file_name)
+        if placed is None:
+            continue
+        path, index, seen = placed
+        var = expected[path]
+        host = np.asarray(array).astype(var.dtype)
+        if not index:
+            values[path] = jax.device_put(host, shardings[path])
+            continue
+        if path not in values:
+            values[path] = _allocate(var.shape, var.dtype, shardings[path])
+        values[path] = _set_at(values[path], jnp.asarray(index, jnp.int32), host)
+        layers_seen.setdefault(path, set()).add(seen)
     bar.close()
     check_complete(expected, set(values), layers_seen, cfg)
     return values
@@ -289,6 +309,9 @@ def _hf_tensors(path: Path_, host: np.ndarray, cfg: ModelConfig) -> Iterator[tup
         layers = list(cfg.layers_holding(path[2]))
     experts = "experts" in path  # routed expert weights: [L, X, out, in]
     for index, layer in enumerate(layers):
+        if experts and cfg.family == "gpt_oss":
+            yield gpt_oss_checkpoint.fused(path_to_hf_key(path, layer, prefix), host[index])
+            continue
         if not experts:
             yield path_to_hf_key(path, layer, prefix), np.ascontiguousarray(host[index])
             continue
