@@ -40,10 +40,14 @@ def _free_port() -> int:
 
 
 def start_server(
-    model_dir: Path, data_dir: Path, database_url: str | None = None, max_lora_adapters: int = 16
+    model_dir: Path | str,
+    data_dir: Path,
+    database_url: str | None = None,
+    max_lora_adapters: int = 16,
 ) -> tuple[str, callable]:
     """Runs are never evicted and most e2e tests leave theirs loaded: the shared server needs a slot per
-    run of the whole session (the old-SDK client alone leaves two), plus room for sampler snapshots."""
+    run of the whole session (the old-SDK client alone leaves two), plus room for sampler snapshots.
+    `model_dir` may be a hub name the local HF cache holds."""
     from tx.api.app import create_app
     from tx.api.context import Settings
     from tx.db import open_database

@@ -27,8 +27,8 @@ from tx.tuning import Tuning
 
 # Families whose PEFT export writes the experts fused (`target_parameters`): the pinned peft converts a
 # per-expert adapter onto transformers 5's fused experts for Qwen3-MoE, but for Qwen3.5-MoE it has no such
-# conversion and would silently drop the expert adapters.
-FUSED_EXPERT_FAMILIES = frozenset({"qwen3_5_moe"})
+# conversion and would silently drop the expert adapters; gpt-oss's experts were only ever fused parameters.
+FUSED_EXPERT_FAMILIES = frozenset({"qwen3_5_moe", "gpt_oss"})
 
 
 class WeightsIO:
@@ -51,7 +51,7 @@ class WeightsIO:
         return sum(f.stat().st_size for f in dest.iterdir() if f.is_file())
 
     def peft_lora_config(self, source: Path) -> LoraConfig:
-        config, _ = peft.load_peft(source)
+        config, _ = peft.load_peft(source, fused_gate_up=self.cfg.family == "gpt_oss")
         t = set(config.target_modules)
         return LoraConfig(
             rank=config.rank,
@@ -62,7 +62,7 @@ class WeightsIO:
         )
 
     def load_peft(self, source: Path, bank: AdapterBank, slot: int) -> None:
-        config, weights = peft.load_peft(source)
+        config, weights = peft.load_peft(source, fused_gate_up=self.cfg.family == "gpt_oss")
         weights = {text_module_name(name, self.cfg): pair for name, pair in weights.items()}
         bank.write_peft(slot, config, weights, self._layer_of)
 

@@ -101,10 +101,11 @@ def save_peft(
     tensors: dict[str, np.ndarray] = {}
     extra: dict[str, Any] = {}
     if fused_experts:
+        split = not any(name.endswith(".gate_up_proj") for name in weights)  # gpt-oss holds gate_up fused
         weights, stored = peft_experts.fuse(weights, config.rank)
         for module, (lora_a, lora_b) in stored.items():
             tensors[f"{_PREFIX}{module}.lora_A.weight"], tensors[f"{_PREFIX}{module}.lora_B.weight"] = lora_a, lora_b
-        extra = peft_experts.fused_config(config.rank, config.alpha) if stored else {}
+        extra = peft_experts.fused_config(config.rank, config.alpha, split) if stored else {}
     for module, (a, b) in sorted(weights.items()):
         _check_pair(config, module, a, b)
         tensors[f"{_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(
@@ -194,8 +195,9 @@ def _fsync_tree(root: Path) -> None:
 # ----------------------------------------------------------------------------------------------- load
 
 
-def load_peft(path: str | os.PathLike[str]) -> tuple[AdapterConfig, AdapterWeights]:
-    """Read a PEFT LoRA adapter directory (ours or HF PEFT's) into one rank and one scaling.
+def load_peft(path: str | os.PathLike[str], fused_gate_up: bool = False) -> tuple[AdapterConfig, AdapterWeights]:
+    """Read a PEFT LoRA adapter directory (ours or HF PEFT's) into one rank and one scaling. `fused_gate_up`:
+    the model holds its experts' gate and up as one projection (gpt-oss), so fused expert adapters stay so.
 
     `target_modules` is resolved from the weights present (so regex strings and `layers_to_transform` need no
     model). Per-module ranks and alphas are zero-padded / folded into B as the module docstring explains; the
@@ -204,7 +206,7 @@ def load_peft(path: str | os.PathLike[str]) -> tuple[AdapterConfig, AdapterWeigh
     root = Path(path)
     raw = json.loads((root / CONFIG_NAME).read_text())
     _check_config(raw)
-    pairs = _read_pairs(root, raw)
+    pairs = _read_pairs(root, raw, fused_gate_up)
     return _uniform(raw, pairs)
 
 
@@ -242,7 +244,9 @@ def _check_short_names(names: set[str], where: str) -> None:
         raise ValueError(f"{where} has unsupported LoRA targets {unsupported}; supported: {list(SUPPORTED_TARGETS)}")
 
 
-def _read_pairs(root: Path, raw: Mapping[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def _read_pairs(
+    root: Path, raw: Mapping[str, Any], fused_gate_up: bool = False
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Module name → (lora_A.weight [r, in], lora_B.weight [out, r]) as stored (fused experts split per
     expert), after checking every key."""
     file = root / WEIGHTS_NAME
@@ -272,7 +276,7 @@ def _read_pairs(root: Path, raw: Mapping[str, Any]) -> dict[str, tuple[np.ndarra
         raise ValueError(f"{file}: modules {incomplete} lack lora_A or lora_B")
     pairs = {m: (kinds["lora_A"], kinds["lora_B"]) for m, kinds in found.items()}
     if raw.get("target_parameters"):
-        pairs = peft_experts.unfuse(pairs, raw)
+        pairs = peft_experts.unfuse(pairs, raw, fused_gate_up)
     _check_short_names({_short(m) for m in pairs}, str(file))
     return pairs
 

@@ -11,6 +11,10 @@ function, and the conversion PEFT itself applies to per-expert adapters of the f
 a rank-2r fused LoRA whose off-diagonal blocks are zero splits exactly, and so does a rank-r one (A shared
 by gate and up, as PEFT trains it); any other rank is refused. Stored orientation throughout the reading
 side: (lora_A [r, in], lora_B [out, r]).
+
+gpt-oss holds gate and up fused itself (`mlp.experts.{e}.gate_up_proj`, interleaved rows, as transformers'
+`gate_up_proj` [X, D, 2F] is): its adapters are written as they are, rank r with the file's alpha, and read
+back the same way (`fused_gate_up`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import numpy as np
 Pair = tuple[np.ndarray, np.ndarray]
 TARGET_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # PEFT nests the first inside
 GATE_UP_PATTERN = r".*\.gate_up_proj"  # the rank_pattern / alpha_pattern key of the fused gate and up
-_EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+_EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|gate_up_proj|down_proj)$")
+SPLIT, FUSED = frozenset({"gate_proj", "up_proj", "down_proj"}), frozenset({"gate_up_proj", "down_proj"})
 INNER = ".base_layer"
 
 
@@ -41,10 +46,14 @@ def fuse(weights: Mapping[str, Pair], rank: int) -> tuple[dict[str, Pair], dict[
             blocks.setdefault(match["block"], {}).setdefault(int(match["expert"]), {})[match["proj"]] = pair
     stored: dict[str, Pair] = {}
     for block, experts in blocks.items():
-        if sorted(experts) != list(range(len(experts))) or any(len(p) != 3 for p in experts.values()):
+        kinds = {frozenset(p) for p in experts.values()}
+        if sorted(experts) != list(range(len(experts))) or kinds not in ({SPLIT}, {FUSED}):
             raise ValueError(f"{block}: a fused export needs gate, up and down adapters of every expert")
         ordered = [experts[e] for e in range(len(experts))]
-        stored[block + INNER] = _stored([_gate_up(p["gate_proj"], p["up_proj"], rank) for p in ordered])
+        if kinds == {FUSED}:  # gpt-oss: gate_up is one projection already
+            stored[block + INNER] = _stored([(a[:, :rank], b[:rank]) for a, b in (p["gate_up_proj"] for p in ordered)])
+        else:
+            stored[block + INNER] = _stored([_gate_up(p["gate_proj"], p["up_proj"], rank) for p in ordered])
         stored[block] = _stored([(a[:, :rank], b[:rank]) for a, b in (p["down_proj"] for p in ordered)])
     return rest, stored
 
@@ -65,8 +74,10 @@ def _stored(pairs: list[Pair]) -> Pair:
     return np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b.reshape(b.shape[0], -1), np.float32)
 
 
-def fused_config(rank: int, alpha: float) -> dict[str, Any]:
-    """The adapter_config.json fields of a fused export."""
+def fused_config(rank: int, alpha: float, split_gate_up: bool = True) -> dict[str, Any]:
+    """The adapter_config.json fields of a fused export (gpt-oss's gate_up needs no rank of its own)."""
+    if not split_gate_up:
+        return {"target_parameters": list(TARGET_PARAMETERS)}
     alpha2 = int(2 * alpha) if float(2 * alpha).is_integer() else 2 * alpha
     return {
         "target_parameters": list(TARGET_PARAMETERS),
@@ -78,9 +89,10 @@ def fused_config(rank: int, alpha: float) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------- read
 
 
-def unfuse(found: dict[str, Pair], raw: Mapping[str, Any]) -> dict[str, Pair]:
+def unfuse(found: dict[str, Pair], raw: Mapping[str, Any], fused_gate_up: bool = False) -> dict[str, Pair]:
     """Replace the fused expert tensors in `found` (stored orientation) by per-expert pairs at the file's rank
-    `r`, each B scaled so that the file's plain `lora_alpha / r` gives the fused LoRA's own scaling."""
+    `r`, each B scaled so that the file's plain `lora_alpha / r` gives the fused LoRA's own scaling;
+    `fused_gate_up`: gate_up stays one module per expert (gpt-oss)."""
     r, alpha = int(raw["r"]), float(raw["lora_alpha"])
     out = {name: pair for name, pair in found.items() if not name.endswith((".experts", ".experts" + INNER))}
     for block in sorted(name for name in found if name.endswith(".experts")):
@@ -90,7 +102,11 @@ def unfuse(found: dict[str, Pair], raw: Mapping[str, Any]) -> dict[str, Pair]:
         if gate_up[1].shape[0] != 2 * down[0].shape[1]:  # nested the other way round
             gate_up, down = down, gate_up
         experts = down[0].shape[0] // r
-        out.update(_split_gate_up(block, gate_up, experts, r, _factor(raw, r, alpha, gate_up[0].shape[0] // experts)))
+        factor = _factor(raw, r, alpha, gate_up[0].shape[0] // experts)
+        if fused_gate_up:
+            out.update(_whole_gate_up(block, gate_up, experts, r, factor))
+        else:
+            out.update(_split_gate_up(block, gate_up, experts, r, factor))
         for e, (a, b) in enumerate(_per_expert(down, experts)):
             out[f"{block}.{e}.down_proj"] = (a, b)
     return out
@@ -107,6 +123,15 @@ def _per_expert(pair: Pair, experts: int) -> list[Pair]:
     R = a.shape[0] // experts
     a3, b3 = a.reshape(experts, R, -1), b.reshape(b.shape[0], R, experts)
     return [(a3[e], b3[:, :, e]) for e in range(experts)]
+
+
+def _whole_gate_up(block: str, pair: Pair, experts: int, r: int, factor: float) -> dict[str, Pair]:
+    out = {}
+    for e, (a, b) in enumerate(_per_expert(pair, experts)):
+        if a.shape[0] != r:
+            raise ValueError(f"{block}.gate_up_proj: a fused LoRA of rank {a.shape[0]} in an adapter of rank {r}")
+        out[f"{block}.{e}.gate_up_proj"] = (a, b * np.float32(factor))
+    return out
 
 
 def _split_gate_up(block: str, pair: Pair, experts: int, r: int, factor: float) -> dict[str, Pair]:
