@@ -32,13 +32,14 @@ PROMPT = [3, 14, 15, 92, 65, 35, 8]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[tuple[JaxRunner, Any, Any]]:
-    from tx.engine import build_runner
+    from tx.engine import AdapterConfig, EngineConfig, build_runner
+    from tx.engine.sampler import SamplerConfig
 
     path = tmp_path_factory.mktemp("gpt_oss")
     ref = build_gpt_oss(path)
     runner, info = build_runner(
-        base_model=str(path), data_dir=tmp_path_factory.mktemp("data"), max_lora_adapters=2, max_lora_rank=4,
-        dtype="float32", max_seq_len=64, decode_rows=2,
+        EngineConfig(base_model=str(path), data_dir=tmp_path_factory.mktemp("data"), dtype="float32",
+            adapters=AdapterConfig(2, 4), sampler=SamplerConfig(max_rows=2, max_seq_len=64))
     )  # fmt: skip
     assert info.arch == "gpt_oss"
     yield runner, ref, path
@@ -84,7 +85,7 @@ def test_lora_trains_reports_balance_and_exports_to_peft(served, tmp_path) -> No
         run(runner, "optim_step", "run", OptimStepRequest(AdamParams(learning_rate=1e-2)))
         trained = run(runner, "forward_backward", "run", ForwardBackwardRequest([datum], "cross_entropy"))
     assert -np.sum(trained.outputs[0]["logprobs"]) < -np.sum(first.outputs[0]["logprobs"])
-    runner.io.save_peft(tmp_path / "adapter", runner.trainer, runner.trainer.runs["run"].slot, lora)
+    runner.io.save_peft(tmp_path / "adapter", runner.bank, runner.trainer.runs["run"].slot, lora)
     exported = PeftModel.from_pretrained(GptOssForCausalLM.from_pretrained(path), str(tmp_path / "adapter"))
     with torch.no_grad():
         logits = exported.eval()(torch.tensor([tokens])).logits[0]

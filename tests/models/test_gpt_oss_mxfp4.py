@@ -115,6 +115,13 @@ def test_quantized_checkpoint_loads_to_the_dequantized_logits(quantized):
     np.testing.assert_allclose(np.asarray(model(tokens)[0]), want, atol=1e-4, rtol=0)
 
 
+def test_the_header_check_passes_the_quantized_checkpoint(quantized):
+    """`check_checkpoint` (uploads) places the MXFP4 tensors as the weights they dequantize to."""
+    from tx.models.checkpoint_check import check_checkpoint
+
+    assert check_checkpoint(quantized[0]).family == "gpt_oss"
+
+
 def test_blocks_without_scales_are_named(quantized, tmp_path):
     path, _ = quantized
     index = json.loads((path / "model.safetensors.index.json").read_text())
@@ -123,5 +130,8 @@ def test_blocks_without_scales_are_named(quantized, tmp_path):
     index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.endswith("_scales")}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
-    with pytest.raises(ValueError, match=r"MXFP4 tensor 'model\.layers\.0\.mlp\.experts\.down_proj_blocks'"):
-        load_model(str(tmp_path), progress=False, tuning=CPU)
+    from tx.models.checkpoint_check import check_checkpoint
+
+    for check in (lambda: load_model(str(tmp_path), progress=False, tuning=CPU), lambda: check_checkpoint(tmp_path)):
+        with pytest.raises(ValueError, match=r"MXFP4 tensor 'model\.layers\.\d\.mlp\.experts\.\w+_blocks'"):
+            check()

@@ -7,8 +7,8 @@ stacked on a leading `expert` logical axis, which the sharding rules map onto th
 runs beside the routed ones (Qwen3.5-MoE). gpt-oss names its router `mlp.router` and gives it a bias, picks
 the top-k logits before a softmax over them, and fuses each expert's gate and up into one interleaved
 `mlp.experts.gate_up_proj` (gate in the even rows, as its checkpoint stores them), with biases on both
-projections and its clamped SwiGLU; the same two forms run it. Letters as in `tx.models.layers`, plus N tokens (B*T),
-X experts, k experts per token, M = N*k (token, expert) pairs, F an expert's width.
+projections and its clamped SwiGLU; the same two forms run it. Letters as in `tx.models.layers`, plus
+N tokens (B*T), X experts, k experts per token, M = N*k (token, expert) pairs, F an expert's width.
 
 The grouped expert product has two exact forms, chosen per backend by measurement
 (`Tuning.moe_dense_max_experts`, numbers in `benchmarks/bench_moe.py`):
@@ -150,9 +150,8 @@ def ragged_experts(
 
     weights = zip((gate, up), biases[:2], adapters[:2], strict=True)
     h = act(*[project(rows, w, b, a) for w, b, a in weights if w is not None])
-    out = project(h, down, biases[2], adapters[2]) * jnp.take(routing.weights.reshape(N * k), order)[:, None].astype(
-        x.dtype
-    )
+    pair_weights = jnp.take(routing.weights.reshape(N * k), order)[:, None].astype(x.dtype)
+    out = project(h, down, biases[2], adapters[2]) * pair_weights
     back = jnp.argsort(order)  # the inverse permutation: pair i's row in the sorted order
     return jnp.sum(jnp.take(out, back, axis=0).reshape(N, k, -1), axis=1)
 
