@@ -72,7 +72,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-lora-adapters",
         type=int,
         default=8,
-        help="LoRA adapter slots: concurrent training runs (default 8)",
+        help="LoRA adapter slots on the device (default 8); training runs beyond them are paged to host memory",
+    )
+    p.add_argument(
+        "--max-runs",
+        type=int,
+        default=256,
+        help="training runs per server, on the device or paged out to host memory (default 256)",
     )
     p.add_argument(
         "--max-lora-rank",
@@ -162,7 +168,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         fsdp_size=args.fsdp_size,
-        adapters=AdapterConfig(args.max_lora_adapters, args.max_lora_rank),
+        adapters=AdapterConfig(args.max_lora_adapters, args.max_lora_rank, args.max_runs),
         trainer=TrainerConfig(args.train_micro_batch_tokens, args.remat),
         sampler=SamplerConfig(
             max_rows=args.decode_rows, max_seq_len=args.max_seq_len, prompt_cache_bytes=args.prompt_cache_mb << 20

@@ -2,12 +2,18 @@
 
 It holds the stacked device slots (A `[..., S, in, R]`, B `[..., S, R, out]`, fp32 `LoRAParam`s), the
 slot table (which run or sampler snapshot holds which slot), each slot's scale row (`alpha / rank` on its
-live columns) and a version bumped on every write (what prompt caches key on). Nothing else writes adapter arrays: the
+live columns), a version bumped on every write (what prompt caches key on) and the host store of training
+runs that are paged out of the device (`HostRun`: adapter weights, gradient accumulators, Adam moments,
+step) and of sampler snapshots moved off it (`HostSnapshot`). Nothing else writes adapter arrays: the
 trainer, the runner and PEFT loading all go through these methods. Writes donate the arrays they
 replace; readers take `arrays` afresh at every call.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,15 +24,43 @@ from tx.engine import train_step as ts
 from tx.lora import adapters
 from tx.lora.params import LoRAParam
 from tx.lora.peft import AdapterConfig, AdapterWeights
-from tx.lora.slots import SlotTable
+from tx.lora.slots import SlotInfo, SlotTable
 
 Flat = ts.Flat
 
 
-class AdapterBank:
-    """Adapter slots of one model."""
+@dataclasses.dataclass
+class HostRun:
+    """A paged-out training run in host memory: exactly what its device state was (numpy copies)."""
 
-    def __init__(self, lora: nnx.State) -> None:
+    params: dict[tuple[str, ...], np.ndarray]  # the run's adapter [..., in, rank] / [..., rank, out]
+    grads: dict[tuple[str, ...], np.ndarray]  # accumulated since the last optim_step
+    opt_state: Any  # the AdamW state, its leaves as numpy arrays
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves((self.params, self.grads, self.opt_state)))
+
+
+@dataclasses.dataclass
+class HostSnapshot:
+    """A sampler snapshot moved off the device: its slot's arrays at full stacked rank, scale row and entry."""
+
+    info: SlotInfo
+    arrays: dict[tuple[str, ...], np.ndarray]  # [..., in, R] / [..., R, out]
+    scale: np.ndarray  # [R]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.arrays.values())
+
+
+class AdapterBank:
+    """Adapter slots of one model; `max_runs` bounds the training runs on the device and in host memory."""
+
+    def __init__(self, lora: nnx.State, max_runs: int = 256) -> None:
+        if max_runs < 1:
+            raise ValueError(f"--max-runs must be >= 1, got {max_runs}")
         # Committed copies: the bank updates them in place (donated buffers), and an uncommitted input would
         # be another compile key for every program that reads them.
         self._arrays = {p: jax.device_put(jnp.array(v, copy=True), v.sharding) for p, v in ts.flat(lora).items()}
@@ -38,10 +72,15 @@ class AdapterBank:
         self.slots = SlotTable(S - 1, R)
         self.scale = np.zeros((S, R), np.float32)  # [S, R] per-slot alpha/rank on live columns
         self.version = 0  # bumped on every adapter write
+        self.max_runs = max_runs
+        self.host: dict[str, HostRun] = {}  # paged-out runs by run id
+        # Snapshots moved off the device, least recently used first; at most `max_runs` are kept (older ones
+        # are gone, as evicted snapshots were before: a named one reloads from its checkpoint).
+        self.host_snapshots: OrderedDict[str, HostSnapshot] = OrderedDict()
 
     @classmethod
-    def of(cls, model: nnx.Module) -> AdapterBank:
-        return cls(nnx.state(model, LoRAParam))
+    def of(cls, model: nnx.Module, max_runs: int = 256) -> AdapterBank:
+        return cls(nnx.state(model, LoRAParam), max_runs)
 
     @property
     def arrays(self) -> Flat:
@@ -106,6 +145,24 @@ class AdapterBank:
     def write_peft(self, slot: int, config: AdapterConfig, weights: AdapterWeights, layer_of: adapters.LayerOf) -> None:
         self._adopt(adapters.write_slot(self.view(), slot, config, weights, layer_of))
         self.set_scale(slot, config.rank, config.scaling)
+
+    def stash_snapshot(self, owner: str) -> HostSnapshot:
+        """Move sampler snapshot `owner` from its device slot into host memory, exactly; frees the slot."""
+        info = self.slots.free(owner)
+        arrays = {
+            p: np.asarray(jax.device_get(jnp.take(v, info.slot, axis=v.ndim - 3))) for p, v in self._arrays.items()
+        }
+        host = self.host_snapshots[owner] = HostSnapshot(info, arrays, self.scale[info.slot].copy())
+        self.clear(info.slot)
+        while len(self.host_snapshots) > self.max_runs:
+            self.host_snapshots.popitem(last=False)
+        return host
+
+    def restore_snapshot(self, owner: str, slot: int) -> None:
+        """Write a stashed snapshot back into `slot` (allocated to it) and forget the host copy."""
+        host = self.host_snapshots.pop(owner)
+        self.write(slot, {p: jnp.asarray(a) for p, a in host.arrays.items()})
+        self.scale[slot] = host.scale
 
     def targets(self) -> frozenset[str]:
         """The short module names this model carries adapters for."""

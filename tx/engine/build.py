@@ -78,7 +78,7 @@ def build_runner(config: EngineConfig, model_dir: Path | None = None) -> tuple[J
     model, cfg = load_model(
         str(model_dir), dtype=dtype, lora=lora, mesh=mesh, remat=config.trainer.remat, tuning=tuning
     )
-    bank = AdapterBank.of(model)
+    bank = AdapterBank.of(model, adapters.max_runs)
     trainer = Trainer(model, bank, config.trainer.micro_batch_tokens)
     tok, eos = _tokenizer(model_dir)
     seq_len = min(config.max_seq_len, cfg.max_position_embeddings)

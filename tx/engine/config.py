@@ -1,6 +1,6 @@
 """`EngineConfig`: every engine knob in one frozen value, built once from the CLI (`tx.api.__main__`).
 
-Sections follow the owners: `adapters` (the adapter bank: device slots, rank),
+Sections follow the owners: `adapters` (the adapter bank: device slots, rank, runs per server),
 `trainer` (micro-batches, rematerialisation) and `sampler` (`SamplerConfig`; its sequence length is cut to
 the model's and its cache form set from the backend's `Tuning` when the runner is built).
 """
@@ -17,11 +17,13 @@ from tx.engine.sampler import SamplerConfig
 class AdapterConfig:
     max_lora_adapters: int = 8  # device slots (the slot axis holds one more: slot 0, the base model)
     max_lora_rank: int = 32
+    max_runs: int = 256  # training runs per server, on the device or paged out to host memory
 
     def __post_init__(self) -> None:
         for flag, value in (
             ("--max-lora-adapters", self.max_lora_adapters),
             ("--max-lora-rank", self.max_lora_rank),
+            ("--max-runs", self.max_runs),
         ):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")

@@ -5,7 +5,9 @@ order; each `step()` first plans a round (`plan_round`, a pure function): the le
 forward_backward items of every run are fused into one training batch, then each run whose next item
 is a control item (optim_step, save, load, ...) executes it. Then the sampler runs one decode chunk,
 so training waits at most one chunk behind sampling. Sample requests bypass the round: they join the
-sampler's continuous batch as soon as they are submitted.
+sampler's continuous batch as soon as they are submitted. A round holds no more LoRA runs (plus the snapshots
+they save) than there are device slots the sampler is not reading; its runs that live in host memory are paged
+in before it runs (`tx.engine.paging`), and an item that still finds no slot stays pending for a later round.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import jax.numpy as jnp
 from tx.engine import checkpoints
 from tx.engine.errors import as_request_error
 from tx.engine.loop import Completion
+from tx.engine.paging import Pager
 from tx.engine.sampler import Sampler
-from tx.engine.trainer import Flat, Run, Trainer, lora_targets
+from tx.engine.trainer import Flat, Run, Trainer
 from tx.engine.weights_io import WeightsIO
-from tx.lora.slots import SlotTable
+from tx.lora.slots import SlotsExhausted, SlotTable
 from tx.models.causal_lm import decode_layout
 from tx.names import contained
 from tx.protocol import (
@@ -49,20 +52,31 @@ log = logging.getLogger("tx.engine")
 BATCHED = ("forward", "forward_backward")
 
 
-def plan_round(pending: Sequence[WorkItem], full_runs: set[str]) -> tuple[list[WorkItem], list[WorkItem]]:
+def plan_round(
+    pending: Sequence[WorkItem], full_runs: set[str], max_slots: int | None = None
+) -> tuple[list[WorkItem], list[WorkItem]]:
     """(fused training items, control items) that may run now, each run's items in order.
 
     A run contributes its leading forward/forward_backward items to the fused batch, then (if its next
     item is a control item) that one item. A full fine-tuning run's items are never fused with others.
+    The round needs at most `max_slots` adapter slots (the device slots the sampler is not reading): one per
+    LoRA run, one more for a sampler snapshot it saves; runs past that wait for a later round.
     """
     fused: list[WorkItem] = []
     control: list[WorkItem] = []
     blocked: set[str | None] = set()
+    taking: set[str | None] = set()
     full_in_batch: str | None = None
     for item in pending:
         run = item.model_id
         if run in blocked:
             continue
+        lora = run not in full_runs
+        need = (lora and run not in taking) + (lora and item.kind == "save_weights_for_sampler")
+        if max_slots is not None and _slots_of(taking, full_runs) + need > max_slots:
+            blocked.add(run)
+            continue
+        taking.add(run)
         if item.kind in BATCHED and (run not in full_runs or full_in_batch in (None, run)):
             if run in full_runs and not fused:
                 full_in_batch = run
@@ -73,6 +87,10 @@ def plan_round(pending: Sequence[WorkItem], full_runs: set[str]) -> tuple[list[W
         if item.kind not in BATCHED:
             control.append(item)
     return fused, control
+
+
+def _slots_of(runs: set[str | None], full_runs: set[str]) -> int:
+    return sum(run not in full_runs for run in runs)
 
 
 SamplerFactory = Callable[[Callable[[], Flat]], Sampler]
@@ -97,6 +115,9 @@ class JaxRunner:
         checked the name too); None only in tests that write to temporary directories."""
         self.trainer, self.sampler, self.io = trainer, sampler, io
         self.bank = trainer.bank
+        # The pager does not hold the runner (no reference cycle): an unloaded model's arrays go with its runner.
+        self.pager = Pager(trainer, sampler.slots_in_use)
+        self._protect: frozenset[str] = frozenset()  # the runs of the round being executed
         self.checkpoint_root = checkpoint_root
         self.base_model = base_model
         self.make_sampler = make_sampler
@@ -104,6 +125,7 @@ class JaxRunner:
         self.max_full_snapshots = max_full_snapshots
         self.pending: list[WorkItem] = []
         self.outbox: list[Completion] = []  # requests refused at submit, reported by the next step
+        self.slot_waiting: list[WorkItem] = []  # samples whose snapshot waits in host memory for a free slot
 
     # ---- Runner protocol ----------------------------------------------------------------------------
 
@@ -119,9 +141,11 @@ class JaxRunner:
         gone = set(future_ids)
         self.pending = [i for i in self.pending if i.future_id not in gone]
         self.outbox = [c for c in self.outbox if c.future_id not in gone]
+        self.slot_waiting = [i for i in self.slot_waiting if i.future_id not in gone]
 
     def idle(self) -> bool:
-        return not self.pending and not self.outbox and all(s.idle() for s in self._samplers())
+        samplers_idle = all(s.idle() for s in self._samplers())
+        return not self.pending and not self.outbox and not self.slot_waiting and samplers_idle
 
     def live_runs(self) -> int:
         """Training runs created and not unloaded: while there are any, the model stays loaded."""
@@ -143,13 +167,16 @@ class JaxRunner:
         return self.bank.slots
 
     def step(self) -> list[Completion]:
+        waiting, self.slot_waiting = self.slot_waiting, []
+        self.submit(waiting)
         done, self.outbox = self.outbox, []
         full = {r for r, run in self.trainer.runs.items() if run.lora is None}
-        fused, control = plan_round(self.pending, full)
+        free = self.slots.max_adapters - len(self.sampler.slots_in_use() - {0})
+        fused, control = self._resident(*plan_round(self.pending, full, free))
         if fused:
             done += self._forward_backward(fused)
-        for item in control:
-            done.append(self._control(item))
+        done += [c for c in map(self._control, control) if c is not None]
+        self._protect = frozenset()
         finished = {c.future_id for c in done}
         # Every planned item has a completion (each one's failure is caught), so none is re-run.
         self.pending = [i for i in self.pending if i.future_id not in finished]
@@ -157,6 +184,18 @@ class JaxRunner:
             if not sampler.idle():
                 done += [Completion(rid, out) for rid, out in sampler.step()]
         return done
+
+    def _resident(self, fused: list[WorkItem], control: list[WorkItem]) -> tuple[list[WorkItem], list[WorkItem]]:
+        """Page in the planned runs that are in host memory; a run that finds no slot (every one held by
+        this round or by snapshots being sampled) waits for a later round."""
+        self._protect = frozenset(str(i.model_id) for i in fused + control)
+        waiting: set[str] = set()
+        for run_id in dict.fromkeys(str(i.model_id) for i in fused + control):
+            try:
+                self.pager.ensure_resident(run_id, self._protect)
+            except SlotsExhausted:
+                waiting.add(run_id)
+        return [i for i in fused if i.model_id not in waiting], [i for i in control if i.model_id not in waiting]
 
     def _error(self, err: BaseException) -> RequestError:
         data_dir = [self.checkpoint_root.parent] if self.checkpoint_root is not None else []
@@ -193,9 +232,12 @@ class JaxRunner:
             return [c for item in items for c in self._fused([item])]
         return [Completion(i.future_id, r) for i, r in zip(items, results, strict=True)]
 
-    def _control(self, item: WorkItem) -> Completion:
+    def _control(self, item: WorkItem) -> Completion | None:
+        """The item's completion; None when it must wait for a slot (it stays pending for a later round)."""
         try:
             return Completion(item.future_id, self._dispatch(item))
+        except SlotsExhausted:  # every slot is read by the sampler or held by this round: try again next round
+            return None
         except Exception as err:  # contained: this item fails, nothing else does
             if not isinstance(err, RequestError):
                 log.warning("%s %s failed", item.kind, item.future_id, exc_info=True)
@@ -226,7 +268,7 @@ class JaxRunner:
             return self._save_for_sampler(run_id, p)
         if item.kind == "unload_model":
             self._run(run_id)
-            self.trainer.drop_run(run_id)
+            self.trainer.drop_run(run_id)  # a paged-out run leaves the host store
             self.slots.free(run_id) if run_id in self.slots else None
             return UnloadResult(run_id)
         raise RequestError(f"unsupported request kind {item.kind!r}", "server")
@@ -235,12 +277,22 @@ class JaxRunner:
         if run_id in self.trainer.runs:
             raise RequestError(f"model {run_id!r} already exists", "user")
         if lora is None:
+            self._check_run_limit()
             self.io.check_full_finetune_fits(self.trainer)
             self.trainer.create_full_run(run_id)
             return
-        self._make_room()
-        slot = self.slots.allocate(run_id, "run", lora.rank, lora.alpha, lora_targets(lora)).slot
+        self._check_run_limit()
+        slot = self.pager.claim(run_id, "run", lora, self._protect)
         self.trainer.create_lora_run(run_id, lora, slot, seed=lora.seed or 0)
+
+    def _check_run_limit(self) -> None:
+        limit = self.bank.max_runs
+        if len(self.trainer.runs) >= limit:
+            raise RequestError(
+                f"this server already holds {limit} training runs, its limit (--max-runs {limit}); unload a run, "
+                f"let an idle session expire, or restart with --max-runs {2 * limit}",
+                "user",
+            )
 
     def _load(self, run_id: str, source: Path, with_optimizer: bool) -> None:
         run = self._run(run_id)
@@ -303,26 +355,20 @@ class JaxRunner:
                     f"sampler weights {snapshot_id!r} are being sampled; save under another name", "user"
                 )
             self.bank.clear(self.slots.free(snapshot_id).slot)
-        self._make_room()
-        info = self.slots.allocate(snapshot_id, "sampler", lora.rank, lora.alpha, lora_targets(lora))
-        self.bank.clear(info.slot)
-        return info.slot
-
-    def _make_room(self) -> None:
-        """When every slot is taken, evict the least recently used sampler snapshot (runs are never evicted)."""
-        if len(self.slots) < self.slots.max_adapters:
-            return
-        busy = self.sampler.slots_in_use()
-        protect = frozenset(info.owner for info in self.slots if info.slot in busy)
-        victim = self.slots.eviction_victim(protect)
-        if victim is not None:
-            self.bank.clear(self.slots.free(victim).slot)
+        self.bank.host_snapshots.pop(snapshot_id, None)  # replaced by the new weights
+        # Idle runs are paged out (LRU) before a snapshot is refused; this round's runs stay.
+        slot = self.pager.claim(snapshot_id, "sampler", lora, self._protect)
+        self.bank.clear(slot)
+        return slot
 
     def _submit_sample(self, item: WorkItem) -> None:
         req = item.payload
         assert isinstance(req, SampleRequest)
         try:
             slot = self._resolve_weights(req)
+        except SlotsExhausted:  # its snapshot is in host memory and every slot is being read: wait for one
+            self.slot_waiting.append(item)
+            return
         except Exception as err:  # contained: this request fails, nothing else does
             self.outbox.append(Completion(item.future_id, self._error(err)))
             return
@@ -340,6 +386,9 @@ class JaxRunner:
         if info is not None:
             self.slots.touch(ref.snapshot_id)
             return info.slot
+        restored = self.pager.restore_snapshot(ref.snapshot_id)
+        if restored is not None:
+            return restored
         directory = self._path(ref.checkpoint_dir) if ref.checkpoint_dir else None
         if directory and ref.checkpoint_type == "sampler" and self.io.is_full(directory):
             self._add_full_sampler(ref.snapshot_id, self.io.load_full(directory))

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tx.engine import train_step as ts
-from tx.engine.bank import AdapterBank
+from tx.engine.bank import AdapterBank, HostRun
 from tx.engine.train_batch import (
     Example,
     build_batch,
@@ -65,6 +65,11 @@ class Run:
     opt_state: Any
     params: Flat | None = None  # full fine-tuning: the run's own copy of every base weight
     step: int = 0
+
+    @property
+    def resident(self) -> bool:
+        """False while a LoRA run is paged out to host memory (slot 0, state in `AdapterBank.host`)."""
+        return self.lora is None or self.slot != 0
 
     @property
     def ranks(self) -> tuple:
@@ -180,9 +185,33 @@ class Trainer:
 
     def drop_run(self, run_id: str) -> Run:
         run = self.runs.pop(run_id)
-        if run.lora is not None:
+        self.bank.host.pop(run_id, None)
+        if run.lora is not None and run.resident:
             self.bank.clear(run.slot)
         return run
+
+    def page_out(self, run_id: str) -> HostRun:
+        """Move a LoRA run's adapter, gradient accumulators and AdamW state to host memory (exact copies)
+        and give its slot back to the bank's table."""
+        run = self.runs[run_id]
+        self.await_warm_up()
+        params, grads, opt_state = jax.device_get((self.run_params(run), run.grads, run.opt_state))
+        host = self.bank.host[run_id] = HostRun(params, grads, opt_state)
+        self.bank.clear(run.slot)
+        self.bank.slots.free(run_id)
+        run.slot, run.grads, run.opt_state = 0, {}, None
+        return host
+
+    def page_in(self, run_id: str, slot: int) -> None:
+        """Bring a paged-out run back into `slot` (allocated to it in the bank's table), placed as before."""
+        run = self.runs[run_id]
+        assert run.lora is not None
+        host = self.bank.host.pop(run_id)
+        params, run.grads, run.opt_state = self._placed_like((host.params, host.grads, host.opt_state), {})
+        run.slot = slot
+        self.bank.clear(slot)
+        self.bank.set_scale(slot, run.lora.rank, run.lora.alpha / run.lora.rank)
+        self.bank.write(slot, params)
 
     def run_params(self, run: Run) -> Flat:
         if run.params is not None:

@@ -4,9 +4,10 @@ An owner is a training run id or a sampler snapshot id (plain strings, unique ac
 table hands out slots `1..max_adapters` of the stacked LoRA arrays; slot 0 is the base model and is
 never allocated, which is why `LoRASpec.slots == max_adapters + 1`. It holds no device memory: the
 engine writes the slot's arrays (`tx.lora.adapters`) and feeds `scale_table()` to `LoRARows.scale`,
-so a row's rank and scaling come from here. Sampler slots are cached copies that can be rebuilt from
-disk, so the table tracks their last use and names the least recently used one as an eviction victim;
-training slots are never evicted. Limits are server flags, and every error names the flag to raise.
+so a row's rank and scaling come from here. The table tracks every owner's last use and names the least
+recently used one as an eviction victim: a sampler snapshot (a cached copy, rebuilt from disk if it was
+saved) or, where the engine pages runs to host memory (`tx.engine.bank`), an idle training run. Limits are
+server flags, and every error names the flag to raise.
 """
 
 from __future__ import annotations
@@ -135,9 +136,13 @@ class SlotTable:
         self.lookup(owner)
         self._last_used[owner] = next(self._clock)
 
-    def eviction_victim(self, protect: frozenset[str] = frozenset()) -> str | None:
-        """The least recently used sampler snapshot not in `protect` (e.g. those in the running batch), if any."""
-        candidates = [o for o, info in self._by_owner.items() if info.kind == "sampler" and o not in protect]
+    def eviction_victim(
+        self, protect: frozenset[str] = frozenset(), kinds: frozenset[OwnerKind] = frozenset({"sampler"})
+    ) -> str | None:
+        """The least recently used owner of one of `kinds` not in `protect` (e.g. those in the running batch),
+        if any: sampler snapshots by default (cached copies); training runs too where the engine can page them
+        out to host memory."""
+        candidates = [o for o, info in self._by_owner.items() if info.kind in kinds and o not in protect]
         return min(candidates, key=self._last_used.__getitem__, default=None)
 
     def scale_table(self, max_rank: int | None = None) -> np.ndarray:

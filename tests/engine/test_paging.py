@@ -1,0 +1,163 @@
+"""More runs than device slots: the real `JaxRunner` over a tiny Qwen3 with 2 LoRA slots pages idle runs and
+snapshots to host memory and back. A paged run continues bit for bit as one that stayed; snapshots always get
+a slot; `--max-runs` is refused by name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+
+from tx.engine.runner import JaxRunner
+from tx.protocol import (
+    AdamParams,
+    CheckpointResult,
+    CreateModelRequest,
+    Datum,
+    ForwardBackwardRequest,
+    ForwardBackwardResult,
+    LoraConfig,
+    OptimStepRequest,
+    RequestError,
+    SampleRequest,
+    SampleResult,
+    SamplingParams,
+    SaveSamplerRequest,
+    UnloadModelRequest,
+    WeightsRef,
+    WorkItem,
+)
+
+SLOTS = 2
+
+
+@pytest.fixture(scope="module")
+def runner(hf_models, tmp_path_factory) -> Iterator[JaxRunner]:  # type: ignore[no-untyped-def]
+    from tx.engine import AdapterConfig, EngineConfig, build_runner
+    from tx.engine.sampler import SamplerConfig
+
+    model_dir, _ = hf_models()
+    config = EngineConfig(
+        data_dir=tmp_path_factory.mktemp("paging"), base_model=str(model_dir), dtype="float32",
+        adapters=AdapterConfig(SLOTS, 8, max_runs=6), sampler=SamplerConfig(max_rows=4, max_seq_len=64),
+    )  # fmt: skip
+    built, _ = build_runner(config)
+    yield built
+
+
+_ids = iter(range(10**6))
+
+
+def _item(kind: str, model_id: str, payload: Any) -> WorkItem:
+    return WorkItem(f"p{next(_ids)}", kind, model_id, payload, created_at=0.0)  # type: ignore[arg-type]
+
+
+def _run(runner: JaxRunner, *items: WorkItem) -> list[Any]:
+    runner.submit(items)
+    results: dict[str, Any] = {}
+    for _ in range(200):
+        results.update({c.future_id: c.result for c in runner.step()})
+        if runner.idle():
+            break
+    assert runner.idle()
+    return [results[i.future_id] for i in items]
+
+
+def _ok(runner: JaxRunner, *items: WorkItem) -> list[Any]:
+    results = _run(runner, *items)
+    failed = [r for r in results if isinstance(r, RequestError)]
+    assert not failed, failed
+    return results
+
+
+def _fb(tokens: list[int], forward_only: bool = False) -> ForwardBackwardRequest:
+    targets = np.array(tokens[1:] + [0], np.int64)
+    return ForwardBackwardRequest(
+        [Datum(tokens, {"target_tokens": targets})], "cross_entropy", forward_only=forward_only
+    )
+
+
+def _create(runner: JaxRunner, name: str) -> None:
+    _ok(runner, _item("create_model", name, CreateModelRequest("m", LoraConfig(4, 8.0, seed=3))))
+
+
+def _step(runner: JaxRunner, name: str, tokens: list[int]) -> ForwardBackwardResult:
+    result = _ok(runner, _item("forward_backward", name, _fb(tokens)))[0]
+    _ok(runner, _item("optim_step", name, OptimStepRequest(AdamParams(learning_rate=1e-2))))
+    return result
+
+
+def _touch(runner: JaxRunner, name: str) -> None:
+    _ok(runner, _item("forward", name, _fb([1, 2, 3], forward_only=True)))
+
+
+def _state(runner: JaxRunner, name: str) -> list[np.ndarray]:
+    run = runner.trainer.runs[name]
+    return [np.asarray(x) for x in jax.tree.leaves((runner.trainer.run_params(run), run.grads, run.opt_state))]
+
+
+def _unload(runner: JaxRunner, *names: str) -> None:
+    _ok(runner, *(_item("unload_model", n, UnloadModelRequest()) for n in names))
+    assert not runner.bank.host and len(runner.slots) == 0
+
+
+def test_a_paged_out_run_continues_bit_for_bit(runner: JaxRunner) -> None:
+    """Two runs with the same seed and data; one is paged out and back in between steps (to another slot):
+    its logprobs, gradients, Adam moments and updated weights equal those of the run that stayed."""
+    _create(runner, "stay")
+    _create(runner, "moved")
+    for name in ("stay", "moved"):
+        _step(runner, name, [5, 6, 7, 8, 9])
+    _touch(runner, "stay")
+    before = runner.pager.stats.page_outs
+    _create(runner, "third")  # takes the least recently used slot: "moved" goes to host memory
+    assert "moved" in runner.bank.host and not runner.trainer.runs["moved"].resident
+    assert runner.pager.stats.page_outs == before + 1 and runner.bank.host["moved"].nbytes > 0
+    _touch(runner, "stay")
+    slot_of_stay = runner.trainer.runs["stay"].slot
+    results = {name: _step(runner, name, [9, 3, 4, 11, 2, 7]) for name in ("moved", "stay")}
+    assert runner.trainer.runs["stay"].slot == slot_of_stay and "stay" not in runner.bank.host
+    assert runner.pager.stats.page_ins >= 1 and "third" in runner.bank.host
+    np.testing.assert_array_equal(results["moved"].outputs[0]["logprobs"], results["stay"].outputs[0]["logprobs"])
+    for got, want in zip(_state(runner, "moved"), _state(runner, "stay"), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert runner.trainer.runs["moved"].step == runner.trainer.runs["stay"].step == 2
+    _unload(runner, "stay", "moved", "third")
+
+
+def test_snapshots_always_get_a_slot_and_come_back_from_host_memory(runner: JaxRunner) -> None:
+    """With both slots held by training runs, a snapshot pages an idle run out; with more snapshots than
+    slots, the older ones move to host memory and are sampled again with the same tokens."""
+    for name in ("r0", "r1", "r2"):
+        _create(runner, name)
+        _step(runner, name, [4, 5, 6, 7])
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    first: dict[str, list[int]] = {}
+    for name in ("r0", "r1", "r2"):
+        saved = _ok(runner, _item("save_weights_for_sampler", name, SaveSamplerRequest(f"snap-{name}")))[0]
+        assert isinstance(saved, CheckpointResult)
+        sample = SampleRequest([1, 2, 3], 1, params, "m", weights=WeightsRef(f"snap-{name}"))
+        result = _ok(runner, _item("sample", "s", sample))[0]
+        assert isinstance(result, SampleResult)
+        first[name] = result.sequences[0].tokens
+    assert runner.bank.host_snapshots  # three snapshots and three runs on two slots
+    for name in ("r0", "r1", "r2"):
+        sample = SampleRequest([1, 2, 3], 1, params, "m", weights=WeightsRef(f"snap-{name}"))
+        assert _ok(runner, _item("sample", "s", sample))[0].sequences[0].tokens == first[name]
+    _unload(runner, "r0", "r1", "r2")
+    runner.bank.host_snapshots.clear()
+    for info in list(runner.slots):
+        runner.bank.clear(runner.slots.free(info.owner).slot)
+
+
+def test_max_runs_is_refused_by_name(runner: JaxRunner) -> None:
+    names = [f"n{i}" for i in range(runner.bank.max_runs)]
+    for name in names:
+        _create(runner, name)
+    refused = _run(runner, _item("create_model", "one-too-many", CreateModelRequest("m", LoraConfig(4, 8.0))))[0]
+    assert isinstance(refused, RequestError) and refused.category == "user"
+    assert "--max-runs 6" in str(refused) and "one-too-many" not in runner.trainer.runs
+    _unload(runner, *names)

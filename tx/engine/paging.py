@@ -1,0 +1,103 @@
+"""Device slots for more runs than fit: page idle training runs to host memory and back, exactly.
+
+`--max-lora-adapters` is the number of device slots. When an owner (a training run about to be planned,
+a new run, a sampler snapshot) needs one and none is free, the least recently used owner that may go is
+moved out to the bank's host store, bit for bit: a training run (`Trainer.page_out`: adapter, gradients,
+Adam moments, step) or a sampler snapshot (`AdapterBank.stash_snapshot`), which comes back when it is
+next sampled. Never moved: the runs of the round being executed (`protect`) and the snapshots the
+sampler is decoding from. A run is paged back in (`Trainer.page_in`) before its next item runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from tx.engine.trainer import Trainer, lora_targets
+from tx.lora.slots import OwnerKind, SlotsExhausted
+from tx.protocol import LoraConfig
+
+log = logging.getLogger("tx.engine")
+EVERY_KIND: frozenset[OwnerKind] = frozenset({"run", "sampler"})
+
+
+@dataclasses.dataclass
+class PageStats:
+    """Counts and seconds of page moves since start (for benchmarks and logs)."""
+
+    page_ins: int = 0
+    page_outs: int = 0
+    seconds: float = 0.0
+
+
+class Pager:
+    """Slot claims for one adapter bank; `busy()` names the slots the sampler is decoding from."""
+
+    def __init__(self, trainer: Trainer, busy: Callable[[], set[int]]) -> None:
+        self.trainer, self.bank, self.busy = trainer, trainer.bank, busy
+        self.stats = PageStats()
+
+    def claim(self, owner: str, kind: OwnerKind, lora: LoraConfig, protect: frozenset[str]) -> int:
+        """A slot for `owner` in the table, making room first if every slot is held."""
+        self._make_room(protect | {owner})
+        info = self.bank.slots.allocate(owner, kind, lora.rank, lora.alpha, lora_targets(lora))
+        return info.slot
+
+    def ensure_resident(self, run_id: str, protect: frozenset[str]) -> None:
+        """Page `run_id` in if it is in host memory; raises `SlotsExhausted` if no slot can be freed."""
+        run = self.trainer.runs.get(run_id)
+        if run is None or run.resident:
+            if run_id in self.bank.slots:
+                self.bank.slots.touch(run_id)
+            return
+        assert run.lora is not None
+        start = time.perf_counter()
+        slot = self.claim(run_id, "run", run.lora, protect)
+        self.trainer.page_in(run_id, slot)
+        self.stats.page_ins += 1
+        self.stats.seconds += time.perf_counter() - start
+        log.debug("paged run %s into slot %d", run_id, slot)
+
+    def _make_room(self, protect: frozenset[str]) -> None:
+        slots = self.bank.slots
+        if len(slots) < slots.max_adapters:
+            return
+        busy = self.busy()
+        keep = protect | {info.owner for info in slots if info.slot in busy}
+        victim = slots.eviction_victim(keep, EVERY_KIND)
+        if victim is None:
+            raise SlotsExhausted(
+                f"all {slots.max_adapters} LoRA slots are held by runs of this round or snapshots being sampled; "
+                f"restart with --max-lora-adapters {2 * slots.max_adapters} to raise the limit"
+            )
+        start = time.perf_counter()
+        if slots.lookup(victim).kind == "sampler":
+            self.bank.stash_snapshot(victim)
+        else:
+            self.trainer.page_out(victim)
+        self.stats.page_outs += 1
+        self.stats.seconds += time.perf_counter() - start
+        log.info("paged %s out to host memory (%s)", victim, self.host_report())
+
+    def host_report(self) -> str:
+        """What the host store holds: runs and snapshots, and their bytes (each run's too)."""
+        runs, snaps = self.bank.host, self.bank.host_snapshots
+        per_run = ", ".join(f"{r} {h.nbytes / 2**20:.1f} MiB" for r, h in list(runs.items())[-4:])
+        total = sum(h.nbytes for h in runs.values()) + sum(h.nbytes for h in snaps.values())
+        return f"{len(runs)} runs, {len(snaps)} snapshots, {total / 2**20:.1f} MiB in all; latest runs: {per_run}"
+
+    def restore_snapshot(self, snapshot_id: str) -> int | None:
+        """Bring a stashed snapshot back onto the device; None if it is not in host memory."""
+        host = self.bank.host_snapshots.get(snapshot_id)
+        if host is None:
+            return None
+        start = time.perf_counter()
+        info = host.info
+        self._make_room(frozenset({snapshot_id}))
+        slot = self.bank.slots.allocate(snapshot_id, "sampler", info.rank, info.alpha, info.targets).slot
+        self.bank.restore_snapshot(snapshot_id, slot)
+        self.stats.page_ins += 1
+        self.stats.seconds += time.perf_counter() - start
+        return slot
