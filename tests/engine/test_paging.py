@@ -4,6 +4,7 @@ a slot; `--max-runs` is refused by name."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -161,3 +162,43 @@ def test_max_runs_is_refused_by_name(runner: JaxRunner) -> None:
     assert isinstance(refused, RequestError) and refused.category == "user"
     assert "--max-runs 6" in str(refused) and "one-too-many" not in runner.trainer.runs
     _unload(runner, *names)
+
+
+def _race(runner: JaxRunner, *items: WorkItem) -> dict[str, tuple[int, float, Any]]:
+    """Each item's (round it completed in, seconds since submission, result), items submitted together."""
+    runner.submit(items)
+    finished: dict[str, tuple[int, float, Any]] = {}
+    start = time.perf_counter()
+    for round_ in range(200):
+        for completion in runner.step():
+            finished[completion.future_id] = (round_, time.perf_counter() - start, completion.result)
+        if runner.idle():
+            break
+    return finished
+
+
+def test_a_small_request_finishes_long_before_another_tenants_large_one(runner: JaxRunner) -> None:
+    """A forward_backward of many micro-batches runs one micro-batch per round (the long item), so another
+    tenant's small step submitted after it completes in the first round; both report their queue wait.
+    The first race compiles the shapes; the second is timed."""
+    _create(runner, "big")
+    _create(runner, "small")
+    saved, runner.trainer.micro_batch_tokens = runner.trainer.micro_batch_tokens, 64
+    rng = np.random.RandomState(0)
+    data = [Datum(rng.randint(1, 200, 60).tolist(), {"target_tokens": rng.randint(1, 200, 60)}) for _ in range(48)]
+    try:
+        for _ in range(2):
+            large = _item("forward_backward", "big", ForwardBackwardRequest(data, "cross_entropy"))
+            small = _item("forward_backward", "small", _fb([3, 4, 5, 6]))
+            finished = _race(runner, large, small)
+    finally:
+        runner.trainer.micro_batch_tokens = saved
+    (small_round, small_s, small_result), (large_round, large_s, large_result) = (
+        finished[small.future_id],
+        finished[large.future_id],
+    )
+    assert small_round == 0 and large_round >= 16 and small_s < 0.2 * large_s, (small_s, large_s)
+    for result in (small_result, large_result):
+        assert isinstance(result, ForwardBackwardResult) and result.metrics["queue_wait_s:max"] >= 0
+    assert len(large_result.outputs) == 48
+    _unload(runner, "big", "small")

@@ -1,18 +1,22 @@
 """The JAX runner: turns queued work items into trainer, sampler and checkpoint calls.
 
 It implements `tx.engine.loop.Runner`. Training-side items of one run execute strictly in arrival
-order; each `step()` first plans a round (`plan_round`, a pure function): the leading forward /
-forward_backward items of every run are fused into one training batch, then each run whose next item
-is a control item (optim_step, save, load, ...) executes it. Then the sampler runs one decode chunk,
-so training waits at most one chunk behind sampling. Sample requests bypass the round: they join the
-sampler's continuous batch as soon as they are submitted. A round holds no more LoRA runs (plus the snapshots
-they save) than there are device slots the sampler is not reading; its runs that live in host memory are paged
-in before it runs (`tx.engine.paging`), and an item that still finds no slot stays pending for a later round.
+order; each `step()` first plans a round (`tx.engine.planner.plan_round`, a pure function: runs take
+turns within one micro-batch of tokens): the planned forward / forward_backward items are fused into
+one training batch, a request larger than the budget advances by one micro-batch
+(`tx.engine.long_work`), then each run whose next item is a control item (optim_step, save, load, ...)
+executes it. Then the sampler runs one decode chunk, so training waits at most one chunk behind
+sampling. Sample requests bypass the round: they join the sampler's continuous batch as soon as they
+are submitted. A round holds no more LoRA runs (plus the snapshots they save) than there are device
+slots the sampler is not reading; its runs that live in host memory are paged in before it runs
+(`tx.engine.paging`), and an item that still finds no slot stays pending for a later round.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,8 +26,10 @@ import jax.numpy as jnp
 
 from tx.engine import checkpoints
 from tx.engine.errors import as_request_error
+from tx.engine.long_work import LongItem
 from tx.engine.loop import Completion
 from tx.engine.paging import Pager
+from tx.engine.planner import Plan, RoundLimits, plan_round
 from tx.engine.sampler import Sampler
 from tx.engine.trainer import Flat, Run, Trainer
 from tx.engine.weights_io import WeightsIO
@@ -49,48 +55,7 @@ from tx.protocol import (
 )
 
 log = logging.getLogger("tx.engine")
-BATCHED = ("forward", "forward_backward")
-
-
-def plan_round(
-    pending: Sequence[WorkItem], full_runs: set[str], max_slots: int | None = None
-) -> tuple[list[WorkItem], list[WorkItem]]:
-    """(fused training items, control items) that may run now, each run's items in order.
-
-    A run contributes its leading forward/forward_backward items to the fused batch, then (if its next
-    item is a control item) that one item. A full fine-tuning run's items are never fused with others.
-    The round needs at most `max_slots` adapter slots (the device slots the sampler is not reading): one per
-    LoRA run, one more for a sampler snapshot it saves; runs past that wait for a later round.
-    """
-    fused: list[WorkItem] = []
-    control: list[WorkItem] = []
-    blocked: set[str | None] = set()
-    taking: set[str | None] = set()
-    full_in_batch: str | None = None
-    for item in pending:
-        run = item.model_id
-        if run in blocked:
-            continue
-        lora = run not in full_runs
-        need = (lora and run not in taking) + (lora and item.kind == "save_weights_for_sampler")
-        if max_slots is not None and _slots_of(taking, full_runs) + need > max_slots:
-            blocked.add(run)
-            continue
-        taking.add(run)
-        if item.kind in BATCHED and (run not in full_runs or full_in_batch in (None, run)):
-            if run in full_runs and not fused:
-                full_in_batch = run
-            if full_in_batch is None or full_in_batch == run:
-                fused.append(item)
-                continue
-        blocked.add(run)
-        if item.kind not in BATCHED:
-            control.append(item)
-    return fused, control
-
-
-def _slots_of(runs: set[str | None], full_runs: set[str]) -> int:
-    return sum(run not in full_runs for run in runs)
+QUEUE_WAIT = "queue_wait_s:max"  # seconds from submission to the start of execution, per request
 
 
 SamplerFactory = Callable[[Callable[[], Flat]], Sampler]
@@ -115,7 +80,7 @@ class JaxRunner:
         checked the name too); None only in tests that write to temporary directories."""
         self.trainer, self.sampler, self.io = trainer, sampler, io
         self.bank = trainer.bank
-        # The pager does not hold the runner (no reference cycle): an unloaded model's arrays go with its runner.
+        # Neither holds the runner (no reference cycle): an unloaded model's arrays go with its last reference.
         self.pager = Pager(trainer, sampler.slots_in_use)
         self._protect: frozenset[str] = frozenset()  # the runs of the round being executed
         self.checkpoint_root = checkpoint_root
@@ -126,6 +91,10 @@ class JaxRunner:
         self.pending: list[WorkItem] = []
         self.outbox: list[Completion] = []  # requests refused at submit, reported by the next step
         self.slot_waiting: list[WorkItem] = []  # samples whose snapshot waits in host memory for a free slot
+        data_dirs = [checkpoint_root.parent] if checkpoint_root is not None else []
+        # a request over one round's tokens, a micro-batch per round
+        self.long = LongItem(trainer, functools.partial(as_request_error, roots=data_dirs))
+        self.waits: dict[str, float] = {}  # future id -> seconds it waited in the queue
 
     # ---- Runner protocol ----------------------------------------------------------------------------
 
@@ -142,6 +111,7 @@ class JaxRunner:
         self.pending = [i for i in self.pending if i.future_id not in gone]
         self.outbox = [c for c in self.outbox if c.future_id not in gone]
         self.slot_waiting = [i for i in self.slot_waiting if i.future_id not in gone]
+        self.long.discard(gone)
 
     def idle(self) -> bool:
         samplers_idle = all(s.idle() for s in self._samplers())
@@ -170,32 +140,62 @@ class JaxRunner:
         waiting, self.slot_waiting = self.slot_waiting, []
         self.submit(waiting)
         done, self.outbox = self.outbox, []
-        full = {r for r, run in self.trainer.runs.items() if run.lora is None}
-        free = self.slots.max_adapters - len(self.sampler.slots_in_use() - {0})
-        fused, control = self._resident(*plan_round(self.pending, full, free))
-        if fused:
-            done += self._forward_backward(fused)
-        done += [c for c in map(self._control, control) if c is not None]
-        self._protect = frozenset()
+        plan = self._resident(plan_round(self.pending, self._full_runs(), self._limits()))
+        self._note_waits(plan.items)
+        if plan.fused:
+            done += self._forward_backward(plan.fused)
+        if plan.long is not None:
+            self.long.start(plan.long)
+        done += self.long.advance()
+        done += [c for c in map(self._control, plan.control) if c is not None]
+        self._protect = self.long.runs()
         finished = {c.future_id for c in done}
-        # Every planned item has a completion (each one's failure is caught), so none is re-run.
+        # Every planned item has a completion (each one's failure is caught), so none is re-run; a long item's
+        # comes in the round that finishes it, and a control item that waits for a slot has none yet.
         self.pending = [i for i in self.pending if i.future_id not in finished]
+        done = [self._with_wait(c) for c in done]
         for sampler in self._samplers():
             if not sampler.idle():
                 done += [Completion(rid, out) for rid, out in sampler.step()]
         return done
 
-    def _resident(self, fused: list[WorkItem], control: list[WorkItem]) -> tuple[list[WorkItem], list[WorkItem]]:
+    def _full_runs(self) -> set[str]:
+        return {r for r, run in self.trainer.runs.items() if run.lora is None}
+
+    def _limits(self) -> RoundLimits:
+        """A round's bounds: the slots the sampler is not reading, one micro-batch of tokens, the long item."""
+        free = self.slots.max_adapters - len(self.sampler.slots_in_use() - {0})
+        return RoundLimits(free, self.trainer.micro_batch_tokens, self.long.runs())
+
+    def _resident(self, plan: Plan) -> Plan:
         """Page in the planned runs that are in host memory; a run that finds no slot (every one held by
         this round or by snapshots being sampled) waits for a later round."""
-        self._protect = frozenset(str(i.model_id) for i in fused + control)
+        self._protect = frozenset(str(i.model_id) for i in plan.items) | self.long.runs()
         waiting: set[str] = set()
-        for run_id in dict.fromkeys(str(i.model_id) for i in fused + control):
+        for run_id in dict.fromkeys(str(i.model_id) for i in plan.items):
             try:
                 self.pager.ensure_resident(run_id, self._protect)
             except SlotsExhausted:
                 waiting.add(run_id)
-        return [i for i in fused if i.model_id not in waiting], [i for i in control if i.model_id not in waiting]
+        fused = [i for i in plan.fused if i.model_id not in waiting]
+        control = [i for i in plan.control if i.model_id not in waiting]
+        long = plan.long if plan.long is not None and plan.long.model_id not in waiting else None
+        return Plan(fused, control, long)
+
+    def _note_waits(self, items: list[WorkItem]) -> None:
+        """Each planned request's queue wait: logged (INFO from a second on) and kept for its metrics."""
+        now = time.time()
+        for item in items:
+            wait = self.waits[item.future_id] = max(now - item.created_at, 0.0)
+            log.log(logging.INFO if wait >= 1.0 else logging.DEBUG, "%s %s of %s waited %.3f s in the queue",
+                    item.kind, item.future_id, item.model_id, wait)  # fmt: skip
+
+    def _with_wait(self, completion: Completion) -> Completion:
+        wait = self.waits.pop(completion.future_id, None)
+        metrics = getattr(completion.result, "metrics", None)
+        if wait is not None and isinstance(metrics, dict):
+            metrics[QUEUE_WAIT] = wait
+        return completion
 
     def _error(self, err: BaseException) -> RequestError:
         data_dir = [self.checkpoint_root.parent] if self.checkpoint_root is not None else []

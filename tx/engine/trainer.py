@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -228,6 +228,19 @@ class Trainer:
 
     def forward_backward(self, work: Sequence[tuple[str, ForwardBackwardRequest]]) -> list[ForwardBackwardResult]:
         """Run requests of LoRA runs fused (or of one full fine-tuning run); gradients unless forward_only."""
+        steps = self.forward_backward_steps(work)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as finished:
+                return finished.value
+
+    def forward_backward_steps(
+        self, work: Sequence[tuple[str, ForwardBackwardRequest]]
+    ) -> Generator[None, None, list[ForwardBackwardResult]]:
+        """`forward_backward` one micro-batch at a time: pauses after each, returns the results at the end,
+        so the runner can interleave a large request with other runs' work (the runs' gradients stay apart;
+        a failure part-way undoes this work's gradients as `forward_backward` does)."""
         examples: list[Example] = []
         owner: list[int] = []
         for index, (run_id, req) in enumerate(work):
@@ -243,7 +256,7 @@ class Trainer:
         if examples:
             training = {r for r, req in work if not req.forward_only}
             with self._undo_on_error(training):
-                self._run_batches(examples, [work[o] for o in owner], outputs)
+                yield from self._run_batches(examples, [work[o] for o in owner], outputs)
         return self._results(work, examples, owner, outputs)
 
     @contextlib.contextmanager
@@ -267,7 +280,7 @@ class Trainer:
                 ) from err
             raise
 
-    def _run_batches(self, examples: list[Example], work_of: list, outputs: dict) -> None:
+    def _run_batches(self, examples: list[Example], work_of: list, outputs: dict) -> Iterator[None]:
         plan = plan_rows(examples, self.micro_batch_tokens)
         for batch in plan.batches:
             if not batch.segments:
@@ -279,6 +292,7 @@ class Trainer:
             scatter_outputs(batch, np.asarray(out.target_logprobs), np.asarray(out.token_loss), outputs)
             if out.expert_picks is not None and self.config.moe is not None:
                 gather_expert_load(batch, np.asarray(out.expert_picks), self.config.moe.experts, outputs)
+            yield
 
     def _execute(self, inputs: ts.TrainBatch, present: set[str], needs_grad: set[str]) -> ts.StepOutputs:
         full = [self.runs[r] for r in present if self.runs[r].lora is None]

@@ -1,0 +1,48 @@
+"""The pure planner: runs take turns, each run's items in order, within a round's token and slot bounds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tx.engine.planner import RoundLimits, item_tokens, plan_round
+from tx.protocol import AdamParams, Datum, ForwardBackwardRequest, OptimStepRequest, WorkItem
+
+_ids = iter(range(10**6))
+
+
+def _fb(run: str, tokens: int) -> WorkItem:
+    datum = Datum(list(range(tokens)), {})
+    return WorkItem(f"f{next(_ids)}", "forward_backward", run, ForwardBackwardRequest([datum], "cross_entropy"), 0.0)
+
+
+def _optim(run: str) -> WorkItem:
+    return WorkItem(f"f{next(_ids)}", "optim_step", run, OptimStepRequest(AdamParams(1e-3)), 0.0)
+
+
+def _ids_of(items: list[Any]) -> list[str]:
+    return [i.future_id for i in items]
+
+
+def test_runs_take_turns_within_the_token_budget_and_keep_their_order() -> None:
+    a = [_fb("a", 10), _fb("a", 10), _fb("a", 10)]
+    b = [_fb("b", 10), _optim("b")]
+    plan = plan_round([*a, *b], set(), RoundLimits(tokens=25))
+    assert _ids_of(plan.fused) == _ids_of([a[0], b[0]])  # a's second item would pass 25 tokens: a waits
+    assert _ids_of(plan.control) == _ids_of([b[1]]) and plan.long is None
+    assert item_tokens(a[0]) == 10 and item_tokens(b[1]) == 0
+    everything = plan_round([*a, *b], set())
+    assert _ids_of(everything.fused) == _ids_of([a[0], b[0], a[1], a[2]])
+
+
+def test_a_request_over_the_budget_is_the_long_item_and_its_run_takes_nothing_else() -> None:
+    big, after, other = _fb("a", 100), _fb("a", 5), _fb("b", 5)
+    plan = plan_round([big, after, other], set(), RoundLimits(tokens=20))
+    assert plan.long is big and _ids_of(plan.fused) == _ids_of([other])
+    busy = plan_round([big, after, other], set(), RoundLimits(tokens=20, busy=frozenset({"a"})))
+    assert busy.long is None and _ids_of(busy.fused) == _ids_of([other])
+
+
+def test_slots_bound_the_runs_of_a_round() -> None:
+    items = [_fb("a", 5), _fb("b", 5), _fb("c", 5)]
+    assert _ids_of(plan_round(items, set(), RoundLimits(max_slots=2)).fused) == _ids_of(items[:2])
+    assert _ids_of(plan_round(items, {"c"}, RoundLimits(max_slots=2)).fused) == _ids_of(items[:2])
