@@ -37,6 +37,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "packing_waste": ([], ["--datums", "16", "64", "--trials", "3"]),
     "api_submit": ([], ["--requests", "20", "--kb", "16"]),
     "rl_loop": ([], ["--quick"]),
+    "tenants": ([], ["--quick"]),
     "api_overhead": ([], ["--quick"]),
     "load": ([], ["--quick"]),
 }
