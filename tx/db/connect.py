@@ -13,11 +13,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import event
-from sqlalchemy.engine import Engine, create_engine
+from sqlalchemy import event, text
+from sqlalchemy.engine import Connection, Engine, create_engine
 from sqlmodel import SQLModel
 
 from tx.db import tables  # noqa: F401  (registers the tables on SQLModel.metadata)
+
+# Held while the tables are created: two processes creating them at once both see them missing, and the
+# second's CREATE TABLE fails on Postgres's catalog (a unique violation on pg_type).
+SCHEMA_LOCK_KEY = 0x736D6F6C  # "smol"
 
 
 def database_url(url: str | None, data_dir: str | Path) -> str:
@@ -29,6 +33,11 @@ def database_url(url: str | None, data_dir: str | Path) -> str:
     if url.startswith(("postgresql://", "postgres://")):
         return "postgresql+psycopg://" + url.split("://", 1)[1]
     return url
+
+
+def is_postgres_url(url: str | None) -> bool:
+    """True for a Postgres URL (any driver spelling); None means the SQLite file in the data directory."""
+    return bool(url) and str(url).startswith(("postgresql:", "postgresql+", "postgres:"))
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -47,26 +56,28 @@ def open_engine(url: str) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
     else:
         engine = create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
-    SQLModel.metadata.create_all(engine)
-    _allow_nan_metrics(engine)
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":  # API and engine processes starting together on a new schema
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
+        SQLModel.metadata.create_all(conn)
+        _allow_nan_metrics(engine, conn)
     return engine
 
 
-def _allow_nan_metrics(engine: Engine) -> None:
+def _allow_nan_metrics(engine: Engine, conn: Connection) -> None:
     """Databases made before metric values could be NaN (stored as NULL) have `metrics.value NOT NULL`."""
-    with engine.begin() as conn:
-        if engine.dialect.name == "sqlite":
-            columns = conn.exec_driver_sql("PRAGMA table_info(metrics)").fetchall()
-            if any(c[1] == "value" and c[3] for c in columns):
-                conn.exec_driver_sql("ALTER TABLE metrics RENAME TO metrics_old")
-                for index in conn.exec_driver_sql("PRAGMA index_list(metrics_old)").fetchall():
-                    if not index[1].startswith("sqlite_autoindex"):
-                        conn.exec_driver_sql(f'DROP INDEX "{index[1]}"')
-                tables.MetricRow.__table__.create(conn)  # type: ignore[attr-defined]
-                conn.exec_driver_sql("INSERT INTO metrics SELECT * FROM metrics_old")
-                conn.exec_driver_sql("DROP TABLE metrics_old")
-        elif engine.dialect.name == "postgresql":
-            conn.exec_driver_sql("ALTER TABLE metrics ALTER COLUMN value DROP NOT NULL")
+    if engine.dialect.name == "sqlite":
+        columns = conn.exec_driver_sql("PRAGMA table_info(metrics)").fetchall()
+        if any(c[1] == "value" and c[3] for c in columns):
+            conn.exec_driver_sql("ALTER TABLE metrics RENAME TO metrics_old")
+            for index in conn.exec_driver_sql("PRAGMA index_list(metrics_old)").fetchall():
+                if not index[1].startswith("sqlite_autoindex"):
+                    conn.exec_driver_sql(f'DROP INDEX "{index[1]}"')
+            tables.MetricRow.__table__.create(conn)  # type: ignore[attr-defined]
+            conn.exec_driver_sql("INSERT INTO metrics SELECT * FROM metrics_old")
+            conn.exec_driver_sql("DROP TABLE metrics_old")
+    elif engine.dialect.name == "postgresql":
+        conn.exec_driver_sql("ALTER TABLE metrics ALTER COLUMN value DROP NOT NULL")
 
 
 def is_sqlite(engine: Engine) -> bool:
