@@ -18,7 +18,7 @@ def test_help_lists_every_option() -> None:
     out = subprocess.run([sys.executable, "-m", "tx.api", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--base-model", "--host", "--port", "--data-dir", "--database-url", "--max-lora-adapters",
                  "--max-lora-rank", "--tensor-parallel-size", "--fsdp-size", "--dtype", "--train-micro-batch-tokens",
-                 "--api-key", "--api-keys-file", "--prompt-cache-mb"):  # fmt: skip
+                 "--api-key", "--api-keys-file", "--prompt-cache-mb", "--role"):  # fmt: skip
         assert flag in out
 
 
@@ -37,6 +37,18 @@ def test_defaults_and_repeatable_keys(tmp_path: Path) -> None:
     keys_file = tmp_path / "keys"
     keys_file.write_text("tml-c  # laptop\n\n# comment\ntml-d\n")
     assert cli.load_api_keys(args.api_key, str(keys_file)) == {"tml-a", "tml-b", "tml-c", "tml-d"}
+
+
+def test_split_roles_need_postgres(capsys: pytest.CaptureFixture[str]) -> None:
+    """SQLite's write lock is in-process: separate API and engine processes on one SQLite file are refused."""
+    assert cli.parse_args([]).role == "all"
+    for role in ("api", "engine"):
+        for url in ([], ["--database-url", "sqlite:////tmp/x.db"]):
+            with pytest.raises(SystemExit):
+                cli.parse_args(["--role", role, *url])
+            assert f"--role {role} needs a shared Postgres --database-url" in capsys.readouterr().err
+    args = cli.parse_args(["--role", "api", "--database-url", "postgresql://db/smolgym"])
+    assert args.role == "api" and cli.parse_args(["--role", "engine", "--database-url", "postgres://db/x"])
 
 
 def test_ready_announcement(capsys: pytest.CaptureFixture[str]) -> None:

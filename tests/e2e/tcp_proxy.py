@@ -1,8 +1,9 @@
-"""A loopback TCP proxy that counts the bytes a client sends and can cut its connection mid-stream.
+"""Loopback TCP proxies: `CuttingProxy` counts the bytes a client sends and can cut its connection mid-stream.
 
 `CuttingProxy(upstream_port, cut_after=N)` forwards every connection to the server; once N client bytes
 have gone through in total it closes that connection abruptly (both sides), once, as a dropped network
 link would. `sent` is the count of client bytes forwarded, so a test can tell how much a resume re-sent.
+`FailoverProxy(ports)` sends each connection to the first of several servers that accepts it.
 """
 
 from __future__ import annotations
@@ -74,3 +75,57 @@ def _shut(sock: socket.socket) -> None:
     except OSError:
         pass
     sock.close()
+
+
+class FailoverProxy:
+    """A load balancer in miniature: each new connection goes to the first upstream port that accepts it,
+    in the given order; a connection whose upstream dies is closed, as a balancer would. `routed[port]`
+    counts the connections each upstream took."""
+
+    def __init__(self, upstream_ports: list[int]) -> None:
+        self.upstream_ports = upstream_ports
+        self.routed = dict.fromkeys(upstream_ports, 0)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = self._connect()
+            if server is None:
+                _shut(client)
+                continue
+            for src, dst in ((client, server), (server, client)):
+                threading.Thread(target=_pump, args=(src, dst), daemon=True).start()
+
+    def _connect(self) -> socket.socket | None:
+        for port in self.upstream_ports:
+            try:
+                server = socket.create_connection(("127.0.0.1", port), timeout=2)
+            except OSError:
+                continue
+            server.settimeout(None)
+            self.routed[port] += 1
+            return server
+        return None
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    while data := _recv(src):
+        try:
+            dst.sendall(data)
+        except OSError:
+            break
+    for sock in (src, dst):
+        _shut(sock)

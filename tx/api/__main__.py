@@ -1,10 +1,17 @@
-"""`python -m tx.api`: start SmolGym (database, engine thread, HTTP server) on one machine.
+"""`python -m tx.api`: start SmolGym (database, engine thread, HTTP server), in one process or split by role.
 
-Startup order: open the database in the data directory (or `--database-url`), fail work left over
+`--role all` (default): open the database in the data directory (or `--database-url`), fail work left over
 from a previous run, build the model pool (`tx.engine.pool.ModelPool`) and preload every `--base-model`
 into it (each through `tx.engine.build_runner`), start the engine loop, then serve HTTP. Other models
 load on demand, as `--allow-models` and `--memory-budget-gb` permit. When the server is listening it prints
 how to point the `tinker` SDK at it and the line "SmolGym ready on http://HOST:PORT".
+
+Split roles share one Postgres `--database-url` and one data directory (uploads, checkpoints):
+`--role engine` does the recovery, the pool and the engine loop, no HTTP, and prints "SmolGym engine
+ready"; `--role api` serves HTTP only. An API server never fails leftover work (the engine of another
+process may be running it) and starts no engine: it describes models from their `config.json` through the
+catalog, which locates each `--base-model` as the engine does, so both name it by the same directory.
+NOTIFY carries new work to the engine and finished futures back to every API server.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import signal
 import sys
 import threading
 import time
@@ -24,15 +32,17 @@ from tx.api.app import create_app
 from tx.api.context import DEFAULT_MAX_UPLOAD_GB, Settings
 from tx.api.models import ModelCatalog, ModelRules, default_allow
 from tx.api.paths import checkpoints_root
-from tx.db import open_database
-from tx.engine.loop import Engine
+from tx.db import Database, open_database
+from tx.db.connect import is_postgres_url
 from tx.protocol import RequestError
 from tx.upload_store import GB, UploadStore
 
 if TYPE_CHECKING:
+    from tx.engine.loop import Engine
     from tx.engine.pool import ModelPool
 
 log = logging.getLogger("tx.api")
+ROLES = ("all", "api", "engine")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,6 +78,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--data-dir", default="./smolgym-data", help="database, checkpoints and compile cache (default ./smolgym-data)"
     )
     p.add_argument("--database-url", default=None, help="SQLAlchemy/Postgres URL; default: SQLite file in --data-dir")
+    p.add_argument(
+        "--role",
+        default="all",
+        choices=ROLES,
+        help="all (default): HTTP and engine in this process; api: HTTP only; engine: the engine only. The split "
+        "roles share one Postgres --database-url and one --data-dir; run exactly one engine (docs/deploy.md)",
+    )
     p.add_argument(
         "--max-lora-adapters",
         type=int,
@@ -144,6 +161,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-upload-gb must be > 0, got {args.max_upload_gb}")
     if args.memory_budget_gb is not None and args.memory_budget_gb <= 0:
         p.error(f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
+    if args.role != "all" and not is_postgres_url(args.database_url):
+        p.error(
+            f"--role {args.role} needs a shared Postgres --database-url (postgresql://...): SQLite's write lock "
+            "lives inside one process, so separate API and engine processes cannot share a SQLite file"
+        )
     return args
 
 
@@ -197,16 +219,20 @@ def build_pool(args: argparse.Namespace) -> ModelPool:
     return ModelPool(build, lambda model_dir: estimate_bytes(model_dir, args.dtype), budget)
 
 
-def build_catalog(args: argparse.Namespace, pool: ModelPool, uploads: UploadStore | None = None) -> ModelCatalog:
-    """The models clients may name; every `--base-model` is located, described and loaded now. `uploads`:
-    where `upload:NAME` strings are found (`create_app` gives the catalog its default store otherwise)."""
+def build_catalog(args: argparse.Namespace, pool: ModelPool | None, uploads: UploadStore | None = None) -> ModelCatalog:
+    """The models clients may name; every `--base-model` is located, described and (given a `pool`) loaded
+    now. Without a pool (`--role api`) nothing loads: each model is described from its `config.json`, and
+    the catalog lists no on-demand models as loaded. `uploads`: where `upload:NAME` strings are found
+    (`create_app` gives the catalog its default store otherwise)."""
     allow = tuple(args.allow_models) if args.allow_models else default_allow(args.host, args.base_model)
     rules = ModelRules(allow, args.max_seq_len, args.max_lora_rank, args.max_lora_adapters)
     hooks = (uploads.find_upload, uploads.list_uploads) if uploads is not None else (None, None)
-    catalog = ModelCatalog(rules, pool.loaded, *hooks)
+    catalog = ModelCatalog(rules, pool.loaded if pool is not None else dict, *hooks)
     try:
         for name in args.base_model:
-            pool.preload(name, Path(catalog.preload(name).model_dir))
+            model_dir = Path(catalog.preload(name).model_dir)
+            if pool is not None:
+                pool.preload(name, model_dir)
     except (FileNotFoundError, ValueError, MemoryError, RequestError) as err:  # bad model: say so, no traceback
         sys.exit(f"error: {err}")
     return catalog
@@ -224,39 +250,79 @@ def _announce_when_ready(server: uvicorn.Server, host: str, port: int, key_hint:
     print(f"SmolGym ready on http://{host}:{port}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
-    )
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU found" is not news
-    if args.log_level.upper() != "DEBUG":  # orbax narrates every checkpoint step through absl at INFO
+    if level.upper() != "DEBUG":  # orbax narrates every checkpoint step through absl at INFO
         logging.getLogger("absl").setLevel(logging.WARNING)
-    api_keys = load_api_keys(args.api_key, args.api_keys_file)
-    db = open_database(args.database_url, args.data_dir, session_timeout_s=args.session_timeout)
+
+
+def recover(db: Database, data_dir: Path) -> None:
+    """Engine side only: fail the work a previous engine left unfinished and sweep half-written checkpoints.
+    Never run by an API server: another process's engine may be running that work right now."""
     failed = db.queue.recover()
     if failed:
         log.warning("failed %d requests left unfinished by a previous run", failed)
     from tx.engine.checkpoints import sweep_partial  # JAX loads with the engine, not with the CLI
 
-    swept = sweep_partial(checkpoints_root(Path(args.data_dir)))
+    swept = sweep_partial(checkpoints_root(data_dir))
     if swept:
         log.warning("removed %d half-written checkpoint directories left by a previous run", len(swept))
-    settings = Settings(data_dir=Path(args.data_dir), api_keys=api_keys, max_upload_bytes=int(args.max_upload_gb * GB))
-    uploads = UploadStore(settings.data_dir / "uploads", settings.max_upload_bytes)
+
+
+def start_engine(
+    args: argparse.Namespace, db: Database, uploads: UploadStore
+) -> tuple[Engine, ModelPool, ModelCatalog]:
+    from tx.engine.loop import Engine  # JAX loads with the engine, never in an API-only process
+
+    recover(db, Path(args.data_dir))
     pool = build_pool(args)
     catalog = build_catalog(args, pool, uploads)
     engine = Engine(db.queue, pool)
     engine.start()
+    return engine, pool, catalog
+
+
+def serve(
+    args: argparse.Namespace, settings: Settings, db: Database, catalog: ModelCatalog, uploads: UploadStore
+) -> None:
     app = create_app(settings, db, catalog, uploads)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
-    key_hint = sorted(api_keys)[0] if api_keys else "tml-local"
+    key_hint = sorted(settings.api_keys)[0] if settings.api_keys else "tml-local"
     threading.Thread(target=_announce_when_ready, args=(server, args.host, args.port, key_hint), daemon=True).start()
+    server.run()
+
+
+def wait_for_signal() -> None:
+    """`--role engine`: block until SIGTERM or SIGINT (the engine thread does the work)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print("SmolGym engine ready", flush=True)
+    stop.wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    _configure_logging(args.log_level)
+    api_keys = load_api_keys(args.api_key, args.api_keys_file)
+    db = open_database(args.database_url, args.data_dir, session_timeout_s=args.session_timeout)
+    settings = Settings(data_dir=Path(args.data_dir), api_keys=api_keys, max_upload_bytes=int(args.max_upload_gb * GB))
+    uploads = UploadStore(settings.data_dir / "uploads", settings.max_upload_bytes)
+    engine = pool = None
     try:
-        server.run()
+        if args.role == "api":
+            serve(args, settings, db, build_catalog(args, None, uploads), uploads)
+            return
+        engine, pool, catalog = start_engine(args, db, uploads)
+        if args.role == "engine":
+            wait_for_signal()
+        else:
+            serve(args, settings, db, catalog, uploads)
     finally:
-        engine.stop()
-        pool.close()
+        if engine is not None and pool is not None:
+            engine.stop()
+            pool.close()
         db.close()
 
 
