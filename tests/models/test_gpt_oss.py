@@ -1,7 +1,7 @@
 """gpt-oss against transformers (torch CPU, float32): logits in both expert-product forms (sinks, sliding
 window, biases, YaRN, the clamped SwiGLU and the interleaved gate_up all in play), every weight's gradient,
-LoRA on attention and experts against PEFT, packed rows, prefill + decode in both cache forms across the
-window, and the checkpoint written back loading into transformers."""
+packed rows, prefill + decode in both cache forms across the window, the checkpoint written back loading
+into transformers, and meshes with an expert axis against one device (LoRA: test_gpt_oss_lora.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from flax import nnx
 
 from tx.models.causal_lm import KVCache, LayerCache, per_layer, split_layers
 from tx.models.config import ModelConfig
+from tx.models.sharding import make_mesh
 from tx.models.weights import load_model, save_hf
 from tx.tuning import CPU
 
@@ -172,3 +173,27 @@ def test_saved_checkpoint_loads_into_transformers(hf_oss, loaded, tmp_path):
     mine, _ = load_model(str(tmp_path / "out"), progress=False, tuning=FORMS["dense"])[0](tokens)
     np.testing.assert_allclose(np.asarray(mine), reference(back, tokens), atol=1e-4, rtol=0)
     assert np.abs(reference(back, tokens) - reference(hf_oss[1], tokens)).max() > 1e-2
+
+
+@pytest.mark.parametrize("mesh_sizes", [dict(expert=4), dict(expert=2, tp=2)])
+def test_expert_mesh_matches_single_device(hf_oss, loaded, mesh_sizes):
+    """The experts (and their biases) split over the expert axis, heads and sinks over tp."""
+    model, cfg = loaded()
+    tokens = tokens_for(cfg, (4, 12), seed=9)
+    sharded, _ = load_model(str(hf_oss[0]), mesh=make_mesh(**mesh_sizes), progress=False, tuning=FORMS["dense"])
+    experts = sharded.model.layers.mlp.experts
+    assert experts.gate_up_proj.weight[...].sharding.spec[1] == "expert"
+    assert experts.down_proj.bias[...].sharding.spec[1] == "expert"
+    if "tp" in mesh_sizes:
+        assert sharded.model.layers.self_attn.sinks[...].sharding.spec[1] == "tp"
+    expected, _ = jax.jit(lambda t: model(t))(tokens)
+    got, _ = jax.jit(lambda t: sharded(t))(tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5, rtol=0)
+
+    def loss(m):
+        return jnp.sum(jnp.tanh(m(tokens)[0]))
+
+    grads = [nnx.state(jax.jit(nnx.grad(loss))(m), nnx.Param) for m in (model, sharded)]
+    for (p, mine), (_, want) in zip(nnx.to_flat_state(grads[1]), nnx.to_flat_state(grads[0]), strict=True):
+        mine, want = np.asarray(mine.get_value()), np.asarray(want.get_value())  # summation order differs
+        assert np.abs(mine - want).max() <= 1e-4 * np.abs(want).max(), p
