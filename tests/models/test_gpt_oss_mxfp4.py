@@ -122,6 +122,16 @@ def test_the_header_check_passes_the_quantized_checkpoint(quantized):
     assert check_checkpoint(quantized[0]).family == "gpt_oss"
 
 
+def test_the_memory_budget_counts_the_dequantized_experts(quantized):
+    """The model pool sizes a model from its headers (`weight_bytes`): MXFP4 blocks count as the weights
+    they load as, their scales as nothing, so both copies of the same weights cost the same."""
+    from tx.models.catalog import weight_bytes
+
+    quantized_dir = quantized[0]
+    for dtype in ("float32", "bfloat16"):
+        assert weight_bytes(quantized_dir, dtype) == weight_bytes(quantized_dir.parent / "dequantized", dtype)
+
+
 def test_blocks_without_scales_are_named(quantized, tmp_path):
     path, _ = quantized
     index = json.loads((path / "model.safetensors.index.json").read_text())

@@ -105,6 +105,16 @@ def weight_bytes(model_dir: Path, dtype: str | None) -> int:
         for name, tensor in header.items():
             if name.startswith(SKIPPED_PARTS):
                 continue
-            size = DTYPE_BYTES[dtype] if dtype else DTYPES[tensor["dtype"]].itemsize
-            total += math.prod(tensor["shape"]) * size
+            total += _loaded_bytes(name, tensor, dtype)
     return total
+
+
+def _loaded_bytes(name: str, tensor: dict, dtype: str | None) -> int:
+    """One stored tensor's bytes once loaded. gpt-oss's MXFP4 experts: a `*_blocks` byte holds two weights,
+    which load in `dtype` (the hub's bfloat16 when None); their `*_scales` load as nothing of their own."""
+    count = math.prod(tensor["shape"])
+    if tensor["dtype"] == "U8" and name.endswith("_scales"):
+        return 0
+    if tensor["dtype"] == "U8" and name.endswith("_blocks"):
+        return 2 * count * (DTYPE_BYTES[dtype] if dtype else 2)
+    return count * (DTYPE_BYTES[dtype] if dtype else DTYPES[tensor["dtype"]].itemsize)
