@@ -58,6 +58,7 @@ TARGETS: dict[str, list[str]] = {
         "tests/e2e/test_full_finetune.py",
     ],
     "tx/lora/peft.py": ["tests/lora/test_peft.py"],
+    "tx/engine/planner.py": ["tests/engine/test_planner.py"],
     "tx/db/queue.py": ["tests/db/test_db_queue.py", "tests/db/test_db_engine_loop.py"],
     "tx/api/validate.py": ["tests/api/test_validate_rules.py", "tests/api/test_api_validation.py"],
 }

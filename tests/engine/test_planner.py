@@ -46,3 +46,29 @@ def test_slots_bound_the_runs_of_a_round() -> None:
     items = [_fb("a", 5), _fb("b", 5), _fb("c", 5)]
     assert _ids_of(plan_round(items, set(), RoundLimits(max_slots=2)).fused) == _ids_of(items[:2])
     assert _ids_of(plan_round(items, {"c"}, RoundLimits(max_slots=2)).fused) == _ids_of(items[:2])
+
+
+def test_budget_and_slot_boundaries_are_inclusive() -> None:
+    exact = [_fb("a", 10), _fb("b", 10)]
+    plan = plan_round(exact, set(), RoundLimits(tokens=20))  # exactly the budget: both fuse, no long item
+    assert _ids_of(plan.fused) == _ids_of(exact) and plan.long is None
+    assert plan_round([_fb("a", 20)], set(), RoundLimits(tokens=20)).long is None
+    assert plan_round([], set(), RoundLimits(tokens=20)).items == []
+
+
+def test_a_snapshot_save_needs_a_second_slot_and_a_long_runs_slot_is_held() -> None:
+    save = WorkItem("s1", "save_weights_for_sampler", "a", None, 0.0)  # type: ignore[arg-type]
+    assert plan_round([save], set(), RoundLimits(max_slots=1)).control == []
+    assert _ids_of(plan_round([save], set(), RoundLimits(max_slots=2)).control) == ["s1"]
+    other = _fb("b", 5)
+    held = plan_round([other], set(), RoundLimits(max_slots=1, busy=frozenset({"a"})))
+    assert held.fused == []  # the long item's run "a" holds the only slot
+    full_busy = plan_round([other], {"a"}, RoundLimits(max_slots=1, busy=frozenset({"a"})))
+    assert _ids_of(full_busy.fused) == _ids_of([other])  # a full fine-tuning run holds no adapter slot
+
+
+def test_a_full_finetuning_run_never_shares_the_fused_batch() -> None:
+    lora_first = [_fb("a", 5), _fb("full", 5)]
+    assert _ids_of(plan_round(lora_first, {"full"}).fused) == _ids_of(lora_first[:1])
+    full_first = [_fb("full", 5), _fb("full", 5), _fb("a", 5)]
+    assert _ids_of(plan_round(full_first, {"full"}).fused) == _ids_of(full_first[:2])

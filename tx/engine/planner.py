@@ -81,7 +81,7 @@ class _Round:
                 self.plan.long = item
             return
         full = run in self.full_runs
-        mixes = self.full_in_batch not in (None, run) or (full and self.plan.fused)
+        mixes = self.full_in_batch not in (None, run) or (full and self.full_in_batch is None and self.plan.fused)
         if mixes or (budget is not None and self.tokens + tokens > budget):
             self.blocked.add(run)
             return
