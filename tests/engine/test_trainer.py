@@ -258,3 +258,21 @@ def test_bf16_full_finetuning_keeps_fp32_moments_and_compiles_once(setup):
         compiles.append(compile_count())
     assert compiles[1:] == compiles[:1] * 2, "a later step compiled again"
     assert {v.dtype for v in run.params.values()} == {jax.numpy.dtype("bfloat16")}
+
+
+def test_forward_only_equals_forward_backward_and_leaves_the_gradients(setup):
+    """The gradient-free program (`forward`) computes what the gradient program's outputs say."""
+    _, _, model, cfg = setup
+    trainer = Trainer(model, AdapterBank.of(model))
+    run = trainer.create_lora_run("a", LoraConfig(rank=4), slot=1)
+    random_lora(trainer, run, 11)
+    rng = np.random.RandomState(12)
+    data = [make_datum(rng, cfg.vocab_size, n, "importance_sampling") for n in (7, 12)]
+    conf: dict = {}
+    forward = trainer.forward_backward([("a", ForwardBackwardRequest(data, "importance_sampling", conf, True))])[0]
+    assert all(not np.asarray(g).any() for g in run.grads.values())  # nothing accumulated
+    trained = trainer.forward_backward([("a", ForwardBackwardRequest(data, "importance_sampling", conf))])[0]
+    assert any(np.asarray(g).any() for g in run.grads.values())
+    np.testing.assert_allclose(forward.metrics["loss:sum"], trained.metrics["loss:sum"], rtol=1e-6)
+    for f, t in zip(forward.outputs, trained.outputs, strict=True):
+        np.testing.assert_allclose(f["logprobs"], t["logprobs"], atol=1e-6)
