@@ -17,7 +17,7 @@ from tx.tuning import for_backend
 def test_help_lists_every_option() -> None:
     out = subprocess.run([sys.executable, "-m", "tx.api", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--base-model", "--host", "--port", "--data-dir", "--database-url", "--max-lora-adapters",
-                 "--max-lora-rank", "--tensor-parallel-size", "--fsdp-size", "--dtype", "--train-micro-batch-tokens",
+                 "--max-lora-rank", "--tensor-parallel-size", "--fsdp-size", "--expert-parallel-size", "--dtype", "--train-micro-batch-tokens",
                  "--api-key", "--api-keys-file", "--prompt-cache-mb", "--role"):  # fmt: skip
         assert flag in out
 
@@ -70,3 +70,14 @@ def test_bad_base_model_is_a_one_line_error(tmp_path) -> None:
     )
     assert proc.returncode != 0
     assert "error: no model directory at" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_mesh_sizes_reach_the_engine_config(capsys: pytest.CaptureFixture[str]) -> None:
+    args = cli.parse_args(["--expert-parallel-size", "4", "--fsdp-size", "2", "--tensor-parallel-size", "1"])
+    config = cli.engine_config(args)
+    assert (config.expert_parallel_size, config.fsdp_size, config.tensor_parallel_size) == (4, 2, 1)
+    assert cli.engine_config(cli.parse_args([])).expert_parallel_size == 1
+    for flag in ("--expert-parallel-size", "--fsdp-size", "--tensor-parallel-size"):
+        with pytest.raises(SystemExit):
+            cli.parse_args([flag, "0"])
+        assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err

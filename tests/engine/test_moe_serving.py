@@ -23,6 +23,7 @@ from tx.protocol import (
     SampleRequest,
     SampleResult,
     SamplingParams,
+    UnloadModelRequest,
     WorkItem,
 )
 
@@ -165,3 +166,24 @@ def test_qwen3_5_moe_trains_exports_reports_balance_and_samples_as_generate(serv
     with torch.no_grad():
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
     assert sampled.sequences[0].tokens == want[0, len(prompt) :].tolist()
+
+
+def test_an_expert_parallel_engine_computes_what_one_device_does(served, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """EngineConfig.expert_parallel_size (--expert-parallel-size) splits each block's experts over devices."""
+    from tx.engine import AdapterConfig, EngineConfig, build_runner
+    from tx.engine.sampler import SamplerConfig
+
+    one, _ = served
+    config = EngineConfig(base_model=one.io.base_model, data_dir=tmp_path, dtype="float32", expert_parallel_size=2,
+        adapters=AdapterConfig(3, 4), sampler=SamplerConfig(max_rows=2, max_seq_len=64))  # fmt: skip
+    split, _ = build_runner(config, model_dir=one.io.model_dir)
+    experts = next(v for p, v in split.trainer.base.items() if "experts" in p and v.ndim >= 3)
+    assert "expert" in str(experts.sharding.spec)  # each device holds half of the experts
+    tokens = list(range(3, 19))
+    datum = Datum(tokens, {"target_tokens": np.array(tokens[1:] + [0], np.int64)})
+    outs = []
+    for runner in (one, split):
+        run(runner, "create_model", "ep", CreateModelRequest("m", LoraConfig(4, 8.0, seed=5)))
+        outs.append(run(runner, "forward", "ep", ForwardBackwardRequest([datum], "cross_entropy", forward_only=True)))
+        run(runner, "unload_model", "ep", UnloadModelRequest())
+    np.testing.assert_allclose(outs[1].outputs[0]["logprobs"], outs[0].outputs[0]["logprobs"], atol=1e-5)

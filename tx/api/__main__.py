@@ -105,6 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices per tensor-parallel group (default 1)")
     p.add_argument(
+        "--expert-parallel-size",
+        type=int,
+        default=1,
+        help="devices a mixture-of-experts block's experts are split over, each holding a share of every block's "
+        "experts; batch rows are split over them too (default 1)",
+    )
+    p.add_argument(
         "--fsdp-size", type=int, default=1, help="devices the weights are sharded over with FSDP (default 1)"
     )
     p.add_argument(
@@ -155,6 +162,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--log-level", default="info", help="logging level (default info)")
     args = p.parse_args(argv)
+    for flag in ("tensor_parallel_size", "fsdp_size", "expert_parallel_size"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.prompt_cache_mb < 0:
         p.error(f"--prompt-cache-mb must be >= 0, got {args.prompt_cache_mb}")
     if not args.max_upload_gb > 0:
@@ -190,6 +200,7 @@ def engine_config(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         fsdp_size=args.fsdp_size,
+        expert_parallel_size=args.expert_parallel_size,
         adapters=AdapterConfig(args.max_lora_adapters, args.max_lora_rank, args.max_runs),
         trainer=TrainerConfig(args.train_micro_batch_tokens, args.remat),
         sampler=SamplerConfig(

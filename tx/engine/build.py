@@ -72,7 +72,7 @@ def build_runner(config: EngineConfig, model_dir: Path | None = None) -> tuple[J
     tuning = for_backend()
     dtype = resolve_dtype(config.dtype, tuning)
     adapters = config.adapters
-    mesh = make_mesh(1, config.fsdp_size, config.tensor_parallel_size)
+    mesh = make_mesh(1, config.fsdp_size, config.tensor_parallel_size, expert=config.expert_parallel_size)
     log.info("loading %s (%s)", model_dir, dtype or "checkpoint dtype")
     lora = LoRASpec(adapters.max_lora_adapters + 1, adapters.max_lora_rank, tuning.lora_kernel)  # slot 0: base
     model, cfg = load_model(

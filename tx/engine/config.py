@@ -46,6 +46,7 @@ class EngineConfig:
     dtype: str | None = None  # "auto", "bfloat16", "float32", or None for the checkpoint's own
     tensor_parallel_size: int = 1
     fsdp_size: int = 1
+    expert_parallel_size: int = 1  # devices a MoE block's experts (and batch rows) are split over
     adapters: AdapterConfig = AdapterConfig()
     trainer: TrainerConfig = TrainerConfig()
     sampler: SamplerConfig = SamplerConfig(max_seq_len=4096)
