@@ -17,7 +17,8 @@ from tx.tuning import for_backend
 def test_help_lists_every_option() -> None:
     out = subprocess.run([sys.executable, "-m", "tx.api", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--base-model", "--host", "--port", "--data-dir", "--database-url", "--max-lora-adapters",
-                 "--max-lora-rank", "--tensor-parallel-size", "--fsdp-size", "--expert-parallel-size", "--dtype", "--train-micro-batch-tokens",
+                 "--max-lora-rank", "--tensor-parallel-size", "--fsdp-size", "--expert-parallel-size", "--dtype",
+                 "--train-micro-batch-tokens",
                  "--api-key", "--api-keys-file", "--prompt-cache-mb", "--role"):  # fmt: skip
         assert flag in out
 
