@@ -49,6 +49,17 @@ LORA_RANK = 8
 LORA_SLOTS, MAX_RANK = 9, 32  # the server defaults (--max-lora-adapters 8, --max-lora-rank 32)
 
 
+class FixedAdapters:
+    """The sampler's view of an adapter bank that never changes (unversioned: no prompt cache, so every
+    round prefills, as a fresh prompt does)."""
+
+    def __init__(self, scale: np.ndarray) -> None:
+        self.scale = scale
+
+    def weights_version(self) -> None:
+        return None
+
+
 def make_sampler(cfg: ModelConfig, lora: bool, max_rows: int, max_seq_len: int, max_prompt: int) -> Sampler:
     """`lora`: the server's default stack (8 adapter slots + the zero slot, max rank 32) holding one
     rank-8 adapter in slot 1. Weights, cache form and kernel as the engine lays them out on this backend."""
@@ -65,7 +76,8 @@ def make_sampler(cfg: ModelConfig, lora: bool, max_rows: int, max_seq_len: int, 
         layer_cache=tuning.per_layer_decode,
     )
     weights = decode_layout(flat(state), tuning)
-    return Sampler(graphdef, lambda: weights, cfg, sampler_cfg, [], lambda ids: "", (lambda: scale) if lora else None)
+    adapters = FixedAdapters(scale) if lora else None
+    return Sampler(graphdef, lambda: weights, cfg, sampler_cfg, [], lambda ids: "", adapters)
 
 
 def run_batch(sampler: Sampler, batch: int, prompt_len: int, new_tokens: int, vocab: int, slot: int) -> float:
