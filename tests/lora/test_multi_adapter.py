@@ -23,9 +23,9 @@ from tx.lora.layers import LoRASpec  # noqa: E402
 from tx.lora.merge import merge_to_hf  # noqa: E402
 from tx.lora.params import LoRAParam, LoRARows  # noqa: E402
 from tx.lora.peft import AdapterConfig, load_peft, save_peft  # noqa: E402
-from tx.lora.targets import MLP, SOFTMAX_ATTN, UNEMBED  # noqa: E402
+from tx.lora.targets import SOFTMAX_ATTN, UNEMBED  # noqa: E402
 
-QWEN3_TARGETS = (*SOFTMAX_ATTN, *MLP, *UNEMBED)  # what a Qwen3 model adapts
+QWEN3_TARGETS = (*SOFTMAX_ATTN, "gate_proj", "up_proj", "down_proj", *UNEMBED)  # what a Qwen3 model adapts
 from tx.lora.select import select, take_adapters  # noqa: E402
 from tx.lora.slots import SlotTable  # noqa: E402
 from tx.models.sharding import make_mesh  # noqa: E402

@@ -57,7 +57,8 @@ def test_rank_and_target_limits():
 def test_targets_from_flags():
     softmax, deltanet = {"q_proj", "k_proj", "v_proj", "o_proj"}, {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"}
     assert targets_from_flags(True, False, False) == softmax | deltanet | {"out_proj"}
-    assert targets_from_flags(False, True, True) == {"gate_proj", "up_proj", "down_proj", "lm_head"}
+    mlp = {"gate_proj", "up_proj", "gate_up_proj", "down_proj"}  # gate_up_proj: gpt-oss's fused experts
+    assert targets_from_flags(False, True, True) == mlp | {"lm_head"}
     assert targets_from_flags(True, True, True) == ALL_TARGETS
     with pytest.raises(ValueError, match="at least one"):
         targets_from_flags(False, False, False)
