@@ -243,23 +243,31 @@ class ModelConfig:
             raise ValueError("config.json sets use_sliding_window=true, which SmolGym does not support")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
-        heads = int(hf["num_attention_heads"])
         return ModelConfig(
             family=family,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
             intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(_rope_params(hf).get("rope_theta", hf.get("rope_theta", 10000.0))),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            **transformer_shape(hf, eps=1e-6, theta=10000.0, max_positions=4096),
             rope_scaling=_rope_scaling(hf),
             dtype=dtype or _dtype_of(hf),
         )
+
+
+def transformer_shape(hf: dict[str, Any], *, eps: float, theta: float, max_positions: int) -> dict[str, Any]:
+    """The `ModelConfig` fields every family reads the same way from `config.json` (sizes, heads, norm
+    epsilon, rotary base, context, tied embeddings); the keyword arguments are the family's defaults."""
+    heads = int(hf["num_attention_heads"])
+    return dict(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", eps)),
+        rope_theta=float(_rope_params(hf).get("rope_theta", hf.get("rope_theta", theta))),
+        max_position_embeddings=int(hf.get("max_position_embeddings", max_positions)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
 
 
 def family_of(hf: dict[str, Any]) -> str:

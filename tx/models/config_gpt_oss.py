@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tx.models.config import ClampedSwiGLU, ModelConfig, MoE, RopeScaling, _dtype_of, _rope_params
+from tx.models.config import ClampedSwiGLU, ModelConfig, MoE, RopeScaling, _dtype_of, _rope_params, transformer_shape
 
 READ = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -48,21 +48,11 @@ YARN_KEYS |= {"original_max_position_embeddings"}
 def gpt_oss_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
     _check_values(hf)
     layers = int(hf["num_hidden_layers"])
-    heads = int(hf["num_attention_heads"])
     window, sliding = _sliding(hf, layers)
     return ModelConfig(
         family="gpt_oss",
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf.get("intermediate_size", 2880)),
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(_rope_params(hf).get("rope_theta", hf.get("rope_theta", 150000.0))),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **transformer_shape(hf, eps=1e-5, theta=150000.0, max_positions=131072),
         rope_scaling=_yarn(hf),
         # The hub's checkpoints store their unquantized tensors in bfloat16 without naming a dtype.
         dtype=dtype or (_dtype_of(hf) if hf.get("dtype") or hf.get("torch_dtype") else "bfloat16"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tx.models.config import ModelConfig, MoE, _dtype_of, _rope_params, _rope_scaling
+from tx.models.config import ModelConfig, MoE, _dtype_of, _rope_scaling, transformer_shape
 
 READ = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -48,20 +48,10 @@ REQUIRED: dict[str, Any] = {
 def qwen3_moe_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
     _check_values(hf)
     layers = int(hf["num_hidden_layers"])
-    heads = int(hf["num_attention_heads"])
     return ModelConfig(
         family="qwen3_moe",
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf.get("intermediate_size", 6144)),
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(_rope_params(hf).get("rope_theta", hf.get("rope_theta", 10000.0))),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **transformer_shape(hf, eps=1e-6, theta=10000.0, max_positions=32768),
         rope_scaling=_rope_scaling(hf),
         dtype=dtype or _dtype_of(hf),
         moe=_moe(hf, layers),
