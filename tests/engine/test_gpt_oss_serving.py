@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import GPT_OSS, build_gpt_oss
+from drive import run
 
 from tx.engine.runner import JaxRunner
 from tx.protocol import (
@@ -24,7 +25,6 @@ from tx.protocol import (
     OptimStepRequest,
     SampleRequest,
     SamplingParams,
-    WorkItem,
 )
 
 PROMPT = [3, 14, 15, 92, 65, 35, 8]
@@ -43,19 +43,6 @@ def served(tmp_path_factory) -> Iterator[tuple[JaxRunner, Any, Any]]:
     )  # fmt: skip
     assert info.arch == "gpt_oss"
     yield runner, ref, path
-
-
-_ids = iter(range(10**6))
-
-
-def run(runner: JaxRunner, kind: str, model_id: str, payload: Any) -> Any:
-    item = WorkItem(f"f{next(_ids)}", kind, model_id, payload, created_at=0.0)  # type: ignore[arg-type]
-    runner.submit([item])
-    for _ in range(100):
-        done = runner.step()
-        if done:
-            return done[0].result
-    raise AssertionError(f"{kind} did not finish")
 
 
 def max_expert_fraction_of(ref: Any, tokens: list[int]) -> float:

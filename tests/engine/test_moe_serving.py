@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from drive import run
 
 from tx.engine.runner import JaxRunner
 from tx.protocol import (
@@ -51,19 +52,6 @@ def served(tmp_path_factory) -> Iterator[tuple[JaxRunner, Any]]:
     )  # fmt: skip
     assert info.arch == "qwen3_moe"
     yield runner, ref
-
-
-_ids = iter(range(10**6))
-
-
-def run(runner: JaxRunner, kind: str, model_id: str, payload: Any) -> Any:
-    item = WorkItem(f"f{next(_ids)}", kind, model_id, payload, created_at=0.0)  # type: ignore[arg-type]
-    runner.submit([item])
-    for _ in range(100):
-        done = runner.step()
-        if done:
-            return done[0].result
-    raise AssertionError(f"{kind} did not finish")
 
 
 def test_lora_training_lowers_the_loss(served) -> None:  # type: ignore[no-untyped-def]
