@@ -20,15 +20,19 @@ from tx.engine.compiles import compile_count
 from tx.engine.pool import ModelPool
 from tx.engine.sampler import SamplerConfig
 from tx.protocol import (
+    AdamParams,
     CreateModelRequest,
     Datum,
     ForwardBackwardRequest,
     LoraConfig,
+    OptimStepRequest,
     RequestError,
     SampleRequest,
     SampleResult,
     SamplingParams,
+    SaveSamplerRequest,
     UnloadModelRequest,
+    WeightsRef,
     WorkItem,
 )
 
@@ -55,20 +59,30 @@ def _item(kind: str, model_id: str, payload: Any) -> WorkItem:
     return WorkItem(uuid.uuid4().hex, kind, model_id, payload, time.time())  # type: ignore[arg-type]
 
 
-def _sample(model: Path | str, max_tokens: int = 6, seed: int = 7) -> WorkItem:
+def _sample(model: Path | str, max_tokens: int = 6, seed: int = 7, snapshot: str | None = None) -> WorkItem:
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, stop_at_eos=False)
-    request = SampleRequest([3, 5, 7, 9], 1, params, str(model), prompt_logprobs=True, model_dir=str(model))
+    weights = WeightsRef(snapshot) if snapshot else None
+    request = SampleRequest([3, 5, 7, 9], 1, params, str(model), weights, True, model_dir=str(model))
     return _item("sample", "sampler", request)
 
 
-def _create(model_dir: Path, run_id: str) -> WorkItem:
-    return _item("create_model", run_id, CreateModelRequest(str(model_dir), LoraConfig(4), {}, str(model_dir)))
+def _create(model_dir: Path, run_id: str, lora: bool = True) -> WorkItem:
+    """A LoRA run of rank 4, or a full fine-tuning run (`lora=False`)."""
+    config = LoraConfig(4) if lora else None
+    return _item("create_model", run_id, CreateModelRequest(str(model_dir), config, {}, str(model_dir)))
 
 
 def _fb(run_id: str) -> WorkItem:
     inputs = {"target_tokens": np.array([2, 3, 4, 5, 6, 7]), "weights": np.ones(6, np.float32)}
     request = ForwardBackwardRequest([Datum([1, 2, 3, 4, 5, 6], inputs)], "cross_entropy")
     return _item("forward_backward", run_id, request)
+
+
+def _step_and_save(run_id: str, snapshot: str) -> list[WorkItem]:
+    """One training step with a large learning rate (the weights move far from the base model), then an
+    ephemeral sampler snapshot, as `save_weights_and_get_sampling_client` makes."""
+    optim = _item("optim_step", run_id, OptimStepRequest(AdamParams(learning_rate=0.05)))
+    return [_fb(run_id), optim, _item("save_weights_for_sampler", run_id, SaveSamplerRequest(snapshot))]
 
 
 def _drain(pool: ModelPool, items: list[WorkItem], timeout_s: float = 300) -> dict[str, Any]:
@@ -87,21 +101,40 @@ def _only(results: dict[str, Any]) -> Any:
     return result
 
 
-def test_budget_unloads_the_idle_model_and_reloads_it_with_identical_results(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def _same_sample(a: SampleResult, b: SampleResult) -> bool:
+    return (a.sequences[0].tokens, a.sequences[0].logprobs, a.prompt_logprobs) == (
+        b.sequences[0].tokens, b.sequences[0].logprobs, b.prompt_logprobs
+    )  # fmt: skip
+
+
+def _all_ok(results: dict[str, Any]) -> None:
+    assert not [r for r in results.values() if isinstance(r, RequestError)], results
+
+
+def test_budget_unloads_the_idle_model_and_reloads_it_with_its_snapshots(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Under a budget that holds one model, sampling the other unloads the idle one. Reloaded, it samples
+    exactly as before: the base model, and the snapshots of `save_weights_and_get_sampling_client` (in memory
+    only: LoRA ones, one paged out to host memory and one on the device, and a full fine-tuning one), which
+    wait in host memory while their model is unloaded, so their sampling clients keep working."""
     pool = _pool(tmp_path, int(1.5 * MB))  # either tiny model fits (0.84 / 0.97 MB), both do not
-    qwen, llama = str(dirs["qwen"]), str(dirs["llama"])
-    first = _only(_drain(pool, [_sample(dirs["qwen"])]))
-    assert set(pool.models) == {qwen}
-    qwen_weights = weakref.ref(pool.models[qwen].runner.trainer.base[("model", "embed_tokens", "weight")])
-    _only(_drain(pool, [_sample(dirs["llama"])]))
-    assert set(pool.models) == {llama}, "the idle Qwen3 model was not unloaded to make room"
+    qwen, llama = dirs["qwen"], dirs["llama"]
+    _all_ok(_drain(pool, [_create(qwen, "run-q"), *_step_and_save("run-q", "snap-1")]))
+    _all_ok(_drain(pool, _step_and_save("run-q", "snap-2")))  # 2 slots: snap-1 is paged out to host memory
+    _all_ok(_drain(pool, [_create(qwen, "full-q", lora=False), *_step_and_save("full-q", "snap-full")]))
+    _all_ok(_drain(pool, [_item("unload_model", run, UnloadModelRequest()) for run in ("run-q", "full-q")]))
+    snaps = (None, "snap-1", "snap-2", "snap-full")
+    first = {snap: _only(_drain(pool, [_sample(qwen, snapshot=snap)])) for snap in snaps}
+    samples = list(first.values())
+    assert not any(_same_sample(a, b) for i, a in enumerate(samples) for b in samples[i + 1 :])
+    assert set(pool.models) == {str(qwen)}
+    qwen_weights = weakref.ref(pool.models[str(qwen)].runner.trainer.base[("model", "embed_tokens", "weight")])
+    _only(_drain(pool, [_sample(llama)]))
+    assert set(pool.models) == {str(llama)}, "the idle Qwen3 model was not unloaded to make room"
     assert qwen_weights() is None, "the unloaded model's weights are still held"
-    again = _only(_drain(pool, [_sample(dirs["qwen"])]))
-    assert set(pool.models) == {qwen}
-    assert isinstance(first, SampleResult) and isinstance(again, SampleResult)
-    assert again.sequences[0].tokens == first.sequences[0].tokens
-    assert again.sequences[0].logprobs == first.sequences[0].logprobs
-    assert again.prompt_logprobs == first.prompt_logprobs
+    for snap in reversed(snaps):
+        again = _only(_drain(pool, [_sample(qwen, snapshot=snap)]))
+        assert _same_sample(again, first[snap]), f"{snap or 'the base model'} sampled differently after the reload"
+    assert set(pool.models) == {str(qwen)}
 
 
 def test_a_model_with_a_live_run_is_never_unloaded_and_the_refusal_names_sizes(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

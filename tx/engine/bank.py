@@ -149,14 +149,31 @@ class AdapterBank:
     def stash_snapshot(self, owner: str) -> HostSnapshot:
         """Move sampler snapshot `owner` from its device slot into host memory, exactly; frees the slot."""
         info = self.slots.free(owner)
+        host = self.host_snapshots[owner] = self._host_copy(info)
+        self.clear(info.slot)
+        self._trim_snapshots()
+        return host
+
+    def _host_copy(self, info: SlotInfo) -> HostSnapshot:
         arrays = {
             p: np.asarray(jax.device_get(jnp.take(v, info.slot, axis=v.ndim - 3))) for p, v in self._arrays.items()
         }
-        host = self.host_snapshots[owner] = HostSnapshot(info, arrays, self.scale[info.slot].copy())
-        self.clear(info.slot)
+        return HostSnapshot(info, arrays, self.scale[info.slot].copy())
+
+    def _trim_snapshots(self) -> None:
         while len(self.host_snapshots) > self.max_runs:
             self.host_snapshots.popitem(last=False)
-        return host
+
+    def snapshots_on_host(self) -> OrderedDict[str, HostSnapshot]:
+        """Every sampler snapshot as a host copy (those on the device copied, not moved; the stashed ones first):
+        what the model's next load takes back (`adopt_snapshots`) when the pool unloads this one."""
+        on_device = [info for info in self.slots if info.kind == "sampler"]
+        return OrderedDict([*self.host_snapshots.items(), *((i.owner, self._host_copy(i)) for i in on_device)])
+
+    def adopt_snapshots(self, held: OrderedDict[str, HostSnapshot]) -> None:
+        """Take the snapshots of a previous load of this model into the host store (sampled: back on the device)."""
+        self.host_snapshots.update(held)
+        self._trim_snapshots()
 
     def restore_snapshot(self, owner: str, slot: int) -> None:
         """Write a stashed snapshot back into `slot` (allocated to it) and forget the host copy."""

@@ -12,7 +12,10 @@ thread keeps stepping the other models meanwhile), then runs in arrival order; a
 hub name is first downloaded by a fetcher thread, so a download blocks neither the engine nor the API.
 Before a load the pool makes room within the memory budget by unloading idle models (no live runs,
 nothing queued or running), least recently used first; if that is not enough the waiting requests fail
-with the sizes. A model with live runs is never unloaded. Scheduling is fair: each `step` gives every
+with the sizes. A model with live runs is never unloaded. An unloaded model's sampler snapshots (the
+ephemeral ones of `save_weights_and_get_sampling_client` included) are kept in host memory and handed to its
+next load, so a sampling client outlives an unload: its next sample reloads the model and finds its weights
+(a base-model sampling client needs nothing kept). Scheduling is fair: each `step` gives every
 model with work one runner step (one training round and one decode chunk), so work on one model delays
 another's next step by at most that much.
 """
@@ -33,6 +36,7 @@ import jax
 
 from tx.engine.errors import as_request_error
 from tx.engine.loop import Completion, Runner
+from tx.engine.snapshots import HeldSnapshots
 from tx.models.catalog import locate_model
 from tx.protocol import CreateModelRequest, LoadWeightsRequest, ModelInfo, RequestError, SampleRequest, WorkItem
 
@@ -47,6 +51,10 @@ class ModelRunner(Runner, Protocol):
     def resident_bytes(self) -> int: ...
 
     def discard(self, future_ids: Sequence[str]) -> None: ...
+
+    def snapshots_to_host(self) -> HeldSnapshots: ...
+
+    def adopt_snapshots(self, held: HeldSnapshots) -> None: ...
 
 
 Build = Callable[[str, Path], tuple[ModelRunner, ModelInfo]]  # (name, directory) -> a loaded model
@@ -94,6 +102,7 @@ class ModelPool:
         self.sizes: dict[str, int] = {}  # measured size of every model loaded once: the next estimate
         self.located: dict[str, Path] = {}  # hub-name key -> the directory its weights were downloaded to
         self.fetching: dict[str, concurrent.futures.Future] = {}  # key -> download of its weights
+        self.held: dict[str, HeldSnapshots] = {}  # unloaded model key -> its sampler snapshots, in host memory
         self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tx-fetch")
         self.outbox: list[Completion] = []
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tx-load")
@@ -118,13 +127,16 @@ class ModelPool:
     def _add(self, key: str, runner: ModelRunner, info: ModelInfo) -> PoolModel:
         model = PoolModel(key, runner, info, time.monotonic())
         self.sizes[key] = runner.resident_bytes()
+        if key in self.held:
+            runner.adopt_snapshots(self.held.pop(key))
         self.models[key] = model
         self._loaded = {k: m.info for k, m in self.models.items()}
         log.info("loaded %s (%s; budget %s)", info.base_model, gb(self.sizes[key]), gb(self.budget_bytes))
         return model
 
     def unload(self, key: str) -> None:
-        self.models.pop(key)
+        """Unload an idle model; its sampler snapshots wait in host memory for its next load."""
+        self.held[key] = self.models.pop(key).runner.snapshots_to_host()
         self._loaded = {k: m.info for k, m in self.models.items()}
         gc.collect()  # the runner's closures hold its arrays in cycles: free the device memory now
         log.info("unloaded %s to make room", self.names.get(key, key))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,8 @@ from tx.engine.loop import Completion
 from tx.engine.paging import Pager
 from tx.engine.planner import Plan, RoundLimits, plan_round
 from tx.engine.sampler import Sampler
-from tx.engine.trainer import Flat, Run, Trainer
+from tx.engine.snapshots import FullSnapshots, HeldSnapshots, SamplerFactory
+from tx.engine.trainer import Run, Trainer
 from tx.engine.weights_io import WeightsIO
 from tx.lora.slots import SlotsExhausted, SlotTable
 from tx.models.causal_lm import decode_layout
@@ -58,9 +59,6 @@ log = logging.getLogger("tx.engine")
 QUEUE_WAIT = "queue_wait_s:max"  # seconds from submission to the start of execution, per request
 
 
-SamplerFactory = Callable[[Callable[[], Flat]], Sampler]
-
-
 class JaxRunner:
     """`sampler` samples the shared base weights with any adapter slot; `make_sampler(get_base)` builds a
     sampler over another full weight set (a full fine-tuning run's snapshot), sharing its compiled programs;
@@ -85,9 +83,7 @@ class JaxRunner:
         self._protect: frozenset[str] = frozenset()  # the runs of the round being executed
         self.checkpoint_root = checkpoint_root
         self.base_model = base_model
-        self.make_sampler = make_sampler
-        self.full_samplers: dict[str, Sampler] = {}  # snapshot id -> sampler over its weights, LRU order
-        self.max_full_snapshots = max_full_snapshots
+        self.full = FullSnapshots(make_sampler, max_full_snapshots)  # full fine-tuning runs' snapshots
         self.pending: list[WorkItem] = []
         self.outbox: list[Completion] = []  # requests refused at submit, reported by the next step
         self.slot_waiting: list[WorkItem] = []  # samples whose snapshot waits in host memory for a free slot
@@ -130,7 +126,16 @@ class JaxRunner:
         return sum(int(leaf.nbytes) for leaf in unique.values())
 
     def _samplers(self) -> list[Sampler]:
-        return [self.sampler, *self.full_samplers.values()]
+        return [self.sampler, *self.full.samplers()]
+
+    def snapshots_to_host(self) -> HeldSnapshots:
+        """Host copies of every sampler snapshot: the pool is unloading this model, and its next load takes
+        them back (`adopt_snapshots`), so a sampling client made from one keeps working."""
+        return HeldSnapshots(self.bank.snapshots_on_host(), self.full.to_host())
+
+    def adopt_snapshots(self, held: HeldSnapshots) -> None:
+        self.bank.adopt_snapshots(held.lora)
+        self.full.adopt(held.full)
 
     @property
     def slots(self) -> SlotTable:
@@ -327,25 +332,11 @@ class JaxRunner:
         """A full fine-tuning run's sampler copy: its own weight set and a sampler over it."""
         assert run.params is not None
         snapshot = decode_layout(run.params, self.io.tuning, copy=True)
-        self._add_full_sampler(p.snapshot_id, snapshot)
+        self.full.add(p.snapshot_id, snapshot)
         size = None
         if p.dest_dir:
             size = self.io.save_full(self._path(p.dest_dir), snapshot, self.trainer.config)
         return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
-
-    def _add_full_sampler(self, snapshot_id: str, weights: Flat) -> None:
-        if self.make_sampler is None:
-            raise RequestError("this server cannot sample full fine-tuning snapshots", "user")
-        old = self.full_samplers.pop(snapshot_id, None)
-        if old is not None and not old.idle():
-            self.full_samplers[snapshot_id] = old
-            raise RequestError(f"sampler {snapshot_id!r} is busy; save under another name", "user")
-        self.full_samplers[snapshot_id] = self.make_sampler(lambda: weights)
-        # Each holds a whole copy of the weights: keep the most recently used few, never one being sampled.
-        # A named snapshot reloads from its checkpoint on its next use; an ephemeral one is gone.
-        idle = [sid for sid, sampler in self.full_samplers.items() if sid != snapshot_id and sampler.idle()]
-        for sid in idle[: max(len(self.full_samplers) - self.max_full_snapshots, 0)]:
-            del self.full_samplers[sid]
 
     def _sampler_slot_for(self, snapshot_id: str, lora) -> int:  # noqa: ANN001
         existing = self.slots.get(snapshot_id)
@@ -373,14 +364,12 @@ class JaxRunner:
             self.outbox.append(Completion(item.future_id, self._error(err)))
             return
         snapshot = req.weights.snapshot_id if req.weights else None
-        full = self.full_samplers.pop(snapshot, None) if snapshot else None
-        if snapshot and full is not None:
-            self.full_samplers[snapshot] = full  # most recently used last
+        full = self.full.use(snapshot) if snapshot else None
         (full or self.sampler).submit(item.future_id, req, 0 if full else slot)
 
     def _resolve_weights(self, req: SampleRequest) -> int:
         ref = req.weights
-        if ref is None or ref.snapshot_id in self.full_samplers:
+        if ref is None or ref.snapshot_id in self.full:
             return 0
         info = self.slots.get(ref.snapshot_id)
         if info is not None:
@@ -391,7 +380,7 @@ class JaxRunner:
             return restored
         directory = self._path(ref.checkpoint_dir) if ref.checkpoint_dir else None
         if directory and ref.checkpoint_type == "sampler" and self.io.is_full(directory):
-            self._add_full_sampler(ref.snapshot_id, self.io.load_full(directory))
+            self.full.add(ref.snapshot_id, self.io.load_full(directory))
             return 0
         if directory and ref.checkpoint_type == "sampler":
             lora = self.io.peft_lora_config(directory)

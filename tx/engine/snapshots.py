@@ -1,0 +1,99 @@
+"""Sampler snapshots of full fine-tuning runs, and every snapshot of a model while the model is unloaded.
+
+A full fine-tuning snapshot is a whole weight set with a `Sampler` of its own (sharing the base sampler's
+compiled programs). At most `max_kept` stay on the device, least recently used first to go, never one being
+sampled; a named one evicted this way reloads from its checkpoint on its next use, an ephemeral one is gone.
+
+When the pool unloads an idle model to make room, its snapshots would go with it and the sampling clients
+made from them would fail. So the runner hands them over as `HeldSnapshots` (host copies, bit for bit: the
+adapter bank's `HostSnapshot`s and each full snapshot's weights with their shardings) and the model's next
+load takes them back; each returns to the device when it is next sampled, as a paged-out snapshot does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from tx.engine.bank import HostSnapshot
+from tx.engine.sampler import Sampler
+from tx.engine.trainer import Flat
+from tx.protocol import RequestError
+
+SamplerFactory = Callable[[Callable[[], Flat]], Sampler]
+
+
+@dataclasses.dataclass
+class HostWeights:
+    """A full weight set in host memory, and where each array lived on the device."""
+
+    arrays: dict[tuple[str, ...], np.ndarray]
+    shardings: dict[tuple[str, ...], jax.sharding.Sharding]
+
+    @classmethod
+    def of(cls, weights: Flat) -> HostWeights:
+        return cls(jax.device_get(weights), {p: w.sharding for p, w in weights.items()})
+
+    def on_device(self) -> Flat:
+        return {p: jax.device_put(a, self.shardings[p]) for p, a in self.arrays.items()}
+
+
+@dataclasses.dataclass
+class HeldSnapshots:
+    """Every sampler snapshot of an unloaded model, in host memory until its next load."""
+
+    lora: OrderedDict[str, HostSnapshot]  # least recently used first
+    full: dict[str, HostWeights]
+
+
+class FullSnapshots:
+    """Full fine-tuning snapshots by snapshot id; `make_sampler(get_weights)` builds a sampler over one (None:
+    this model cannot sample full snapshots)."""
+
+    def __init__(self, make_sampler: SamplerFactory | None, max_kept: int = 2) -> None:
+        self.make_sampler, self.max_kept = make_sampler, max_kept
+        self._device: dict[str, tuple[Sampler, Flat]] = {}  # least recently used first
+        self._host: dict[str, HostWeights] = {}  # held over an unload of the model, back on their next use
+
+    def __contains__(self, snapshot_id: object) -> bool:
+        return snapshot_id in self._device or snapshot_id in self._host
+
+    def samplers(self) -> list[Sampler]:
+        return [sampler for sampler, _ in self._device.values()]
+
+    def use(self, snapshot_id: str) -> Sampler | None:
+        """The sampler of `snapshot_id` (back on the device if it was held), now the most recently used."""
+        held = self._host.pop(snapshot_id, None)
+        if held is not None:
+            self.add(snapshot_id, held.on_device())
+        entry = self._device.pop(snapshot_id, None)
+        if entry is None:
+            return None
+        self._device[snapshot_id] = entry
+        return entry[0]
+
+    def add(self, snapshot_id: str, weights: Flat) -> None:
+        """Sample `weights` as `snapshot_id` (replacing an idle snapshot of that id), evicting beyond `max_kept`."""
+        if self.make_sampler is None:
+            raise RequestError("this server cannot sample full fine-tuning snapshots", "user")
+        old = self._device.pop(snapshot_id, None)
+        if old is not None and not old[0].idle():
+            self._device[snapshot_id] = old
+            raise RequestError(f"sampler {snapshot_id!r} is busy; save under another name", "user")
+        self._host.pop(snapshot_id, None)
+        self._device[snapshot_id] = (self.make_sampler(lambda: weights), weights)
+        # Each holds a whole copy of the weights: keep the most recently used few, never one being sampled.
+        idle = [sid for sid, (sampler, _) in self._device.items() if sid != snapshot_id and sampler.idle()]
+        for sid in idle[: max(len(self._device) - self.max_kept, 0)]:
+            del self._device[sid]
+
+    def to_host(self) -> dict[str, HostWeights]:
+        """Host copies of every snapshot, for the model's next load (the pool is unloading this one)."""
+        return {**self._host, **{sid: HostWeights.of(weights) for sid, (_, weights) in self._device.items()}}
+
+    def adopt(self, held: dict[str, HostWeights]) -> None:
+        self._host.update(held)
