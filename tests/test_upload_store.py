@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -167,6 +169,45 @@ def test_one_request_at_a_time_per_upload(tmp_path):
         writer.write(CONFIG)
         writer.commit(hashlib.sha256(CONFIG).hexdigest())
     assert store.received(OWNER, "m") == {"config.json": len(CONFIG), "model.safetensors": 0}
+
+
+HOLD_A_CHUNK = """
+import hashlib, sys
+from pathlib import Path
+from tx.upload_store import UploadStore
+store, data = UploadStore(Path(sys.argv[1]), 10**6), sys.argv[2].encode()
+with store.chunk(sys.argv[3], "m", "config.json", 0, len(data)) as writer:
+    writer.write(data)
+    print("holding", flush=True)
+    sys.stdin.readline()
+    writer.commit(hashlib.sha256(data).hexdigest())
+"""
+
+
+def test_another_process_holding_the_upload_is_refused_until_it_is_done(tmp_path):
+    """`--role api` processes share the data directory: a chunk write in one process excludes the same
+    upload's chunk writes and publication in another (their bytes would interleave)."""
+    store = UploadStore(tmp_path, 10**6)
+    begin(store)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLD_A_CHUNK, str(tmp_path), CONFIG.decode(), OWNER],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "holding\n"
+        for attempt in (lambda: send(store, "config.json", CONFIG, 0), lambda: store.finish(OWNER, "m", facts)):
+            with pytest.raises(UploadError, match="busy") as err:
+                attempt()
+            assert err.value.status == 423
+        begin(store, OTHER)
+        send(store, "model.safetensors", WEIGHTS, 0, OTHER)  # another owner's upload of that name goes on
+    finally:
+        child.communicate("go\n", timeout=60)
+    assert child.returncode == 0
+    assert store.received(OWNER, "m") == {"config.json": len(CONFIG), "model.safetensors": 0}
+    send(store, "model.safetensors", WEIGHTS, 0)
+    assert store.finish(OWNER, "m", facts).size_bytes == len(CONFIG) + len(WEIGHTS)
 
 
 def test_a_partial_upload_abandoned_for_a_week_is_removed_at_start(tmp_path):

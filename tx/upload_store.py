@@ -6,6 +6,7 @@ Layout, per owner (the hash of an API key) and upload name:
     uploads/<owner>/.staging/<name>/model/<file>   the files as they arrive
     uploads/<owner>/<name>/upload.json             what the upload is (architecture, sizes, its id)
     uploads/<owner>/<name>/model-<id>/<file>       a complete, validated Hugging Face directory
+    uploads/<owner>/.locks/<name>                  the upload's lock file (`flock`), shared by every process
 
 An upload is written into `.staging`, one checked chunk at a time at the offset the store says it holds
 (the bytes past the last verified chunk are cut off first, so a dropped connection or a killed server
@@ -13,7 +14,10 @@ resumes at a chunk boundary), and becomes visible only by one rename of the whol
 after every file's sha256 and the caller's validation passed. So a partial upload is never listed or
 found, and a present `<name>/upload.json` means a whole upload. A partial upload no chunk reached for a
 week (`STALE_AFTER_S`) is removed when a server starts. Deletion renames the directory into
-`.trash` before removing it. Names never start with '.', so no upload can be called `.staging`. The
+`.trash` before removing it. Every operation on one upload holds its lock file (`flock`), so API processes
+sharing the data directory never interleave two requests' chunk writes, publication or deletion; a second
+request meanwhile is refused (423) and the client retries. Names never start with '.', so no upload can be
+called `.staging` or `.locks`. The
 model directory carries the upload's id, so an upload deleted and sent again under the same name is
 another directory: model serving keys loaded models by directory and never mistakes new weights for old.
 
@@ -23,6 +27,7 @@ where it enters, and by `contained` where the path is built. Leaf module: import
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -139,16 +144,23 @@ class UploadStore:
         model = self._staging(owner, name) / "model"
         return contained(model / check_name(file, "file name"), model)
 
+    def _lock_file(self, owner: str, name: str) -> Path:
+        locks = self._owner_dir(owner) / ".locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        return contained(locks / check_name(name, "upload name"), locks)
+
     @contextmanager
     def _exclusive(self, owner: str, name: str) -> Iterator[None]:
-        """One operation at a time per upload; a second one meanwhile is refused (the client retries)."""
+        """One operation at a time per upload, across every process on this data directory (`--role api`
+        processes share it); a second one meanwhile is refused with 423 (the client retries)."""
         key = (owner, name)
         with self._lock:
             if key in self._busy:
                 raise UploadError(423, f"upload {name!r} is busy with another request; retry")
             self._busy.add(key)
         try:
-            yield
+            with _flocked(self._lock_file(owner, name), name):
+                yield
         finally:
             with self._lock:
                 self._busy.discard(key)
@@ -321,6 +333,22 @@ class ChunkWriter:
         if not self.accepted:
             self._file.truncate(self.offset)
         self._file.close()
+
+
+@contextmanager
+def _flocked(path: Path, name: str) -> Iterator[None]:
+    """Hold an exclusive `flock` on `path`, or refuse at once if another process holds it. The lock files stay
+    (one per upload name, empty): unlinking one while it is held would let a third process lock a new file of
+    the same name."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UploadError(423, f"upload {name!r} is busy with another request; retry") from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _read_state(staging: Path) -> dict[str, Any]:
