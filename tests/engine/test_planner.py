@@ -72,3 +72,16 @@ def test_a_full_finetuning_run_never_shares_the_fused_batch() -> None:
     assert _ids_of(plan_round(lora_first, {"full"}).fused) == _ids_of(lora_first[:1])
     full_first = [_fb("full", 5), _fb("full", 5), _fb("a", 5)]
     assert _ids_of(plan_round(full_first, {"full"}).fused) == _ids_of(full_first[:2])
+
+
+def test_a_runs_later_items_and_a_full_runs_items_take_no_new_slot() -> None:
+    a1, a2, full = _fb("a", 5), _fb("a", 5), _optim("f")
+    plan = plan_round([a1, full, a2], {"f"}, RoundLimits(max_slots=1))
+    assert _ids_of(plan.fused) == _ids_of([a1, a2]) and _ids_of(plan.control) == _ids_of([full])
+
+
+def test_one_long_item_at_a_time_the_first_in_turn() -> None:
+    first, second = _fb("a", 100), _fb("b", 100)
+    assert plan_round([first, second], set(), RoundLimits(tokens=20)).long is first
+    in_progress = RoundLimits(tokens=20, busy=frozenset({"x"}))  # run x's long item: no other starts
+    assert plan_round([second], set(), in_progress).long is None
