@@ -72,8 +72,8 @@ def test_transformers_own_config_file():
         ({"shared_expert_intermediate_size": 8}, "not support for qwen3_moe: \\['shared_expert_intermediate_size'\\]"),
         ({"use_sliding_window": True}, "use_sliding_window=True"),
         ({"attention_bias": True}, "attention_bias=True"),
-        ({"mlp_only_layers": [1]}, "layers \\[1\\] dense"),
-        ({"decoder_sparse_step": 2}, "layers \\[0\\] dense"),
+        ({"mlp_only_layers": [0, 1]}, "no sparse layer"),
+        ({"decoder_sparse_step": 3}, "no sparse layer"),
         ({"num_experts_per_tok": 9}, "num_experts_per_tok must be in 1..num_experts \\(8\\)"),
     ],
 )
@@ -94,3 +94,10 @@ def test_sparse_layers_as_transformers_decides(step, dense):
     layers = Qwen3MoeForCausalLM(hf).model.layers
     want = tuple(i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts"))
     assert sparse_layers({"decoder_sparse_step": step, "mlp_only_layers": dense}, 6) == want
+
+
+def test_dense_layers_hold_the_dense_mlp_parts():
+    cfg = ModelConfig.from_hf({**HUB, "mlp_only_layers": [1]})
+    assert cfg.moe is not None and cfg.moe.sparse_layers == (0,) and cfg.dense_mlp_layers == (1,)
+    assert cfg.layers_holding("mlp", "down_proj") == (1,) and cfg.layers_holding("mlp", "experts") == (0,)
+    assert cfg.layers_holding("self_attn", "q_proj") == (0, 1)

@@ -45,7 +45,7 @@ class WeightsIO:
 
     def save_peft(self, dest: Path, bank: AdapterBank, slot: int, lora: LoraConfig) -> int:
         targets = lora_targets(lora) & bank.targets()  # the flags' names this model has
-        weights = bank.read_peft(slot, lora.rank, targets, self._layer_of)
+        weights = bank.read_peft(slot, lora.rank, targets, self.cfg.stacked_layer)
         config = peft.AdapterConfig(lora.rank, lora.alpha, tuple(sorted(targets)), self.base_model)
         peft.save_peft(dest, config, weights, fused_experts=self.cfg.family in FUSED_EXPERT_FAMILIES)
         return sum(f.stat().st_size for f in dest.iterdir() if f.is_file())
@@ -64,11 +64,7 @@ class WeightsIO:
     def load_peft(self, source: Path, bank: AdapterBank, slot: int) -> None:
         config, weights = peft.load_peft(source, fused_gate_up=self.cfg.family == "gpt_oss")
         weights = {text_module_name(name, self.cfg): pair for name, pair in weights.items()}
-        bank.write_peft(slot, config, weights, self._layer_of)
-
-    def _layer_of(self, path: tuple[str, ...], index: int) -> int:
-        """The model layer of entry `index` of a stacked sub-module (Qwen3.5's mixers skip layers)."""
-        return self.cfg.layers_holding(path[2])[index]
+        bank.write_peft(slot, config, weights, self.cfg.stacked_layer)
 
     def save_full(self, dest: Path, weights: dict, cfg: ModelConfig) -> int:
         return save_hf(weights, cfg, self.model_dir, dest)

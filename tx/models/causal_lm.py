@@ -7,14 +7,15 @@ segment ids (packed rows: attention stays inside a segment, positions restart) a
 slots explicitly; with a `KVCache`, a call's tokens occupy consecutive positions from `positions[:, 0]`:
 they attend to the cache's earlier positions and to each other, and their keys/values are written into
 the fixed-shape cache once, after the layer scan (prefill and decode are the same code path).
-Qwen3-MoE differs from Qwen3 only in its MLP, the routed `tx.models.moe.SparseMoeBlock` in every layer;
+Qwen3-MoE differs from Qwen3 only in its MLP, the routed `tx.models.moe.SparseMoeBlock` in every layer
+(or, with dense layers, `tx.models.mixed_mlp.MixedMLP`, still one layer body);
 gpt-oss too, and in its attention (biases, sinks, YaRN: `tx.models.layers.Attention`), whose sliding-window
 layers take their window as a per-layer value of the scan (`layer_windows`), so one layer body serves both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import jax
@@ -27,6 +28,7 @@ from tx.lora.params import LoRARows
 from tx.models.cache import KVCache, LayerCache
 from tx.models.config import ModelConfig
 from tx.models.layers import MLP, Attention, AttentionMask, RMSNorm
+from tx.models.mixed_mlp import MixedMLP, Placement
 from tx.models.moe import SparseMoeBlock
 from tx.models.rotary import rope_frequencies
 from tx.tuning import Tuning, for_backend
@@ -40,7 +42,12 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, stack)
         self.self_attn = Attention(cfg, lora, stack, tuning)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, stack)
-        self.mlp = SparseMoeBlock(cfg, lora, stack, tuning) if cfg.moe else MLP(cfg, lora, stack, tuning)
+        if cfg.dense_mlp_layers:  # Qwen3-MoE with dense layers: one `mlp` holding both kinds' stacks
+            self.mlp: MLP | SparseMoeBlock = MixedMLP(cfg, lora, tuning)
+        elif cfg.moe:
+            self.mlp = SparseMoeBlock(cfg, lora, stack, tuning)
+        else:
+            self.mlp = MLP(cfg, lora, stack, tuning)
 
     def __call__(
         self,
@@ -51,13 +58,16 @@ class DecoderLayer(nnx.Module):
         rows: LoRARows | None,
         cache: tuple[KVCache | LayerCache, jax.Array | int] | None,
         window: jax.Array | None = None,
+        mlp_at: tuple[jax.Array | bool, jax.Array | None] | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, jax.Array | None]:
         """Returns (x, cache part, the experts each token picked [B*T, k], None for a dense MLP).
         With `cache` = (a `KVCache`, this layer's index), read only: the cache part is this call's (k, v).
         With `cache` = (a `LayerCache`, this layer's index): writes this call's keys and values into the
         layer's buffers first, attends over them, and returns the updated buffers. Writing first makes the
         read depend on the write, so XLA updates the buffers in place (a read-then-write order made it copy
-        every layer's cache twice per decode step). `window`: this layer's sliding window (None: attends fully)."""
+        every layer's cache twice per decode step). `window`: this layer's sliding window (None: attends fully).
+        `mlp_at`: a `MixedMLP`'s (is this layer sparse, its rank among its kind; None when the MLP holds this
+        layer's weights alone)."""
         q, k, v = self.self_attn.project_qkv(self.input_layernorm(x), positions, inv_freq, rows)
         if cache is None:
             mask = AttentionMask(segments, segments, positions, positions)
@@ -78,7 +88,10 @@ class DecoderLayer(nnx.Module):
             x = x + self.self_attn.attend_cached(q, k, v, k_in, v_in, positions[:, 0], rows, window)
             new = (k, v)
         h = self.post_attention_layernorm(x)
-        if isinstance(self.mlp, SparseMoeBlock):
+        if isinstance(self.mlp, MixedMLP):
+            assert mlp_at is not None
+            out, picks = self.mlp.mix_at(h, rows, *mlp_at)
+        elif isinstance(self.mlp, SparseMoeBlock):
             out, picks = self.mlp.mix(h, rows)
         else:
             out, picks = self.mlp(h, rows), None
@@ -173,47 +186,54 @@ class CausalLM(nnx.Module):
         cache: CacheT | None = None,
         layers: Sequence[Mapping[tuple[str, ...], jax.Array]] | None = None,
     ) -> tuple[jax.Array, CacheT | None, jax.Array | None]:
-        """`hidden`, and for a MoE model the experts each token picked in each layer, [L, B*T, k] int16
-        (None for a dense model)."""
+        """`hidden`, and for a MoE model the experts each token picked in each sparse layer, [L_sparse, B*T, k]
+        int16 (None for a dense model)."""
         cfg = self.config
         inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         segments = jnp.ones_like(tokens) if segments is None else segments
         graphdef, stacked = nnx.split(self.model.layers)
         windows = layer_windows(cfg)
+        placement = Placement.of(cfg) if cfg.dense_mlp_layers else None
 
-        def run_layer(h: jax.Array, layer: jax.Array | int, layer_state: nnx.State) -> tuple:
+        def run_layer(h: jax.Array, layer: jax.Array | int, layer_state: nnx.State, mlp_at: tuple | None) -> tuple:
             read = None if cache is None else (cache, layer)
             window = None if windows is None else windows[layer]
-            return nnx.merge(graphdef, layer_state)(h, positions, segments, inv_freq, rows, read, window)
+            return nnx.merge(graphdef, layer_state)(h, positions, segments, inv_freq, rows, read, window, mlp_at)
 
         h = self.model.embed_tokens(tokens)
         if layers is not None:
             assert not isinstance(cache, KVCache), "per-layer weights take a LayerCache (KVCache.per_layer)"
             news, picks = [], []
-            for index, weights in enumerate(layers):
-                h, one, chosen = run_layer(h, index, layer_state(stacked, weights, index))
+            for index in range(len(layers)):
+                state, mlp_at = _unrolled_state(stacked, layers, index, placement)
+                h, one, chosen = run_layer(h, index, state, mlp_at)
                 news.append(one)
-                picks.append(chosen)
-            picked = None if picks[0] is None else jnp.stack(picks)
+                picks.extend([] if chosen is None else [chosen])
+            picked = jnp.stack(picks) if picks else None
             if cache is None:
                 return self.model.norm(h), None, picked
             # Each layer wrote its own buffer before reading it.
             written = LayerCache(tuple(n[0] for n in news), tuple(n[1] for n in news))
             return self.model.norm(h), written, picked  # type: ignore[return-value]
         assert not isinstance(cache, LayerCache), "a LayerCache needs per-layer weights"
+        xs, mlp_state = _scan_inputs(stacked, placement)
 
-        def body(carry: tuple, layer_state: nnx.State) -> tuple[tuple, tuple]:
+        def body(carry: tuple, x: tuple) -> tuple[tuple, tuple]:
             h, layer = carry
-            h, new, chosen = run_layer(h, layer, layer_state)
+            part, mlp_at = x
+            state = part if mlp_state is None else nnx.State({**part, "mlp": mlp_state})
+            h, new, chosen = run_layer(h, layer, state, mlp_at)
             return (h, layer + 1), (new, chosen)
 
         if self.remat:
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
         # Layers index the (loop-invariant) cache in place; the call's new keys/values come out stacked
         # [L, B, T, K, E] and are written once, after the scan.
-        (h, _), (new, picked) = jax.lax.scan(body, (h, jnp.int32(0)), stacked)
+        (h, _), (new, picked) = jax.lax.scan(body, (h, jnp.int32(0)), xs)
         if cache is not None and new is not None:
             cache = _write_cache(cache, new[0], new[1], positions)
+        if placement is not None:  # a dense layer's picks are placeholders
+            picked = picked[jnp.asarray(cfg.moe.sparse_layers if cfg.moe else ())]
         return self.model.norm(h), cache, picked
 
     def logits(self, h: jax.Array, rows: LoRARows | None = None) -> jax.Array:
@@ -301,15 +321,44 @@ def per_layer(weights: Mapping[tuple[str, ...], jax.Array]) -> tuple[Flat, list[
     return rest, [layers[i] for i in range(len(layers))]
 
 
-def layer_state(stacked: nnx.State, weights: Mapping[tuple[str, ...], jax.Array], index: int) -> nnx.State:
+def layer_state(
+    stacked: nnx.State,
+    weights: Mapping[tuple[str, ...], jax.Array],
+    index: int,
+    entry: Callable[[tuple[str, ...]], int] | None = None,
+) -> nnx.State:
     """Layer `index` of the stacked decoder state: its own base buffers from `weights`, its slice of the
-    stacked adapters (small)."""
+    stacked adapters (small): entry `index` of each, or `entry(path)` where stacks differ in what they hold."""
     items = []
     for path, var in nnx.to_flat_state(stacked):
         key = tuple(str(k) for k in path)
-        value = weights[key] if key in weights else var.get_value()[index]
+        value = weights[key] if key in weights else var.get_value()[index if entry is None else entry(key)]
         items.append((path, var.replace(value)))
     return nnx.from_flat_state(items)
+
+
+def _unrolled_state(
+    stacked: nnx.State, layers: Sequence[Mapping[tuple[str, ...], jax.Array]], index: int, placement: Placement | None
+) -> tuple[nnx.State, tuple[bool, None] | None]:
+    """Layer `index`'s state over the per-layer buffers, and a `MixedMLP`'s (kind, None): its MLP parts come
+    from the entry of the layer's rank among its kind (`Placement.entry`)."""
+    if placement is None:
+        return layer_state(stacked, layers[index], index), None
+    weights = {key: layers[placement.entry(key, index)][key] for key in layers[0]}
+    return layer_state(stacked, weights, index, lambda key: placement.entry(key, index)), (
+        placement.sparse[index],
+        None,
+    )
+
+
+def _scan_inputs(stacked: nnx.State, placement: Placement | None) -> tuple[tuple, nnx.State | None]:
+    """The layer scan's inputs (each layer's state slice, a `MixedMLP`'s (kind, rank) per layer) and the state
+    every step reads whole (a `MixedMLP`'s stacks, which hold other counts of layers than L)."""
+    if placement is None:
+        return (stacked, None), None
+    rest = nnx.State({k: v for k, v in stacked.items() if k != "mlp"})
+    kinds = (jnp.asarray(placement.sparse), jnp.asarray(placement.rank, jnp.int32))
+    return (rest, kinds), stacked["mlp"]
 
 
 def abstract_model(

@@ -94,6 +94,7 @@ class LinearAttention:
 
 MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "gpt_oss")
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe")  # DeltaNet + gated attention layers (`tx.models.qwen3_5`)
+DENSE_MLP_PARTS = ("gate_proj", "up_proj", "down_proj")  # a dense layer's MLP, directly under `mlp`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +180,8 @@ class ModelConfig:
             raise ValueError(f"a moe section goes with the {MOE_FAMILIES} families only, not {self.family!r}")
         if self.moe is not None and any(not 0 <= i < self.num_layers for i in self.moe.sparse_layers):
             raise ValueError(f"sparse layers {self.moe.sparse_layers} outside 0..{self.num_layers - 1}")
+        if self.dense_mlp_layers and self.family != "qwen3_moe":
+            raise ValueError(f"dense MLP layers go with qwen3_moe only, not {self.family!r}")
         if any(not 0 <= i < self.num_layers for i in self.sliding_layers) or (
             bool(self.sliding_layers) != (self.sliding_window > 0)
         ):
@@ -212,11 +215,25 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
-    def layers_holding(self, module: str) -> tuple[int, ...]:
+    @property
+    def dense_mlp_layers(self) -> tuple[int, ...]:
+        """The layers of a MoE model whose MLP is dense (Qwen3-MoE's `mlp_only_layers`, `decoder_sparse_step`)."""
+        return () if self.moe is None else tuple(i for i in range(self.num_layers) if i not in self.moe.sparse_layers)
+
+    def layers_holding(self, module: str, part: str = "") -> tuple[int, ...]:
         """The HF layer indices, in order, whose weights a stacked decoder sub-module holds: Qwen3.5's
-        `linear_attn` and `self_attn` are stacked over the layers of their own type only."""
+        `linear_attn` and `self_attn` are stacked over the layers of their own type only; in a MoE model
+        with dense layers `mlp`'s own projections (`part` gate_proj, up_proj, down_proj) over the dense
+        layers, its router and experts over the sparse ones."""
+        if module == "mlp" and self.moe is not None:
+            return self.dense_mlp_layers if part in DENSE_MLP_PARTS else self.moe.sparse_layers
         kind = {"linear_attn": "linear_attention", "self_attn": "full_attention"}.get(module)
         return tuple(i for i, t in enumerate(self.kinds) if kind is None or t == kind)
+
+    def stacked_layer(self, path: tuple[str, ...], index: int) -> int:
+        """The model layer that entry `index` of the stacked decoder weight or module at `path`
+        (`("model", "layers", "mlp", "experts", ...)`) belongs to."""
+        return self.layers_holding(*path[2:4])[index]
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

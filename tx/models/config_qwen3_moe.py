@@ -2,7 +2,8 @@
 accounted for.
 
 The attention and norms are Qwen3's (per-head q/k norms, no biases); the MLP of each sparse layer is the
-routed `MoE` block. Each field is read, required to hold the one value we implement, or ignored for a
+routed `MoE` block, that of each dense layer (`mlp_only_layers`, `decoder_sparse_step`) a SwiGLU MLP of
+width `intermediate_size`. Each field is read, required to hold the one value we implement, or ignored for a
 stated reason that leaves the logits unchanged; any other field is rejected by name, so a new variant
 fails loudly instead of running wrong. The hub's files name the expert count `num_experts`; transformers 5
 writes it as `num_local_experts` (its attribute map), so either is read.
@@ -69,11 +70,8 @@ def _check_values(hf: dict[str, Any]) -> None:
 
 def _moe(hf: dict[str, Any], layers: int) -> MoE:
     sparse = sparse_layers(hf, layers)
-    if len(sparse) != layers:  # every released Qwen3-MoE checkpoint is sparse throughout
-        raise ValueError(
-            f"mlp_only_layers / decoder_sparse_step make layers {sorted(set(range(layers)) - set(sparse))} dense; "
-            "SmolGym runs qwen3_moe with a sparse MLP in every layer only"
-        )
+    if not sparse:
+        raise ValueError("mlp_only_layers / decoder_sparse_step leave no sparse layer: that is a dense Qwen3")
     return MoE(
         experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 128),
         top_k=int(hf.get("num_experts_per_tok", 8)),

@@ -7,7 +7,8 @@ initialisation ever runs. Weights keep the checkpoint's layout ([out, in] for li
 Missing, unexpected or mis-shaped tensors raise an error naming the tensor. A family whose text model
 sits under another prefix (Qwen3.5's multimodal `model.language_model.*`) is read from there, its other
 towers (`model.visual.*`) and the multi-token-prediction head (`mtp.*`) skipped; a decoder sub-module
-stacked over only some layers (Qwen3.5's `linear_attn`, `self_attn`) takes layer i at its rank among them.
+stacked over only some layers (Qwen3.5's `linear_attn`, `self_attn`; Qwen3-MoE's experts and dense MLPs when
+some layers are dense) takes layer i at its rank among them.
 A mixture-of-experts block's per-expert tensors (`mlp.experts.{i}.gate_proj.weight`, the hub's layout and
 what transformers' `save_pretrained` writes) are stacked on the expert axis as they stream; transformers 5's
 fused in-memory form (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) is read too, split per expert.
@@ -129,9 +130,11 @@ def abstract_for(
 
 def _stack_index(cfg: ModelConfig, path: Path_, layer: int, key: str) -> int:
     """Layer `layer`'s index in the stacked weight at `path` (its rank among the layers holding it)."""
-    holding = cfg.layers_holding(path[2])
+    holding = cfg.layers_holding(*path[2:4])
     if layer not in holding:
-        raise ValueError(f"unexpected tensor {key!r}: layer {layer} has no {path[2]} (of {cfg.num_layers} layers)")
+        raise ValueError(
+            f"unexpected tensor {key!r}: layer {layer} has no {'.'.join(path[2:4])} (of {cfg.num_layers} layers)"
+        )
     return holding.index(layer)
 
 
@@ -261,7 +264,7 @@ def check_complete(expected: dict, whole: set[Path_], layers_seen: dict, cfg: Mo
     for path, var in expected.items():
         stacked = path[:2] == ("model", "layers")
         experts = range(var.shape[1]) if _has_experts(var) else [None]
-        want = [(layer, e) for layer in cfg.layers_holding(path[2]) for e in experts] if stacked else [(None, None)]
+        want = [(layer, e) for layer in cfg.layers_holding(*path[2:4]) for e in experts] if stacked else [(None, None)]
         seen = layers_seen.get(path, set()) if stacked else {(None, None)} if path in whole else set()
         missing = [w for w in want if w not in seen]
         if missing:
@@ -304,9 +307,9 @@ def _hf_tensors(path: Path_, host: np.ndarray, cfg: ModelConfig) -> Iterator[tup
         yield path_to_hf_key(path, None, prefix), host
         return
     if path[2].isdigit():  # one layer's own buffer
-        path, layers, host = (*path[:2], *path[3:]), [cfg.layers_holding(path[3])[int(path[2])]], host[None]
+        path, layers, host = (*path[:2], *path[3:]), [cfg.layers_holding(*path[3:5])[int(path[2])]], host[None]
     else:
-        layers = list(cfg.layers_holding(path[2]))
+        layers = list(cfg.layers_holding(*path[2:4]))
     experts = "experts" in path  # routed expert weights: [L, X, out, in]
     for index, layer in enumerate(layers):
         if experts and cfg.family == "gpt_oss":
