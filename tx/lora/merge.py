@@ -11,12 +11,17 @@ when the adapter targets `lm_head` the merged model is untied: `lm_head.weight` 
 (embedding plus delta, next to `model.embed_tokens.weight`) and `tie_word_embeddings` is set to false
 in the written config.json. (PEFT's own `merge_and_unload` instead adds the delta to the shared
 matrix, which changes the input embeddings too.) The output directory appears atomically.
+
+Mixture-of-experts adapters name one module per expert; a checkpoint that stores each layer's experts fused
+(transformers 5's layout, gpt-oss's) gets each expert's delta in its slice of the fused tensor, and a gpt-oss
+base in MXFP4 is written with its experts dequantized (`tx.lora.merge_experts`; its `quantization_config`
+dropped from config.json), since the merged weights are no longer MXFP4 values.
 """
 
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +29,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from tx.lora.merge_experts import Dequantizer, FusedDeltas
 from tx.lora.peft import AdapterConfig, atomic_dir, lora_delta
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -45,31 +51,46 @@ def merge_to_hf(
     config: AdapterConfig,
     weights: Mapping[str, tuple[np.ndarray, np.ndarray]],
     dtype: DTypeLike = None,
+    dequantizer: Dequantizer | None = None,
 ) -> None:
     """Write the base model at `base_dir` with the adapter merged in to `out_dir` (replaced atomically).
 
     `dtype` ("float32", "float16", "bfloat16" or a numpy dtype) casts every floating tensor; default keeps each
-    tensor's own dtype.
+    tensor's own dtype (bfloat16 for dequantized experts). `dequantizer`: the base's quantized expert format.
     """
     base = Path(base_dir)
     out_dtype = _resolve_dtype(dtype)
     shards = _shard_files(base)
     names = {name: shard for shard in shards for name in _tensor_names(base / shard)}
+    quantized = {n for n in names if dequantizer is not None and dequantizer.is_quantized(n)}
     weights, embed = _as_stored(weights, names)
+    weights, fused = FusedDeltas.split(weights, _float_names(names, quantized), _model_type(base) == "gpt_oss")
     _check_modules(weights, names, embed)
     targets_lm_head = "lm_head" in weights
     add_lm_head = targets_lm_head and LM_HEAD not in names
+    reader = _Reader(base, names, quantized, dequantizer)
     with atomic_dir(out_dir) as tmp:
         weight_map: dict[str, str] = {}
         sizes: dict[str, tuple[int, int]] = {}
         for shard in shards:
-            written = _merge_shard(base / shard, tmp / shard, config, weights, out_dtype, add_lm_head, embed)
+            merge = _ShardMerge(config, weights, fused, out_dtype, embed if add_lm_head else None)
+            written = merge.write(reader.tensors(shard), tmp / shard, reader.metadata(shard))
             weight_map.update({name: shard for name in written})
             sizes.update(written)
         if (base / INDEX_NAME).exists():
             _write_index(base / INDEX_NAME, tmp, weight_map, sizes)
         _copy_side_files(base, tmp)
-        _write_config(base, tmp, untie=targets_lm_head, dtype=out_dtype)
+        _write_config(base, tmp, untie=targets_lm_head, dtype=out_dtype, dequantized=bool(quantized))
+
+
+def _float_names(names: Mapping[str, str], quantized: set[str]) -> set[str]:
+    """The tensor names the merged checkpoint will hold: a quantized pair as its one float tensor."""
+    return {n.rsplit("_", 1)[0] if n in quantized else n for n in names}
+
+
+def _model_type(base: Path) -> str:
+    config = json.loads((base / "config.json").read_text()) if (base / "config.json").is_file() else {}
+    return str(config.get("model_type", ""))
 
 
 def _resolve_dtype(dtype: DTypeLike) -> np.dtype[Any] | None:
@@ -122,27 +143,66 @@ def _check_modules(weights: Mapping[str, Pair], names: Mapping[str, str], embed:
         raise ValueError(f"the base checkpoint has no tensors {missing} for the adapter's modules")
 
 
-def _merge_shard(
-    src: Path,
-    dst: Path,
-    config: AdapterConfig,
-    weights: Mapping[str, tuple[np.ndarray, np.ndarray]],
-    dtype: np.dtype[Any] | None,
-    add_lm_head: bool,
-    embed: str,
-) -> dict[str, tuple[int, int]]:
-    """Merge one shard into `dst`; returns (bytes, elements) of each tensor written (lm_head too when untying)."""
-    out: dict[str, np.ndarray] = {}
-    with safe_open(str(src), framework="numpy") as f:
-        metadata = f.metadata() or {}
-        for name in f.keys():
-            tensor = f.get_tensor(name)
-            out[name] = _merged(tensor, weights.get(name.removesuffix(".weight")), config, dtype)
-            if add_lm_head and name == embed:
-                out[LM_HEAD] = _merged(tensor, weights["lm_head"], config, dtype)
-    # transformers refuses safetensors files whose metadata lacks a known "format".
-    save_file(out, str(dst), metadata={**metadata, "format": metadata.get("format", "pt")})
-    return {name: (tensor.nbytes, tensor.size) for name, tensor in out.items()}
+class _Reader:
+    """The base's tensors shard by shard; a quantized pair (its halves maybe in two shards) as its float tensor,
+    yielded where its first half is stored."""
+
+    def __init__(self, base: Path, names: Mapping[str, str], quantized: set[str], dequantizer: Dequantizer | None):
+        self.base, self.names, self.quantized, self.dequantizer = base, names, quantized, dequantizer
+
+    def metadata(self, shard: str) -> dict[str, str]:
+        with safe_open(str(self.base / shard), framework="numpy") as f:
+            return dict(f.metadata() or {})
+
+    def tensors(self, shard: str) -> Iterator[tuple[str, np.ndarray]]:
+        with safe_open(str(self.base / shard), framework="numpy") as f:
+            for name in f.keys():
+                if name not in self.quantized:
+                    yield name, f.get_tensor(name)
+                    continue
+                assert self.dequantizer is not None
+                partner = self.dequantizer.partner(name)
+                if partner not in self.names:
+                    raise ValueError(f"quantized tensor {name!r} has no {partner!r} in the base checkpoint")
+                if (self.names[partner], partner) < (shard, name):
+                    continue  # written with its partner
+                yield self.dequantizer.dequantize(name, f.get_tensor(name), self._read(partner))
+
+    def _read(self, name: str) -> np.ndarray:
+        with safe_open(str(self.base / self.names[name]), framework="numpy") as f:
+            return f.get_tensor(name)
+
+
+class _ShardMerge:
+    """One shard's tensors with the adapter merged in. `untie_from`: the embedding that `lm_head` is written
+    from (a tied model whose adapter targets lm_head), else None."""
+
+    def __init__(
+        self,
+        config: AdapterConfig,
+        weights: Mapping[str, Pair],
+        fused: FusedDeltas,
+        dtype: np.dtype[Any] | None,
+        untie_from: str | None,
+    ) -> None:
+        self.config, self.weights, self.fused, self.dtype, self.untie_from = config, weights, fused, dtype, untie_from
+
+    def write(self, tensors: Iterator[tuple[str, np.ndarray]], dst: Path, metadata: dict[str, str]) -> dict:
+        """Merge and write to `dst`; returns (bytes, elements) of each tensor written (lm_head too when untying)."""
+        out: dict[str, np.ndarray] = {}
+        for name, tensor in tensors:
+            out[name] = self._one(name, tensor)
+            if name == self.untie_from:
+                out[LM_HEAD] = _merged(tensor, self.weights["lm_head"], self.config, self.dtype)
+        # transformers refuses safetensors files whose metadata lacks a known "format".
+        save_file(out, str(dst), metadata={**metadata, "format": metadata.get("format", "pt")})
+        return {name: (tensor.nbytes, tensor.size) for name, tensor in out.items()}
+
+    def _one(self, name: str, tensor: np.ndarray) -> np.ndarray:
+        experts = self.fused.merged(name, tensor, self.config)
+        if experts is not None:
+            return experts.astype(self.dtype or tensor.dtype)
+        return _merged(tensor, self.weights.get(name.removesuffix(".weight")), self.config, self.dtype)
 
 
 def _merged(
@@ -176,8 +236,10 @@ def _copy_side_files(base: Path, tmp: Path) -> None:
             shutil.copy2(file, tmp / file.name)
 
 
-def _write_config(base: Path, tmp: Path, untie: bool, dtype: np.dtype[Any] | None) -> None:
+def _write_config(base: Path, tmp: Path, untie: bool, dtype: np.dtype[Any] | None, dequantized: bool = False) -> None:
     config = json.loads((base / "config.json").read_text())
+    if dequantized:
+        config.pop("quantization_config", None)
     # Multimodal-style configs repeat these fields in text_config; keep both views consistent.
     nested = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     if untie:

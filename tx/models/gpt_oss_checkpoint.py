@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+import ml_dtypes
 import numpy as np
 
 FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
@@ -132,3 +133,21 @@ def fused(key: str, stacked: np.ndarray) -> tuple[str, np.ndarray]:
     if kind == "bias":
         return base + "_bias", stacked
     return base, np.ascontiguousarray(stacked.transpose(0, 2, 1))
+
+
+class MXFP4Experts:
+    """`tx.lora.merge_experts.Dequantizer` for gpt-oss's MXFP4 experts: a blocks and scales pair as the fused
+    float tensor transformers stores unquantized ([X, in, out]), in bfloat16, which holds every MXFP4 value
+    exactly."""
+
+    def is_quantized(self, name: str) -> bool:
+        return is_quantized(name)
+
+    def partner(self, name: str) -> str:
+        base = name[: -len("_blocks")]
+        return base + ("_scales" if name.endswith("_blocks") else "_blocks")
+
+    def dequantize(self, name: str, tensor: np.ndarray, partner: np.ndarray) -> tuple[str, np.ndarray]:
+        blocks, scales = (tensor, partner) if name.endswith("_blocks") else (partner, tensor)
+        weight = dequantize_mxfp4(np.asarray(blocks), np.asarray(scales)).transpose(0, 2, 1)  # [X, in, out]
+        return name[: -len("_blocks")], np.ascontiguousarray(weight.astype(ml_dtypes.bfloat16))
