@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from tx.engine import train_step as ts
+from tx.gather import to_host
 from tx.lora import adapters
 from tx.lora.params import LoRAParam
 from tx.lora.peft import AdapterConfig, AdapterWeights
@@ -155,9 +156,7 @@ class AdapterBank:
         return host
 
     def _host_copy(self, info: SlotInfo) -> HostSnapshot:
-        arrays = {
-            p: np.asarray(jax.device_get(jnp.take(v, info.slot, axis=v.ndim - 3))) for p, v in self._arrays.items()
-        }
+        arrays = {p: to_host(jnp.take(v, info.slot, axis=v.ndim - 3)) for p, v in self._arrays.items()}
         return HostSnapshot(info, arrays, self.scale[info.slot].copy())
 
     def _trim_snapshots(self) -> None:

@@ -3,7 +3,8 @@
 Layout of a `save_state` directory: `run.json` (adapter shape, step, base model) and `state/`, an orbax
 checkpoint of {"params", "opt_state"}. Orbax writes to a temporary directory and renames it when the
 save is complete, and `run.json` is written last through its own rename, so a crash mid-save never
-leaves a directory that looks like a whole checkpoint.
+leaves a directory that looks like a whole checkpoint. Over several processes (`tx.engine.multihost`)
+orbax writes each process's shards into the one shared directory.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from tx.gather import barrier, is_writer
 from tx.protocol import LoraConfig
 
 META = "run.json"
@@ -32,13 +34,18 @@ def _unkeyed(named: dict[str, Any]) -> dict[tuple[str, ...], Any]:
 
 
 def save(dest: Path, params: dict, opt_state: Any, step: int, lora: LoraConfig | None, base_model: str) -> int:
-    """Write the checkpoint; returns its size in bytes."""
-    if (dest / META).exists():
+    """Write the checkpoint; returns its size in bytes. Over several processes every one calls this (orbax
+    writes each process's shards), into a directory they all reach; process 0 alone clears an old
+    checkpoint first and writes `run.json` last (0 bytes is returned elsewhere)."""
+    if is_writer() and (dest / META).exists():
         shutil.rmtree(dest)
+    barrier(f"checkpoint cleared: {dest}")
     dest.mkdir(parents=True, exist_ok=True)
     tree = {"params": _keyed(params), "opt_state": opt_state}
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(dest / "state", tree, force=True)
+    if not is_writer():
+        return 0
     meta = {"step": step, "base_model": base_model, "lora": dataclasses.asdict(lora) if lora else None}
     tmp = dest / f".{META}.tmp"
     tmp.write_text(json.dumps(meta))

@@ -40,6 +40,7 @@ from tx.engine.sampler_rows import (
     warm_bucket,
 )
 from tx.engine.sampling import StopChecker, resolve_seed, sample_seeds
+from tx.gather import to_host
 from tx.lora.select import Selection, select
 from tx.models.cache import decode_cache
 from tx.models.config import ModelConfig
@@ -343,7 +344,7 @@ class Sampler:
         rows = decode_rows(self._rows, self._cache.length)
         adapters = self._adapters(row_slots(self._rows))
         self._cache, tokens_BC, logprobs_BC = self.programs.decode(self.get_state(), adapters, self._cache, rows)
-        tokens_BC, logprobs_BC = np.asarray(tokens_BC), np.asarray(logprobs_BC)
+        tokens_BC, logprobs_BC = to_host(tokens_BC), to_host(logprobs_BC)
         out: list[Outcome] = []
         for index, row in enumerate(self._rows):
             if row is None:

@@ -17,6 +17,7 @@ import numpy as np
 from tx.engine.batching import bucket_size
 from tx.engine.decode_steps import DecodeRows, PrefillBatch, PromptScores
 from tx.engine.sampling import StopChecker
+from tx.gather import to_host
 from tx.protocol import SampledSequence, SampleRequest, SampleResult
 
 TopK = list[tuple[int, float]]
@@ -151,7 +152,7 @@ def copy_sources(table: Sequence[Row | None], new_rows: Sequence[Row], piece_of:
 
 def prompt_results(jobs: Sequence[Job], scores: PromptScores) -> None:
     """Fill in the prompt logprobs of the jobs that asked: entry j scores prompt[j]; entry 0 is None."""
-    logprobs, ids, top = (np.asarray(x) for x in (scores.logprobs, scores.topk_ids, scores.topk_logprobs))
+    logprobs, ids, top = (to_host(x) for x in (scores.logprobs, scores.topk_ids, scores.topk_logprobs))
     for i, job in enumerate(jobs):
         if not job.wants_prompt_scores():
             continue

@@ -33,6 +33,7 @@ from tx.engine.train_batch import (
     plan_rows,
     scatter_outputs,
 )
+from tx.gather import to_host, tree_to_host
 from tx.lora.params import LoRAParam
 from tx.lora.select import select, take_adapters
 from tx.lora.slots import targets_from_flags
@@ -195,7 +196,7 @@ class Trainer:
         and give its slot back to the bank's table."""
         run = self.runs[run_id]
         self.await_warm_up()
-        params, grads, opt_state = jax.device_get((self.run_params(run), run.grads, run.opt_state))
+        params, grads, opt_state = tree_to_host((self.run_params(run), run.grads, run.opt_state))
         host = self.bank.host[run_id] = HostRun(params, grads, opt_state)
         self.bank.clear(run.slot)
         self.bank.slots.free(run_id)
@@ -289,9 +290,9 @@ class Trainer:
             present = {work_of[d][0] for d in datums}
             needs_grad = {work_of[d][0] for d in datums if not work_of[d][1].forward_only}
             out = self._execute(inputs, present, needs_grad)
-            scatter_outputs(batch, np.asarray(out.target_logprobs), np.asarray(out.token_loss), outputs)
+            scatter_outputs(batch, to_host(out.target_logprobs), to_host(out.token_loss), outputs)
             if out.expert_picks is not None and self.config.moe is not None:
-                gather_expert_load(batch, np.asarray(out.expert_picks), self.config.moe.experts, outputs)
+                gather_expert_load(batch, to_host(out.expert_picks), self.config.moe.experts, outputs)
             yield
 
     def _execute(self, inputs: ts.TrainBatch, present: set[str], needs_grad: set[str]) -> ts.StepOutputs:

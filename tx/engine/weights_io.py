@@ -3,7 +3,8 @@ memory check. Adapter slots are read and written through the model's `AdapterBan
 
 PEFT module names are the text model's (`model.layers.N.<module>`, what `AutoModelForCausalLM` builds from
 either Qwen3.5 checkpoint class), numbered by model layer; adapters named for the multimodal class
-(`model.language_model.layers.N...`) load too."""
+(`model.language_model.layers.N...`) load too. Over several processes every process gathers an export's
+arrays and process 0 alone writes the files."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from jax.sharding import Mesh
 
 from tx.engine.bank import AdapterBank
 from tx.engine.trainer import Trainer, lora_targets
+from tx.gather import is_writer
 from tx.lora import peft
 from tx.lora.targets import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
 from tx.models.causal_lm import decode_layout
@@ -45,7 +47,9 @@ class WeightsIO:
 
     def save_peft(self, dest: Path, bank: AdapterBank, slot: int, lora: LoraConfig) -> int:
         targets = lora_targets(lora) & bank.targets()  # the flags' names this model has
-        weights = bank.read_peft(slot, lora.rank, targets, self.cfg.stacked_layer)
+        weights = bank.read_peft(slot, lora.rank, targets, self.cfg.stacked_layer)  # gathered on every process
+        if not is_writer():
+            return 0
         config = peft.AdapterConfig(lora.rank, lora.alpha, tuple(sorted(targets)), self.base_model)
         peft.save_peft(dest, config, weights, fused_experts=self.cfg.family in FUSED_EXPERT_FAMILIES)
         return sum(f.stat().st_size for f in dest.iterdir() if f.is_file())

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tx.gather import to_host
 from tx.lora.params import LoRAParam
 from tx.lora.peft import AdapterConfig, AdapterWeights
 from tx.lora.select import slot_slice
@@ -165,8 +166,8 @@ def read_slot(
             continue
         a_var, b_var = flat[module.a], flat[module.b]
         _check_slot(slot, a_var, module.slot_axis, writing=False)
-        a = np.asarray(jax.device_get(slot_slice(a_var.get_value(), slot, rank, a=True)), np.float32)
-        b = np.asarray(jax.device_get(slot_slice(b_var.get_value(), slot, rank, a=False)), np.float32)
+        a = to_host(slot_slice(a_var.get_value(), slot, rank, a=True)).astype(np.float32)
+        b = to_host(slot_slice(b_var.get_value(), slot, rank, a=False)).astype(np.float32)
         a, b = module.entries(a), module.entries(b)
         for i, name in enumerate(module.hf_names(layer_of)):
             weights[name] = (np.ascontiguousarray(a[i]), np.ascontiguousarray(b[i]))

@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+from tx.gather import is_writer, to_host
 from tx.lora.layers import LoRASpec
 from tx.lora.params import LoRAParam
 from tx.models import gpt_oss_checkpoint
@@ -194,17 +195,28 @@ def _stream_weights(
             continue
         path, index, seen = placed
         var = expected[path]
-        host = np.asarray(array).astype(var.dtype)
         if not index:
-            values[path] = jax.device_put(host, shardings[path])
+            values[path] = own_shards(array, var.dtype, shardings[path])
             continue
         if path not in values:
             values[path] = _allocate(var.shape, var.dtype, shardings[path])
-        values[path] = _set_at(values[path], jnp.asarray(index, jnp.int32), host)
+        value = own_shards(array, var.dtype, _inner_sharding(shardings[path], len(index)))
+        values[path] = _set_at(values[path], np.asarray(index, np.int32), value)
         layers_seen.setdefault(path, set()).add(seen)
     bar.close()
     check_complete(expected, set(values), layers_seen, cfg)
     return values
+
+
+def own_shards(array: np.ndarray, dtype: jnp.dtype, sharding: NamedSharding) -> jax.Array:
+    """A checkpoint tensor (memory-mapped) as a device array placed by `sharding`, each process reading and
+    casting only the slices its own devices hold: on several hosts no process materialises the others' shards."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: np.asarray(array[index]).astype(dtype))
+
+
+def _inner_sharding(stacked: NamedSharding, lead: int) -> NamedSharding:
+    """The sharding of one entry of a stacked weight: the stacked weight's, less its `lead` leading axes."""
+    return NamedSharding(stacked.mesh, PartitionSpec(*tuple(stacked.spec)[lead:]))
 
 
 def check_weight_dtype(key: str, file: str, dtype: np.dtype) -> None:
@@ -277,21 +289,24 @@ def save_hf(params: dict[Path_, jax.Array], cfg: ModelConfig, source_dir: Path, 
 
     Config, generation config and tokenizer files are copied from `source_dir`; the weights go to one
     `model.safetensors`. Written into a temporary directory and renamed, so it appears whole or not at all.
-    Returns the bytes written.
+    Returns the bytes written. Over several processes each gathers the weights and process 0 writes (the others
+    return 0).
     """
     import shutil
 
     from safetensors.numpy import save_file
 
+    tensors = _skipped_tensors(source_dir, cfg)  # towers we do not run are written back unchanged
+    for path, value in params.items():
+        tensors.update(_hf_tensors(path, to_host(value), cfg))  # gathered on every process
+    if not is_writer():
+        return 0
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for f in source_dir.iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and not f.name.endswith(".index.json"):
             shutil.copy2(f, tmp / f.name)
-    tensors = _skipped_tensors(source_dir, cfg)  # towers we do not run are written back unchanged
-    for path, value in params.items():
-        tensors.update(_hf_tensors(path, np.asarray(jax.device_get(value)), cfg))
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
