@@ -11,6 +11,7 @@ import pytest
 
 from tx.api import __main__ as cli
 from tx.engine.build import resolve_dtype
+from tx.engine.multihost import Cluster
 from tx.tuning import for_backend
 
 
@@ -82,3 +83,32 @@ def test_mesh_sizes_reach_the_engine_config(capsys: pytest.CaptureFixture[str]) 
         with pytest.raises(SystemExit):
             cli.parse_args([flag, "0"])
         assert f"{flag} must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--num-processes", "2", "--process-id", "1"], "need --coordinator"),
+        (["--coordinator", "hostonly", "--num-processes", "2", "--process-id", "0"], "HOST:PORT or auto"),
+        (["--coordinator", "h:1", "--num-processes", "2"], "needs --num-processes and --process-id"),
+        (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"], "--process-id must be in [0, 2)"),
+        (["--coordinator", "h:1", "--num-processes", "0", "--process-id", "0"], "--num-processes must be >= 1"),
+        (["--coordinator", "auto", "--follower-timeout", "0"], "--follower-timeout must be > 0"),
+    ],
+)
+def test_cluster_flags_are_checked_at_start(argv: list[str], names: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--base-model", "m", *argv])
+    assert names in capsys.readouterr().err
+
+
+def test_cluster_flags_from_the_environment(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    for name, value in (("COORDINATOR", "10.0.0.1:5000"), ("NUM_PROCESSES", "4"), ("PROCESS_ID", "3")):
+        monkeypatch.setenv(f"SMOLGYM_{name}", value)
+    args = cli.parse_args(["--base-model", "m"])
+    assert (args.coordinator, args.num_processes, args.process_id) == ("10.0.0.1:5000", 4, 3)
+    assert cli.cluster_of(args) == Cluster("10.0.0.1:5000", 4, 3)
+    for refused, why in ((["--base-model", "m", "--role", "api"], "--role api runs no engine"), ([], "--base-model")):
+        with pytest.raises(SystemExit):
+            cli.parse_args(refused)
+        assert why in capsys.readouterr().err

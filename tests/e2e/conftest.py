@@ -44,6 +44,8 @@ def start_server(
     data_dir: Path,
     database_url: str | None = None,
     max_lora_adapters: int = 16,
+    fsdp_size: int = 1,
+    tensor_parallel_size: int = 1,
 ) -> tuple[str, callable]:
     """Runs are never evicted and most e2e tests leave theirs loaded: the shared server needs a slot per
     run of the whole session (the old-SDK client alone leaves two), plus room for sampler snapshots.
@@ -58,8 +60,9 @@ def start_server(
     db = open_database(database_url, data_dir)
     db.queue.recover()
     runner, info = build_runner(
-        EngineConfig(base_model=str(model_dir), data_dir=data_dir,
-            adapters=AdapterConfig(max_lora_adapters, 16), sampler=SamplerConfig(max_rows=16, max_seq_len=256))
+        EngineConfig(base_model=str(model_dir), data_dir=data_dir, fsdp_size=fsdp_size,
+            tensor_parallel_size=tensor_parallel_size, adapters=AdapterConfig(max_lora_adapters, 16),
+            sampler=SamplerConfig(max_rows=16, max_seq_len=256))
     )  # fmt: skip
     engine = Engine(db.queue, runner)
     engine.start()

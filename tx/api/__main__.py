@@ -29,6 +29,16 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from tx.api.app import create_app
+from tx.api.cluster import (
+    NO_LOADS,
+    add_cluster_args,
+    check_cluster_args,
+    cluster_of,
+    join,
+    pin_hash_seed,
+    run_follower,
+    watch_followers,
+)
 from tx.api.context import DEFAULT_MAX_UPLOAD_GB, Settings
 from tx.api.models import ModelCatalog, ModelRules, default_allow
 from tx.api.paths import checkpoints_root
@@ -161,7 +171,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"largest base model one `python -m tx.upload` may send, in GB (default {DEFAULT_MAX_UPLOAD_GB:g})",
     )
     p.add_argument("--log-level", default="info", help="logging level (default info)")
+    add_cluster_args(p)
     args = p.parse_args(argv)
+    check_cluster_args(p, args)
     for flag in ("tensor_parallel_size", "fsdp_size", "expert_parallel_size"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -227,7 +239,8 @@ def build_pool(args: argparse.Namespace) -> ModelPool:
         return build_runner(dataclasses.replace(config, base_model=name), model_dir)
 
     budget = int(args.memory_budget_gb * 1e9) if args.memory_budget_gb else default_budget_bytes()
-    return ModelPool(build, lambda model_dir: estimate_bytes(model_dir, args.dtype), budget)
+    no_loads = NO_LOADS if args.coordinator else ""
+    return ModelPool(build, lambda model_dir: estimate_bytes(model_dir, args.dtype), budget, no_loads=no_loads)
 
 
 def build_catalog(args: argparse.Namespace, pool: ModelPool | None, uploads: UploadStore | None = None) -> ModelCatalog:
@@ -239,6 +252,7 @@ def build_catalog(args: argparse.Namespace, pool: ModelPool | None, uploads: Upl
     rules = ModelRules(allow, args.max_seq_len, args.max_lora_rank, args.max_lora_adapters)
     hooks = (uploads.find_upload, uploads.list_uploads) if uploads is not None else (None, None)
     catalog = ModelCatalog(rules, pool.loaded if pool is not None else dict, *hooks)
+    catalog.only_preloaded = NO_LOADS if args.coordinator else ""
     try:
         for name in args.base_model:
             model_dir = Path(catalog.preload(name).model_dir)
@@ -282,14 +296,20 @@ def recover(db: Database, data_dir: Path) -> None:
 
 
 def start_engine(
-    args: argparse.Namespace, db: Database, uploads: UploadStore
+    args: argparse.Namespace, db: Database, uploads: UploadStore, leader: Any = None
 ) -> tuple[Engine, ModelPool, ModelCatalog]:
+    """`leader`: the plan channel to the follower processes (`tx.api.cluster.join`), or None on one."""
     from tx.engine.loop import Engine  # JAX loads with the engine, never in an API-only process
+    from tx.engine.multihost import LeaderRunner
 
     recover(db, Path(args.data_dir))
     pool = build_pool(args)
+    engines: list[Engine] = []  # filled below: a follower lost while the models load fails nothing
+    if leader is not None:
+        watch_followers(args, leader, db, lambda: engines[0].in_flight() if engines else [])
     catalog = build_catalog(args, pool, uploads)
-    engine = Engine(db.queue, pool)
+    engine = Engine(db.queue, LeaderRunner(pool, leader) if leader is not None else pool)
+    engines.append(engine)
     engine.start()
     return engine, pool, catalog
 
@@ -316,6 +336,13 @@ def wait_for_signal() -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     _configure_logging(args.log_level)
+    cluster = cluster_of(args)
+    if cluster is not None and argv is None:
+        pin_hash_seed()
+    leads, channel = join(args, cluster) if cluster is not None else (True, None)
+    if not leads:
+        run_follower(args, channel)
+        return
     api_keys = load_api_keys(args.api_key, args.api_keys_file)
     db = open_database(args.database_url, args.data_dir, session_timeout_s=args.session_timeout)
     settings = Settings(data_dir=Path(args.data_dir), api_keys=api_keys, max_upload_bytes=int(args.max_upload_gb * GB))
@@ -325,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.role == "api":
             serve(args, settings, db, build_catalog(args, None, uploads), uploads)
             return
-        engine, pool, catalog = start_engine(args, db, uploads)
+        engine, pool, catalog = start_engine(args, db, uploads, channel)
         if args.role == "engine":
             wait_for_signal()
         else:
@@ -333,6 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if engine is not None and pool is not None:
             engine.stop()
+            getattr(engine.runner, "close", lambda: None)()
             pool.close()
         db.close()
 

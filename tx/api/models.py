@@ -70,6 +70,7 @@ class ModelCatalog:
         self._known: dict[tuple[str | None, str], ServedModel] = {}
         self._lock = threading.Lock()
         self.fixed = False
+        self.only_preloaded = ""  # why no other model may be named (an engine over several processes), or ""
 
     @classmethod
     def single(cls, info: ModelInfo) -> ModelCatalog:
@@ -101,9 +102,10 @@ class ModelCatalog:
             known = self._known.get(key)
         if known is not None:
             return known
-        if self.fixed:
+        if self.fixed or self.only_preloaded:
             served = ", ".join(repr(n) for n in self.preloaded)
-            raise ValidationError(f"unknown base_model {name!r}; this server serves {served}")
+            why = f" ({self.only_preloaded})" if self.only_preloaded else ""
+            raise ValidationError(f"unknown base_model {name!r}; this server serves {served}{why}")
         if not is_upload and not self._allowed(name):
             raise HTTPException(
                 403, detail=f"base_model {name!r} is not allowed on this server (--allow-models {self._allow_text()})"

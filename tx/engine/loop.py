@@ -121,6 +121,10 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
+    def in_flight(self) -> list[str]:
+        """The future ids claimed and not yet finished (safe to call from another thread)."""
+        return list(self._inflight)
+
     def _run(self) -> None:
         log.info("engine loop started")
         while not self._stop.is_set():

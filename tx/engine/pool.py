@@ -91,8 +91,11 @@ class ModelPool:
         estimate: Callable[[Path], int],
         budget_bytes: int,
         locate: Callable[[str], Path] = locate_model,
+        no_loads: str = "",
     ) -> None:
+        """`no_loads`: why models may not load on demand (an engine over several processes), or ""."""
         self._build, self._estimate, self.budget_bytes, self._locate = build, estimate, budget_bytes, locate
+        self.no_loads = no_loads
         self.models: dict[str, PoolModel] = {}
         self._loaded: dict[str, ModelInfo] = {}  # replaced, never mutated: other threads read it (capabilities)
         self.names: dict[str, str] = {}  # model key -> the name it was first asked for by
@@ -180,6 +183,11 @@ class ModelPool:
 
     def _start_loads(self) -> None:
         for key in [k for k in self.waiting if k not in self.loading and k not in self.fetching]:
+            if self.no_loads:
+                self._fail_waiting(
+                    key, RequestError(f"model {self.names[key]!r} is not loaded: {self.no_loads}", "user")
+                )
+                continue
             directory = self._directory(key)
             if directory is None:
                 log.info("fetching %s for %d waiting requests", self.names[key], len(self.waiting[key]))
