@@ -22,6 +22,7 @@ import numpy as np
 from tx.engine.bank import HostSnapshot
 from tx.engine.sampler import Sampler
 from tx.engine.trainer import Flat
+from tx.gather import tree_to_host
 from tx.protocol import RequestError
 
 SamplerFactory = Callable[[Callable[[], Flat]], Sampler]
@@ -36,7 +37,7 @@ class HostWeights:
 
     @classmethod
     def of(cls, weights: Flat) -> HostWeights:
-        return cls(jax.device_get(weights), {p: w.sharding for p, w in weights.items()})
+        return cls(tree_to_host(weights), {p: w.sharding for p, w in weights.items()})
 
     def on_device(self) -> Flat:
         return {p: jax.device_put(a, self.shardings[p]) for p, a in self.arrays.items()}
