@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from test_qwen3_moe import decisive_qwen3_moe
 
 from tx.lora import adapters, peft
 from tx.lora.layers import LoRASpec
@@ -38,14 +39,7 @@ FORMS = {
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """A tiny Qwen3-MoE checkpoint whose routers pick experts decisively."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    ref = Qwen3MoeForCausalLM(Qwen3MoeConfig(**HF)).eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 1.0)
+    ref = decisive_qwen3_moe(HF)
     path = tmp_path_factory.mktemp("qwen3_moe_lora")
     ref.save_pretrained(path / "base")
     return path

@@ -14,7 +14,7 @@ from conftest import GPT_OSS
 from flax import nnx
 from safetensors import safe_open
 from test_gpt_oss_mxfp4 import quantized_copy
-from test_qwen3_moe import HF, fused, rewritten
+from test_qwen3_moe import HF, decisive_qwen3_moe, fused, rewritten
 
 from tx import merge
 from tx.lora import adapters, peft
@@ -86,14 +86,9 @@ def test_gpt_oss_adapter_merges_into_its_mxfp4_base_dequantized(tmp_path):
 def test_qwen3_moe_adapter_merges_into_a_fused_expert_base(tmp_path):
     """A base in transformers 5's fused layout (gate_up_proj [X, 2F, D], gate rows first): each expert's gate,
     up and down deltas land in their slices."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
-    torch.manual_seed(0)
-    ref = Qwen3MoeForCausalLM(Qwen3MoeConfig(**HF)).eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 1.0)
+    ref = decisive_qwen3_moe(HF)
     ref.save_pretrained(tmp_path / "hub")
     base = rewritten(tmp_path / "hub", tmp_path / "base", fused)
     model = adapted(base, False, tmp_path / "adapter")

@@ -44,20 +44,27 @@ FORMS = {
 }
 
 
+def decisive_qwen3_moe(hf: dict, perturb_norms: bool = False) -> torch.nn.Module:
+    """A seeded random transformers Qwen3-MoE (eval, fp32) whose routers pick distinct experts decisively
+    (router weights ~ N(0, 1)); `perturb_norms` moves the norms off 1 so that a misplaced norm shows up."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    ref = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf)).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if perturb_norms and "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+    return ref
+
+
 @pytest.fixture(scope="module")
 def hf_moe(tmp_path_factory):
     """(checkpoint dir, torch model): routers scaled up so that tokens pick distinct experts decisively,
     norms perturbed so that a misplaced norm shows up."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    ref = Qwen3MoeForCausalLM(Qwen3MoeConfig(**HF)).eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 1.0)
+    ref = decisive_qwen3_moe(HF, perturb_norms=True)
     path = tmp_path_factory.mktemp("qwen3_moe")
     ref.save_pretrained(path)
     return path, ref

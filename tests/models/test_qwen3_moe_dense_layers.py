@@ -14,6 +14,7 @@ import pytest
 import torch
 from flax import nnx
 from safetensors.numpy import load_file
+from test_qwen3_moe import decisive_qwen3_moe
 
 from tx.lora import adapters, peft
 from tx.lora.layers import LoRASpec
@@ -40,14 +41,7 @@ RAGGED = dataclasses.replace(CPU, moe_dense_max_experts=0)
 @pytest.fixture(scope="module")
 def hf_dense(tmp_path_factory):
     """(checkpoint dir, torch model): routers that pick experts decisively."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    ref = Qwen3MoeForCausalLM(Qwen3MoeConfig(**HF)).eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 1.0)
+    ref = decisive_qwen3_moe(HF)
     path = tmp_path_factory.mktemp("qwen3_moe_dense")
     ref.save_pretrained(path)
     return path, ref
