@@ -8,7 +8,7 @@ per script) on stdout; exits 1 if any script failed.
 
     python benchmarks/run_all.py                         # full sizes -> benchmarks/results/run_all.md
     python benchmarks/run_all.py --quick --out /tmp/r.md # every script at its CI smoke size
-    python benchmarks/run_all.py --only rl_loop api_overhead
+    python benchmarks/run_all.py --only rl_loop host_overhead
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "api_submit": ([], ["--requests", "20", "--kb", "16"]),
     "rl_loop": ([], ["--quick"]),
     "tenants": ([], ["--quick"]),
-    "api_overhead": ([], ["--quick"]),
+    "host_overhead": ([], ["--quick"]),  # runs api_overhead.py against its own server (its "sdk" cases)
     "load": ([], ["--quick"]),
 }
 

@@ -10,18 +10,21 @@ throughput does not depend on their values.
 
 from __future__ import annotations
 
+import json
 import math
 import resource
 import sys
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tx.engine.train_step import flat
 from tx.lora.layers import LoRASpec
 from tx.models.config import ModelConfig
-from tx.models.weights import abstract_for
+from tx.models.weights import abstract_for, save_hf
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -80,15 +83,31 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def model_config(shape: str, dtype: str = "float32") -> ModelConfig:
+def hf_config(shape: str) -> dict[str, Any]:
+    """The `config.json` of a shape, as a Hugging Face checkpoint of its family would carry it."""
     common = {"tie_word_embeddings": True, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6}
     if shape.startswith("qwen3.5"):
         rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
         hf = {**SHAPES[shape], **common, "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text"}
         hf.update(linear_conv_kernel_dim=4, rope_parameters=rope, full_attention_interval=4)
-        return ModelConfig.from_hf(hf, dtype=dtype)
-    hf = {**SHAPES[shape], **common, "architectures": ["Qwen3ForCausalLM"], "rope_theta": 1e6}
-    return ModelConfig.from_hf(hf, dtype=dtype)
+        return hf
+    return {**SHAPES[shape], **common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rope_theta": 1e6}
+
+
+def model_config(shape: str, dtype: str = "float32") -> ModelConfig:
+    return ModelConfig.from_hf(hf_config(shape), dtype=dtype)
+
+
+def write_checkpoint(shape: str, out_dir: Path) -> Path:
+    """A random-weight float32 Hugging Face directory of `shape` (config.json + model.safetensors, no
+    tokenizer), for benchmarks that load a model the way the server does (`tx.engine.build_runner`)."""
+    source = out_dir.with_name(f"{out_dir.name}.config")
+    source.mkdir(parents=True, exist_ok=True)
+    (source / "config.json").write_text(json.dumps(hf_config(shape)))
+    cfg = model_config(shape)
+    _, state = random_state(cfg)
+    save_hf(flat(state), cfg, source, out_dir)
+    return out_dir
 
 
 def random_state(cfg: ModelConfig, lora: LoRASpec | None = None, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
