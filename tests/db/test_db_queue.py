@@ -242,6 +242,33 @@ def test_metrics_and_last_request_time_are_recorded_for_the_run(db: Database) ->
     assert db.records.get_run(run.id, OWNER).last_request_at > created_at  # type: ignore[union-attr,operator]
 
 
+def test_one_finish_many_records_every_outcome_and_its_linked_rows(db: Database) -> None:
+    """A step's completions land in one call: each future done or failed, runs ready, a saved checkpoint sized,
+    a failed save's checkpoint gone, metrics kept, and a run created then unloaded in one call left unloaded."""
+    runs = [TrainingRunRow(id=f"m{i}:train:0", session_id=f"m{i}", owner=OWNER, base_model="b") for i in range(3)]
+    made = [db.queue.submit(kind="create_model", payload=CreateModelRequest("b", LoraConfig(4)), owner=OWNER,
+                            model_id=run.id, rows=[run]).future_id for run in runs]  # fmt: skip
+    saves = [CheckpointRow(run_id=runs[0].id, checkpoint_id=f"weights/{n}", checkpoint_type="training", owner=OWNER,
+                           tinker_path=f"tinker://m0/{n}", directory=f"/tmp/{n}") for n in "ab"]  # fmt: skip
+    saved = [db.queue.submit(kind="save_state", payload=SaveStateRequest(c.checkpoint_id, c.directory, c.tinker_path),
+                             owner=OWNER, model_id=runs[0].id, rows=[c]).future_id for c in saves]  # fmt: skip
+    step = db.queue.submit(kind="optim_step", payload=OptimStepRequest(AdamParams()), owner=OWNER, model_id=runs[0].id)
+    unload = db.queue.submit(kind="unload_model", payload=UnloadModelRequest(), owner=OWNER, model_id=runs[2].id)
+    db.queue.claim(20)
+    db.queue.finish_many([
+        (made[0], CreateModelResult(runs[0].id)), (made[1], RequestError("no slot", "user")),
+        (made[2], CreateModelResult(runs[2].id)), (saved[0], CheckpointResult(path="p", size_bytes=7)),
+        (saved[1], RequestError("disk full", "server")), (step.future_id, OptimStepResult({"grad_norm:mean": 0.5})),
+        (unload.future_id, UnloadResult(runs[2].id)), ("987654", CreateModelResult("nobody")),
+    ])  # fmt: skip
+    statuses = {f: db.queue.get(f).status for f in [*made, *saved, step.future_id, unload.future_id]}  # type: ignore[union-attr]
+    assert list(statuses.values()) == ["done", "failed", "done", "done", "failed", "done", "done"]
+    assert [db.records.get_run(run.id, OWNER).status for run in runs] == ["ready", "failed", "unloaded"]  # type: ignore[union-attr]
+    assert db.records.get_checkpoint(runs[0].id, "weights/a", OWNER).size_bytes == 7  # type: ignore[union-attr]
+    assert db.records.get_checkpoint(runs[0].id, "weights/b", OWNER, ready=False) is None
+    assert {(m.kind, m.value) for m in db.records.latest_metrics(runs[0].id)} == {("optim_step", 0.5)}
+
+
 def test_recover_fails_unfinished_work(db: Database) -> None:
     running, pending = _submit(db, 1), _submit(db, 2)
     db.queue.claim(1)
