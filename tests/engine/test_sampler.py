@@ -322,6 +322,18 @@ def test_prompt_cache_within_its_byte_budget_keeps_the_most_recent_prompt(qwen):
     assert prefills(PROMPTS[2]) == 0 and prefills(PROMPTS[3]) == 1
 
 
+def test_prompts_prefilled_together_are_kept_apart(qwen):
+    """Each prompt of one admission is kept as its own prefill row: sampled again from the cache, each gives the
+    greedy continuation of its own prompt."""
+    sampler = Sampler(qwen.graphdef, lambda: qwen.weights, qwen.cfg, CFG, (), char_decode,
+                      FixedAdapters(lambda: qwen.scale, lambda: "v1"), qwen.sampler.programs)  # fmt: skip
+    prompts = {"b": PROMPTS[2], "c": PROMPTS[3]}
+    for _ in range(2):
+        results, _ = run(sampler, {k: (make_req(p, 4, temperature=0.0), 0) for k, p in prompts.items()})
+        assert {k: tokens_of(r) for k, r in results.items()} == {k: [qwen.hf_greedy(p, 4)] for k, p in prompts.items()}
+    assert sampler.prefill_count == 2 and sampler._prompt_cache.hits == 2
+
+
 def test_more_samples_than_rows(qwen):
     sampler = qwen.sampler
     before = sampler.prefill_count

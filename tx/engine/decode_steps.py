@@ -80,6 +80,9 @@ class DecodePrograms:
         self.insert = jax.jit(self._insert, donate_argnames="cache")
         self.resize = jax.jit(self._resize, static_argnames="length")
         self.clear = jax.jit(self._clear, donate_argnames="cache")
+        # One program per prompt kept for reuse (the row index traced): slicing eagerly dispatched two slices
+        # per prompt and compiled them again for every row index (8 prompts of `small`: 8.3 -> 5.4 ms of host).
+        self.head = jax.jit(self._head, static_argnames="length")
 
     def _decode(
         self, state: Weights, adapters: Selection | None, cache: Cache, rows: DecodeRows
@@ -143,6 +146,10 @@ class DecodePrograms:
         """Decode rows `index` [B'] of `cache`, cut or zero-padded to `length` positions."""
         self.compile_count += 1
         return cache.take(index, length)
+
+    def _head(self, fresh: Fresh, row: jax.Array, *, length: int) -> Fresh:
+        """Prefill row `row` of `fresh`, its first `length` positions (what the prompt cache keeps)."""
+        return fresh.head(row, length)
 
     def _clear(self, cache: Cache, new: jax.Array) -> Cache:
         """Rows `new` [B] (bool) start from an empty state (only stateful caches hold any)."""

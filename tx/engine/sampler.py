@@ -324,7 +324,7 @@ class Sampler:
         self.prefill_count += len(pieces)
         for key, index in keys.items():  # keep each prompt's own length bucket of its rows
             length = bucket_size(len(pieces[index].req.prompt) - 1, self.cfg.length_buckets)
-            self._prompt_cache.put(key, fresh.head(index, length))
+            self._prompt_cache.put(key, self.programs.head(fresh, index, length=length))
         if scores is not None:
             prompt_results(pieces, scores)
 

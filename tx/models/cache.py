@@ -94,8 +94,9 @@ class KVCache:
         copy = _per_layer(lambda dst, src: copy_rows(dst, src, source, 1))
         return KVCache(copy(self.k, fresh.k), copy(self.v, fresh.v))
 
-    def head(self, row: int, length: int) -> KVCache:
-        return KVCache(self.k[:, row : row + 1, :length], self.v[:, row : row + 1, :length])
+    def head(self, row: int | jax.Array, length: int) -> KVCache:
+        """Row `row` (a traced index too) of the first `length` positions, [L, 1, length, K, E] each."""
+        return KVCache(*(jax.lax.dynamic_slice_in_dim(x, row, 1, axis=1)[:, :, :length] for x in (self.k, self.v)))
 
     def clear(self, new: jax.Array) -> KVCache:
         return self
@@ -173,8 +174,8 @@ class LinearState:
     def insert(self, fresh: LinearState, source: jax.Array) -> LinearState:
         return jax.tree.map(_per_layer(lambda dst, src: copy_rows(dst, src, source, None)), self, fresh)
 
-    def head(self, row: int) -> LinearState:
-        return jax.tree.map(lambda x: x[:, row : row + 1], self)
+    def head(self, row: int | jax.Array) -> LinearState:
+        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=1), self)
 
     def clear(self, new: jax.Array) -> LinearState:
         """Zero the rows where `new` [B] is true."""
@@ -215,7 +216,7 @@ class HybridCache:
     def insert(self, fresh: HybridCache, source: jax.Array) -> HybridCache:
         return HybridCache(self.full.insert(fresh.full, source), self.linear.insert(fresh.linear, source))
 
-    def head(self, row: int, length: int) -> HybridCache:
+    def head(self, row: int | jax.Array, length: int) -> HybridCache:
         return HybridCache(self.full.head(row, length), self.linear.head(row))
 
     def clear(self, new: jax.Array) -> HybridCache:
