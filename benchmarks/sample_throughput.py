@@ -35,7 +35,7 @@ import numpy as np
 from tx.engine.sampler import Sampler, SamplerConfig
 from tx.engine.train_step import flat
 from tx.lora.layers import LoRASpec
-from tx.lora.params import slot_scale
+from tx.lora.params import AdapterRoles, slot_scale
 from tx.models.causal_lm import decode_layout
 from tx.models.config import ModelConfig
 from tx.protocol import SampleRequest, SamplingParams
@@ -53,8 +53,8 @@ class FixedAdapters:
     """The sampler's view of an adapter bank that never changes (unversioned: no prompt cache, so every
     round prefills, as a fresh prompt does)."""
 
-    def __init__(self, scale: np.ndarray) -> None:
-        self.scale = scale
+    def __init__(self, scale: np.ndarray, roles: AdapterRoles) -> None:
+        self.scale, self.roles = scale, roles
 
     def weights_version(self) -> None:
         return None
@@ -75,8 +75,9 @@ def make_sampler(cfg: ModelConfig, lora: bool, max_rows: int, max_seq_len: int, 
         max_prefill_tokens=max(max_rows * max_prompt, 8192),
         layer_cache=tuning.per_layer_decode,
     )
-    weights = decode_layout(flat(state), tuning)
-    adapters = FixedAdapters(scale) if lora else None
+    roles = AdapterRoles.of(state)
+    weights = decode_layout(flat(state), tuning, adapters=roles)
+    adapters = FixedAdapters(scale, roles) if lora else None
     return Sampler(graphdef, lambda: weights, cfg, sampler_cfg, [], lambda ids: "", adapters)
 
 

@@ -160,7 +160,7 @@ def unload(runner: Any, runs: int) -> None:
     while not runner.idle():
         runner.step()
     for info in [info for info in runner.slots if info.kind == "sampler"]:  # the runs' snapshots go too
-        runner.bank.clear(runner.slots.free(info.owner).slot)
+        runner.bank.clear(runner.bank.release(info.owner).slot)
     runner.bank.host_snapshots.clear()
 
 

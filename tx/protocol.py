@@ -56,7 +56,7 @@ class ModelInfo:
     vocab_size: int
     max_seq_len: int
     tokenizer_id: str
-    max_lora_rank: int = 32
+    max_lora_rank: int = 128
     max_lora_adapters: int = 8
     loss_names: tuple[str, ...] = LOSS_NAMES
     arch: str = ""

@@ -8,11 +8,14 @@ from collections.abc import Callable, Hashable
 
 import numpy as np
 
+from tx.lora.params import AdapterRoles
+
 
 @dataclasses.dataclass
 class FixedAdapters:
     get_scale: Callable[[], np.ndarray]  # read at every call, so a test may swap the table
     version: Callable[[], Hashable] | None = None  # None: unversioned (no prompt reuse across admissions)
+    roles: AdapterRoles = dataclasses.field(kw_only=True)  # the weights' LoRA factors, by variable type
 
     @property
     def scale(self) -> np.ndarray:

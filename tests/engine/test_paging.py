@@ -151,7 +151,7 @@ def test_snapshots_always_get_a_slot_and_come_back_from_host_memory(runner: JaxR
     _unload(runner, "r0", "r1", "r2")
     runner.bank.host_snapshots.clear()
     for info in list(runner.slots):
-        runner.bank.clear(runner.slots.free(info.owner).slot)
+        runner.bank.clear(runner.bank.release(info.owner).slot)
 
 
 def test_max_runs_is_refused_by_name(runner: JaxRunner) -> None:

@@ -7,6 +7,7 @@ model is shared by most tests so each shape compiles once; tests read counters a
 
 import dataclasses
 import functools
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 import jax
@@ -22,7 +23,7 @@ from tx.engine.decode_steps import DecodeRows
 from tx.engine.sampler import Sampler, SamplerConfig, plan_admission
 from tx.engine.train_step import flat
 from tx.lora.layers import LoRASpec
-from tx.lora.params import LoRAParam, LoRARows, slot_scale
+from tx.lora.params import AdapterRoles, LoRAParam, LoRARows, slot_scale
 from tx.models.causal_lm import LayerCache, decode_layout, split_layers
 from tx.models.weights import load_model
 from tx.protocol import RequestError, SampleRequest, SampleResult, SamplingParams
@@ -53,10 +54,11 @@ class Setup:
             self._randomise_adapter()
             one = slot_scale(4, 8.0, 4)
             self.scale = jnp.stack([jnp.zeros_like(one), one, one])
+        self.roles = AdapterRoles.of(nnx.state(self.model, LoRAParam))
         self.graphdef, self.state = nnx.split(self.model)
         # The engine's form: decoder weights split into per-layer buffers (the stacked `state` is the
         # reference the teacher-forced checks run on).
-        self.weights = split_layers(flat(self.state))
+        self.weights = split_layers(flat(self.state), self.roles)
         # EOS is a token that greedy decoding of PROMPTS[0] reaches (tests not about EOS switch it off).
         greedy = self.hf_greedy(PROMPTS[0], 16)
         self.eos_index = first_new_index(greedy, 2)
@@ -73,6 +75,10 @@ class Setup:
 
         nnx.update(self.model, jax.tree.map(fill, lora))
 
+    def fixed(self, version: Callable[[], Hashable] | None = None) -> FixedAdapters:
+        """This model's adapters as a bank would show them to the sampler: the scale table, by type."""
+        return FixedAdapters(lambda: self.scale, version, roles=self.roles)
+
     def new_sampler(self, eos: tuple[int, ...] = ()) -> Sampler:
         scale = self.scale
         return Sampler(
@@ -82,7 +88,7 @@ class Setup:
             CFG,
             eos,
             char_decode,
-            None if scale is None else FixedAdapters(lambda: scale),
+            None if scale is None else FixedAdapters(lambda: scale, roles=self.roles),
         )
 
     def logprobs(self, tokens: list[int], slot: int = 0) -> np.ndarray:
@@ -283,7 +289,8 @@ def test_prompt_cache_reuses_a_prefill_until_the_weights_change(qwen):
     def sampler_over(version: bool) -> Sampler:
         return Sampler(
             qwen.graphdef, lambda: qwen.weights, qwen.cfg, CFG, (), char_decode,
-            FixedAdapters(lambda: scale[0], (lambda: np.asarray(scale[0]).tobytes()) if version else None),
+            FixedAdapters(lambda: scale[0], (lambda: np.asarray(scale[0]).tobytes()) if version else None,
+                          roles=qwen.roles),
             qwen.sampler.programs,
         )  # fmt: skip
 
@@ -310,7 +317,7 @@ def test_prompt_cache_within_its_byte_budget_keeps_the_most_recent_prompt(qwen):
     one_prompt = 2 * L * CFG.length_buckets[0] * K * E * 4  # keys and values of a prompt in the 32 bucket, fp32
     cfg = dataclasses.replace(CFG, prompt_cache_bytes=one_prompt)
     sampler = Sampler(qwen.graphdef, lambda: qwen.weights, qwen.cfg, cfg, (), char_decode,
-                      FixedAdapters(lambda: qwen.scale, lambda: "v1"), qwen.sampler.programs)  # fmt: skip
+                      qwen.fixed(lambda: "v1"), qwen.sampler.programs)  # fmt: skip
 
     def prefills(prompt: list[int]) -> int:
         before = sampler.prefill_count
@@ -438,7 +445,7 @@ def test_stacked_weights_sample_like_split_ones(qwen):
     """The scanned program over stacked weights and the unrolled one over per-layer buffers (another
     attention form, another cache layout) give the same tokens and logprobs for a mixed batch."""
     stacked = Sampler(
-        qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, FixedAdapters(lambda: qwen.scale)
+        qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, qwen.fixed()
     )  # fmt: skip
 
     def workload() -> dict:
@@ -459,17 +466,17 @@ def test_stacked_weights_sample_like_split_ones(qwen):
 
 def test_split_layers_gives_each_layer_its_slice(qwen):
     weights = flat(qwen.state)
-    split = split_layers(weights)
+    split = split_layers(weights, qwen.roles)
     layers = qwen.cfg.num_layers
     for path, value in weights.items():
-        if path[:2] == ("model", "layers") and path[-1] not in ("lora_a", "lora_b"):
+        if path[:2] == ("model", "layers") and path not in qwen.roles:
             assert path not in split
             for i in range(layers):
                 np.testing.assert_array_equal(np.asarray(split[(*path[:2], str(i), *path[2:])]), np.asarray(value[i]))
         else:  # adapters and the rest stay as they are
             np.testing.assert_array_equal(np.asarray(split[path]), np.asarray(value))
     assert len(split) == len(weights) + (layers - 1) * sum(
-        1 for p in weights if p[:2] == ("model", "layers") and p[-1] not in ("lora_a", "lora_b")
+        1 for p in weights if p[:2] == ("model", "layers") and p not in qwen.roles
     )
 
 
@@ -514,9 +521,7 @@ def test_a_split_burst_takes_the_next_compiled_bucket(qwen):
     """Two requests admitted after a round of four decode in the four-row shapes already compiled (as
     the first part of a client's burst would) instead of compiling two-row ones, with the same tokens as
     a sampler that decodes them at two rows; a lone request that only shrinks the batch still moves down."""
-    fresh = Sampler(
-        qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, FixedAdapters(lambda: qwen.scale)
-    )
+    fresh = Sampler(qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, qwen.fixed())
     four = {f"r{i}": (make_req(PROMPTS[i % 4], 6, temperature=1.0, seed=30 + i), 0) for i in range(4)}
     run(fresh, four)
     compiled = fresh.compile_count
@@ -529,8 +534,6 @@ def test_a_split_burst_takes_the_next_compiled_bucket(qwen):
     while not fresh.idle():
         results.update(fresh.step())
     assert fresh.compile_count == compiled
-    alone = Sampler(
-        qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, FixedAdapters(lambda: qwen.scale)
-    )
+    alone = Sampler(qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, qwen.fixed())
     expected, _ = run(alone, two)
     assert {k: tokens_of(v) for k, v in results.items()} == {k: tokens_of(v) for k, v in expected.items()}

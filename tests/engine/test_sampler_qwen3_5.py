@@ -20,7 +20,7 @@ from flax import nnx
 from tx.engine.sampler import Sampler, SamplerConfig
 from tx.engine.train_step import flat
 from tx.lora.layers import LoRASpec
-from tx.lora.params import LoRAParam, LoRARows, slot_scale
+from tx.lora.params import AdapterRoles, LoRAParam, LoRARows, slot_scale
 from tx.models.cache import HybridCache
 from tx.models.causal_lm import decode_layout
 from tx.models.weights import load_model
@@ -41,13 +41,14 @@ class Setup:
         nnx.update(self.model, jax.tree.map(lambda x: 0.3 * jax.random.normal(next(keys), x.shape), lora))
         one = slot_scale(4, 8.0, 4)
         self.scale = jnp.stack([jnp.zeros_like(one), one])
+        roles = AdapterRoles.of(lora)
         self.graphdef, self.state = nnx.split(self.model)
         # The engine's CPU form: base weights split into per-layer buffers, layers unrolled over them (the
         # stacked form is checked against transformers in tests/models/test_qwen3_5.py).
-        weights = decode_layout(flat(self.state), CPU)
+        weights = decode_layout(flat(self.state), CPU, adapters=roles)
         self.sampler = Sampler(
             self.graphdef, lambda: weights, self.cfg, CFG, (), lambda ids: "",
-            FixedAdapters(lambda: self.scale, lambda: 0),
+            FixedAdapters(lambda: self.scale, lambda: 0, roles=roles),
         )  # fmt: skip
 
     def logprobs(self, tokens: list[int], slot: int = 0) -> np.ndarray:

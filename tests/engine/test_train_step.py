@@ -8,6 +8,10 @@ import pytest
 import torch
 
 from tx.engine import train_step as ts
+from tx.lora.params import AdapterRoles
+
+M_ROLES = AdapterRoles(frozenset({("m", "lora_a")}), frozenset({("m", "lora_b")}))
+Q_ROLES = AdapterRoles(frozenset({("q", "lora_a")}), frozenset({("q", "lora_b")}))
 
 
 def donated(jitted, *args) -> list[list[bool]]:  # type: ignore[no-untyped-def]
@@ -21,10 +25,10 @@ def test_each_program_donates_exactly_the_buffers_it_replaces() -> None:
     (on an accelerator a donated gradient is freed before the next run reads it)."""
     acc = {("m", "lora_a"): jnp.zeros((3, 2)), ("m", "lora_b"): jnp.zeros((2, 5))}
     grads = {("m", "lora_a"): jnp.ones((4, 3, 2)), ("m", "lora_b"): jnp.ones((4, 2, 5))}
-    slot, ranks = jnp.int32(1), ((("m", "lora_a"), 2), (("m", "lora_b"), 2))
-    assert donated(ts.accumulate_slot, acc, grads, slot, ranks) == [[True, True], [False, False], [False]]
+    slot = jnp.int32(1)
+    assert donated(ts.accumulate_slot, acc, grads, slot, M_ROLES) == [[True, True], [False, False], [False]]
     assert donated(ts.accumulate_full, acc, acc) == [[True, True], [False, False]]
-    assert donated(ts.write_slot_params, grads, slot, acc) == [[True, True], [False], [False, False]]
+    assert donated(ts.write_slot_params, grads, slot, acc, M_ROLES) == [[True, True], [False], [False, False]]
     params = {("w",): jnp.ones((3,))}
     _, opt_state = ts.fresh_state(params)
     hp = {k: jnp.float32(0.1) for k in ("learning_rate", "b1", "b2", "eps", "weight_decay", "grad_clip_norm")}
@@ -69,12 +73,12 @@ def test_a_runs_slot_slice_is_read_written_and_accumulated_at_its_rank() -> None
              b_path: jnp.asarray(rng.normal(size=(3, 4, 2)), jnp.float32)}  # fmt: skip
     like = {a_path: jnp.zeros((4, 2)), b_path: jnp.zeros((2, 2))}
     slot = jnp.int32(1)
-    read = ts.read_slot_params(stack, slot, like)
+    read = ts.read_slot_params(stack, slot, like, Q_ROLES)
     np.testing.assert_array_equal(read[a_path], np.asarray(stack[a_path])[1, :, :2])
     np.testing.assert_array_equal(read[b_path], np.asarray(stack[b_path])[1, :2, :])
     before = {p: np.asarray(v) for p, v in stack.items()}
     new = {a_path: jnp.full((4, 2), 7.0), b_path: jnp.full((2, 2), 9.0)}
-    written = ts.write_slot_params(stack, slot, new)
+    written = ts.write_slot_params(stack, slot, new, Q_ROLES)
     a, b = np.asarray(written[a_path]), np.asarray(written[b_path])
     assert (a[1, :, :2] == 7).all() and (a[1, :, 2:] == 0).all() and (b[1, :2] == 9).all() and (b[1, 2:] == 0).all()
     for other in (0, 2):  # other slots untouched
@@ -83,7 +87,7 @@ def test_a_runs_slot_slice_is_read_written_and_accumulated_at_its_rank() -> None
     grads = {a_path: jnp.asarray(rng.normal(size=(2, 4, 4)), jnp.float32),
              b_path: jnp.asarray(rng.normal(size=(2, 4, 2)), jnp.float32)}  # fmt: skip
     acc = {a_path: jnp.ones((4, 2)), b_path: jnp.ones((2, 2))}
-    out = ts.accumulate_slot(acc, grads, jnp.int32(1), ((a_path, 2), (b_path, 2)))
+    out = ts.accumulate_slot(acc, grads, jnp.int32(1), Q_ROLES)
     np.testing.assert_allclose(out[a_path], 1 + np.asarray(grads[a_path])[1, :, :2], rtol=1e-6)
     np.testing.assert_allclose(out[b_path], 1 + np.asarray(grads[b_path])[1, :2, :], rtol=1e-6)
     full = ts.accumulate_full({a_path: jnp.ones((4, 2))}, {a_path: jnp.full((4, 2), 2.0, jnp.bfloat16)})

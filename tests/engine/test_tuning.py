@@ -17,7 +17,7 @@ from tx.engine.sampler import Sampler, SamplerConfig
 from tx.engine.train_step import flat
 from tx.engine.trainer import Trainer
 from tx.lora.layers import LoRASpec
-from tx.lora.params import LoRAParam, slot_scale
+from tx.lora.params import AdapterRoles, LoRAParam, slot_scale
 from tx.models.causal_lm import KVCache, LayerCache, decode_layout
 from tx.models.weights import load_model
 from tx.protocol import Datum, ForwardBackwardRequest, LoraConfig, SampleRequest, SamplingParams
@@ -47,14 +47,15 @@ class Tuned:
         keys = iter(jax.random.split(jax.random.key(0), 64))
         nnx.update(model, jax.tree.map(lambda x: x.at[..., SLOT, :, :].set(0.3 * _normal(next(keys), x)), lora))
         self.model = model
+        self.roles = AdapterRoles.of(lora)
         self.graphdef, self.state = nnx.split(model)
-        self.weights = decode_layout(flat(self.state), tuning)
+        self.weights = decode_layout(flat(self.state), tuning, adapters=self.roles)
         one = np.asarray(slot_scale(4, 8.0, 4))
         self.scale = np.stack([np.zeros_like(one), one, one])
         sampler_cfg = dataclasses.replace(CFG, layer_cache=tuning.per_layer_decode)
         self.sampler = Sampler(
             self.graphdef, lambda: self.weights, self.cfg, sampler_cfg, (), lambda ids: "",
-            FixedAdapters(lambda: self.scale),
+            FixedAdapters(lambda: self.scale, roles=self.roles),
         )  # fmt: skip
 
 
@@ -73,10 +74,10 @@ def test_plain_layout_reads_the_trainers_buffers(pair):
     """No doubled weight memory: the plain tuning's sampler reads the very arrays it is given."""
     cpu, gpu = pair
     weights = flat(gpu.state)
-    plain = decode_layout(weights, GPU)
+    plain = decode_layout(weights, GPU, adapters=gpu.roles)
     assert plain.keys() == weights.keys() and all(plain[p] is weights[p] for p in weights)
-    split = decode_layout(weights, CPU)
-    layer_weights = [p for p in weights if p[:2] == ("model", "layers") and p[-1] not in ("lora_a", "lora_b")]
+    split = decode_layout(weights, CPU, adapters=gpu.roles)
+    layer_weights = [p for p in weights if p[:2] == ("model", "layers") and p not in gpu.roles]
     assert len(split) == len(weights) + (cpu.cfg.num_layers - 1) * len(layer_weights)
     snapshot = decode_layout(weights, GPU, copy=True)  # a snapshot still owns its buffers
     assert not {v.unsafe_buffer_pointer() for v in weights.values()} & {

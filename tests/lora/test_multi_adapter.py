@@ -21,7 +21,7 @@ from test_peft import ATTN_MLP, load_base, make_peft  # noqa: E402
 from tx.lora.adapters import adapter_targets, read_slot, write_slot  # noqa: E402
 from tx.lora.layers import LoRASpec  # noqa: E402
 from tx.lora.merge import merge_to_hf  # noqa: E402
-from tx.lora.params import LoRAParam, LoRARows  # noqa: E402
+from tx.lora.params import AdapterRoles, LoRAParam, LoRARows  # noqa: E402
 from tx.lora.peft import AdapterConfig, load_peft, save_peft  # noqa: E402
 from tx.lora.targets import SOFTMAX_ATTN, UNEMBED  # noqa: E402
 
@@ -114,7 +114,7 @@ def test_selected_slots_equal_the_full_stack(served):
             got = served.forward(state, TOKENS, None)
         else:
             flat = {path: var.get_value() for path, var in nnx.to_flat_state(state)}
-            cut = nnx.from_flat_state(list(take_adapters(flat, sel).items()))
+            cut = nnx.from_flat_state(list(take_adapters(flat, sel, AdapterRoles.of(state)).items()))
             got = served.forward(cut, TOKENS, sel.rows)
         np.testing.assert_allclose(np.asarray(got), served.logits(slots), atol=1e-5, rtol=0)
 

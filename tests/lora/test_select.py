@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from tx.lora.kernels import lora_delta
-from tx.lora.params import LoRARows, slot_scale
+from tx.lora.params import AdapterRoles, LoRARows, slot_scale
 from tx.lora.select import Selection, rank_bucket, select, take_adapters
 
 S, I, O, R = 6, 24, 20, 32
+P_ROLES = AdapterRoles(frozenset({("p", "lora_a")}), frozenset({("p", "lora_b")}))
 RANKS = {1: 4, 2: 8, 3: 16, 4: 32, 5: 2}  # slot -> rank; slot 0 is the zero slot
 
 
@@ -59,7 +60,7 @@ def test_compact_equals_full_stack(stack, kernel, slots):
     full = lora_delta(jnp.asarray(x), LoRARows(jnp.asarray(slots, jnp.int32), jnp.asarray(scale)), a, b, kernel)
     sel = select(slots, scale)
     assert sel is not None
-    cut = take_adapters({("p", "lora_a"): jnp.asarray(a), ("p", "lora_b"): jnp.asarray(b)}, sel)
+    cut = take_adapters({("p", "lora_a"): jnp.asarray(a), ("p", "lora_b"): jnp.asarray(b)}, sel, P_ROLES)
     got = lora_delta(jnp.asarray(x), sel.rows, cut[("p", "lora_a")], cut[("p", "lora_b")], kernel)
     np.testing.assert_allclose(np.asarray(got), np.asarray(full), rtol=1e-5, atol=1e-4)
     for r, slot in enumerate(slots):
@@ -83,7 +84,7 @@ def test_compact_gradient_is_the_slot_slice_of_the_full_gradient(stack, kernel):
         return jnp.sum(jnp.sin(lora_delta(jnp.asarray(x), sel.rows, a_, b_, kernel)))
 
     ga, gb = jax.grad(loss_full, argnums=(0, 1))(jnp.asarray(a), jnp.asarray(b))
-    cut = take_adapters({("p", "lora_a"): jnp.asarray(a), ("p", "lora_b"): jnp.asarray(b)}, sel)
+    cut = take_adapters({("p", "lora_a"): jnp.asarray(a), ("p", "lora_b"): jnp.asarray(b)}, sel, P_ROLES)
     ca, cb = jax.grad(loss_compact, argnums=(0, 1))(cut[("p", "lora_a")], cut[("p", "lora_b")])
     for index, slot in enumerate(np.asarray(sel.active)[:2]):
         rank = RANKS[int(slot)]
@@ -99,7 +100,7 @@ def test_one_token_rows_match_a_per_row_reference(stack, slots):
     x1 = x[:, :1]
     sel = select(slots, scale)
     assert sel is not None
-    cut = take_adapters({("p", "lora_a"): jnp.asarray(a), ("p", "lora_b"): jnp.asarray(b)}, sel)
+    cut = take_adapters({("p", "lora_a"): jnp.asarray(a), ("p", "lora_b"): jnp.asarray(b)}, sel, P_ROLES)
     got = np.asarray(lora_delta(jnp.asarray(x1), sel.rows, cut[("p", "lora_a")], cut[("p", "lora_b")]))
     for r, slot in enumerate(slots):
         rank = RANKS.get(slot, 0)

@@ -26,6 +26,7 @@ from tx.engine.sampler import Sampler, SamplerConfig
 from tx.engine.train_step import flat
 from tx.engine.trainer import Trainer
 from tx.lora.layers import LoRASpec
+from tx.lora.params import AdapterRoles
 from tx.models.causal_lm import decode_layout
 from tx.models.weights import load_model
 from tx.protocol import Datum, ForwardBackwardRequest, LoraConfig, SampleRequest, SamplingParams
@@ -109,7 +110,7 @@ def test_lora_gradient(pair):
 
 def greedy(model: nnx.Module, tuning, prompt: list[int], n: int) -> list[float]:
     graphdef, state = nnx.split(model)
-    weights = decode_layout(flat(state), tuning)
+    weights = decode_layout(flat(state), tuning, adapters=AdapterRoles.of(state))
     cfg = SamplerConfig(
         max_rows=2, max_seq_len=64, chunk_steps=4, length_buckets=(64,), layer_cache=tuning.per_layer_decode
     )

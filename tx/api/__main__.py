@@ -110,8 +110,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--max-lora-rank",
         type=int,
-        default=32,
-        help="largest LoRA rank a run may ask for (default 32, the SDK's default); adapter compute runs at this rank",
+        default=128,
+        help="largest LoRA rank a run may ask for (default 128, the cookbook's distillation rank); device memory "
+        "and adapter compute follow the ranks of the adapters in use, not this limit",
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices per tensor-parallel group (default 1)")
     p.add_argument(

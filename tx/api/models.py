@@ -47,7 +47,7 @@ class ModelRules:
 
     allow: tuple[str, ...] | None = None
     max_seq_len: int = 4096
-    max_lora_rank: int = 32
+    max_lora_rank: int = 128
     max_lora_adapters: int = 8
 
 

@@ -1,12 +1,19 @@
 """The adapter bank: the one owner of a base model's adapter state.
 
-It holds the stacked device slots (A `[..., S, in, R]`, B `[..., S, R, out]`, fp32 `LoRAParam`s), the
+It holds the stacked device slots (A `[..., S, in, W]`, B `[..., S, W, out]`, fp32 `LoRAA` / `LoRAB`), the
 slot table (which run or sampler snapshot holds which slot), each slot's scale row (`alpha / rank` on its
 live columns), a version bumped on every write (what prompt caches key on) and the host store of training
 runs that are paged out of the device (`HostRun`: adapter weights, gradient accumulators, Adam moments,
 step) and of sampler snapshots moved off it (`HostSnapshot`). Nothing else writes adapter arrays: the
 trainer, the runner and PEFT loading all go through these methods. Writes donate the arrays they
 replace; readers take `arrays` afresh at every call.
+
+The stacks' rank width W follows the adapters on the device, not `--max-lora-rank`: it is the smallest rank
+bucket (`tx.lora.select.rank_bucket`: 8, 16, 32, ...) covering every owner in the slot table, so a server
+that allows rank 128 holding only rank-8 runs has stacks (and compiled shapes) of a rank-8 server. A slot
+claimed at a higher rank widens the stacks first (zero columns appended); a slot given back narrows them
+to the owners left (the cut columns are zero: every slot is zero past its own rank). Both are exact, keep
+the weights version (the weights are the same), and cost one compile per bucket and program.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ from flax import nnx
 from tx.engine import train_step as ts
 from tx.gather import to_host
 from tx.lora import adapters
-from tx.lora.params import LoRAParam
+from tx.lora.params import AdapterRoles, LoRAParam
 from tx.lora.peft import AdapterConfig, AdapterWeights
-from tx.lora.slots import SlotInfo, SlotTable
+from tx.lora.select import rank_bucket, slot_slice
+from tx.lora.slots import DEFAULT_ALPHA, OwnerKind, SlotInfo, SlotTable
+from tx.lora.targets import ALL_TARGETS
 
 Flat = ts.Flat
 
@@ -45,11 +54,11 @@ class HostRun:
 
 @dataclasses.dataclass
 class HostSnapshot:
-    """A sampler snapshot moved off the device: its slot's arrays at full stacked rank, scale row and entry."""
+    """A sampler snapshot moved off the device: its slot's arrays at its own rank, scale row and entry."""
 
     info: SlotInfo
-    arrays: dict[tuple[str, ...], np.ndarray]  # [..., in, R] / [..., R, out]
-    scale: np.ndarray  # [R]
+    arrays: dict[tuple[str, ...], np.ndarray]  # [..., in, rank] / [..., rank, out]
+    scale: np.ndarray  # [max rank]
 
     @property
     def nbytes(self) -> int:
@@ -57,19 +66,21 @@ class HostSnapshot:
 
 
 class AdapterBank:
-    """Adapter slots of one model; `max_runs` bounds the training runs on the device and in host memory."""
+    """Adapter slots of one model; `max_runs` bounds the training runs on the device and in host memory,
+    `max_rank` the rank of any adapter (`--max-lora-rank`; default: the stacks' width as built)."""
 
-    def __init__(self, lora: nnx.State, max_runs: int = 256) -> None:
+    def __init__(self, lora: nnx.State, max_runs: int = 256, max_rank: int | None = None) -> None:
         if max_runs < 1:
             raise ValueError(f"--max-runs must be >= 1, got {max_runs}")
         # Committed copies: the bank updates them in place (donated buffers), and an uncommitted input would
         # be another compile key for every program that reads them.
         self._arrays = {p: jax.device_put(jnp.array(v, copy=True), v.sharding) for p, v in ts.flat(lora).items()}
         self._vars = [(tuple(str(k) for k in path), var) for path, var in nnx.to_flat_state(lora)]
-        head = self._arrays.get(("lm_head", "lora_a"))
-        if head is None:
+        self.roles = AdapterRoles.of(lora)
+        if not self.roles.a:
             raise RuntimeError("the model was built without LoRA slots")
-        S, R = head.shape[0], head.shape[-1]
+        some_a = self._arrays[min(self.roles.a)]
+        S, R = some_a.shape[some_a.ndim - 3], max_rank or some_a.shape[-1]
         self.slots = SlotTable(S - 1, R)
         self.scale = np.zeros((S, R), np.float32)  # [S, R] per-slot alpha/rank on live columns
         self.version = 0  # bumped on every adapter write
@@ -78,19 +89,64 @@ class AdapterBank:
         # Snapshots moved off the device, least recently used first; at most `max_runs` are kept (older ones
         # are gone, as evicted snapshots were before: a named one reloads from its checkpoint).
         self.host_snapshots: OrderedDict[str, HostSnapshot] = OrderedDict()
+        self._fit()
 
     @classmethod
-    def of(cls, model: nnx.Module, max_runs: int = 256) -> AdapterBank:
-        return cls(nnx.state(model, LoRAParam), max_runs)
+    def of(cls, model: nnx.Module, max_runs: int = 256, max_rank: int | None = None) -> AdapterBank:
+        return cls(nnx.state(model, LoRAParam), max_runs, max_rank)
 
     @property
     def arrays(self) -> Flat:
-        """The stacked adapter weights {path: [..., S, in, R] / [..., S, R, out]}; read afresh at each use."""
+        """The stacked adapter weights {path: [..., S, in, W] / [..., S, W, out]}; read afresh at each use."""
         return self._arrays
 
     @property
     def max_rank(self) -> int:
+        """The largest adapter rank this bank takes (`--max-lora-rank`); the stacks are often narrower."""
         return int(self.scale.shape[1])
+
+    @property
+    def stack_rank(self) -> int:
+        """W, the rank width of the stacked device arrays: the bucket covering the adapters on the device."""
+        return self.roles.rank_of(min(self.roles.a), self._arrays[min(self.roles.a)])
+
+    def device_bytes(self) -> int:
+        return sum(int(x.nbytes) for x in self._arrays.values())
+
+    # ---- slot table -------------------------------------------------------------------------------
+
+    def allocate(
+        self,
+        owner: str,
+        kind: OwnerKind,
+        rank: int,
+        alpha: float = DEFAULT_ALPHA,
+        targets: frozenset[str] = ALL_TARGETS,
+    ) -> SlotInfo:
+        """A slot for `owner` (`SlotTable.allocate`), the stacks widened first if `rank` needs it."""
+        info = self.slots.allocate(owner, kind, rank, alpha, targets)
+        self._fit()
+        return info
+
+    def release(self, owner: str) -> SlotInfo:
+        """Give `owner`'s slot back (clear it before reuse); the stacks narrow to the owners left."""
+        info = self.slots.free(owner)
+        self._fit()
+        return info
+
+    def _fit(self, at_least: int = 1) -> None:
+        """Stacks exactly as wide as the bucket of the widest owner (and of `at_least`, a rank being written)."""
+        widest = max((info.rank for info in self.slots), default=1)
+        width = rank_bucket(max(widest, at_least), self.max_rank)
+        if width != self.stack_rank:
+            resized = ts.resize_stacks(self._arrays, width, self.roles)
+            # Placed as before (the rank axis is never sharded): a new placement would be a new compile key.
+            self._arrays = {p: jax.device_put(x, self._arrays[p].sharding) for p, x in resized.items()}
+
+    def _cover(self, rank: int) -> None:
+        """Widen (never narrow) the stacks to hold `rank` columns: a write to a slot the table may not list."""
+        if rank > self.stack_rank:
+            self._fit(rank)
 
     def weights_version(self) -> tuple[int, bytes]:
         """Adapter weights and scales: all a prefilled prompt depends on besides the base weights."""
@@ -118,6 +174,7 @@ class AdapterBank:
 
     def init(self, slot: int, rank: int, alpha: float, targets: frozenset[str], seed: int) -> None:
         """A fresh adapter in `slot`, initialised as PEFT does (so training starts at the base model)."""
+        self._cover(rank)
         self._adopt(adapters.init_slot(self.view(), slot, rank, targets, seed))
         self.set_scale(slot, rank, alpha / rank)
 
@@ -128,11 +185,12 @@ class AdapterBank:
 
     def read(self, slot: int, like: Flat) -> Flat:
         """Slot `slot` cut to the shapes of `like` (a run's own adapter: its targets, its rank)."""
-        return ts.read_slot_params(self._arrays, jnp.int32(slot), like)
+        return ts.read_slot_params(self._arrays, jnp.int32(slot), like, self.roles)
 
     def write(self, slot: int, params: Flat) -> None:
         """Put a run's adapter `params` into `slot`, zero-padded to the stacked rank."""
-        self._replace(ts.write_slot_params(self._arrays, jnp.int32(slot), params))
+        self._cover(max((self.roles.rank_of(p, x) for p, x in params.items()), default=1))
+        self._replace(ts.write_slot_params(self._arrays, jnp.int32(slot), params, self.roles))
 
     def copy(self, src: int, dst: int, params: Flat) -> None:
         """Slot `dst` becomes a copy of `params` (the adapter in `src`) with `src`'s scale (a sampler snapshot)."""
@@ -144,20 +202,23 @@ class AdapterBank:
         return adapters.read_slot(self.view(), slot, rank, targets, layer_of)
 
     def write_peft(self, slot: int, config: AdapterConfig, weights: AdapterWeights, layer_of: adapters.LayerOf) -> None:
+        self._cover(config.rank)
         self._adopt(adapters.write_slot(self.view(), slot, config, weights, layer_of))
         self.set_scale(slot, config.rank, config.scaling)
 
     def stash_snapshot(self, owner: str) -> HostSnapshot:
         """Move sampler snapshot `owner` from its device slot into host memory, exactly; frees the slot."""
-        info = self.slots.free(owner)
+        info = self.slots.lookup(owner)
         host = self.host_snapshots[owner] = self._host_copy(info)
         self.clear(info.slot)
+        self.release(owner)
         self._trim_snapshots()
         return host
 
     def _host_copy(self, info: SlotInfo) -> HostSnapshot:
-        arrays = {p: to_host(jnp.take(v, info.slot, axis=v.ndim - 3)) for p, v in self._arrays.items()}
-        return HostSnapshot(info, arrays, self.scale[info.slot].copy())
+        """The slot's arrays at the owner's own rank (restorable at any stack width), scale row and entry."""
+        cut = {p: slot_slice(v, info.slot, info.rank, self.roles.is_a(p)) for p, v in self._arrays.items()}
+        return HostSnapshot(info, {p: to_host(a) for p, a in cut.items()}, self.scale[info.slot].copy())
 
     def _trim_snapshots(self) -> None:
         while len(self.host_snapshots) > self.max_runs:

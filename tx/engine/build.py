@@ -18,6 +18,7 @@ from tx.engine.sampler import Sampler
 from tx.engine.trainer import Trainer
 from tx.engine.weights_io import WeightsIO
 from tx.lora.layers import LoRASpec
+from tx.lora.select import rank_bucket
 from tx.models.catalog import describe_model, locate_model, weight_bytes
 from tx.models.causal_lm import decode_layout
 from tx.models.sharding import make_mesh
@@ -74,11 +75,14 @@ def build_runner(config: EngineConfig, model_dir: Path | None = None) -> tuple[J
     adapters = config.adapters
     mesh = make_mesh(1, config.fsdp_size, config.tensor_parallel_size, expert=config.expert_parallel_size)
     log.info("loading %s (%s)", model_dir, dtype or "checkpoint dtype")
-    lora = LoRASpec(adapters.max_lora_adapters + 1, adapters.max_lora_rank, tuning.lora_kernel)  # slot 0: base
+    # Slot 0 is the base model. The stacks start at the smallest rank bucket: the bank widens them to the
+    # ranks of the adapters it holds (up to --max-lora-rank), so no array is ever allocated at the limit.
+    width = rank_bucket(1, adapters.max_lora_rank)
+    lora = LoRASpec(adapters.max_lora_adapters + 1, width, tuning.lora_kernel)
     model, cfg = load_model(
         str(model_dir), dtype=dtype, lora=lora, mesh=mesh, remat=config.trainer.remat, tuning=tuning
     )
-    bank = AdapterBank.of(model, adapters.max_runs)
+    bank = AdapterBank.of(model, adapters.max_runs, adapters.max_lora_rank)
     trainer = Trainer(model, bank, config.trainer.micro_batch_tokens)
     tok, eos = _tokenizer(model_dir)
     seq_len = min(config.max_seq_len, cfg.max_position_embeddings)

@@ -16,7 +16,7 @@ from tx.engine.sampler import SamplerConfig
 @dataclasses.dataclass(frozen=True)
 class AdapterConfig:
     max_lora_adapters: int = 8  # device slots (the slot axis holds one more: slot 0, the base model)
-    max_lora_rank: int = 32
+    max_lora_rank: int = 128  # the largest rank a run may ask for; the stacks follow the ranks in use
     max_runs: int = 256  # training runs per server, on the device or paged out to host memory
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tx.engine.sampling import row_keys, select_tokens
-from tx.lora.params import LoRARows
+from tx.lora.params import AdapterRoles, LoRARows
 from tx.lora.select import Selection, take_adapters
 from tx.models.cache import HybridCache, KVCache, LayerCache, prefill_cache
 from tx.models.causal_lm import per_layer
@@ -68,10 +68,12 @@ class PromptScores:
 
 
 class DecodePrograms:
-    """The compiled programs for one model graph. `compile_count` counts traces, i.e. new shapes compiled."""
+    """The compiled programs for one model graph. `compile_count` counts traces, i.e. new shapes compiled.
+    `roles`: which weights are LoRA factors (`AdapterRoles`; None for a model without adapters)."""
 
-    def __init__(self, graphdef: nnx.GraphDef, chunk_steps: int, k_cap: int) -> None:
+    def __init__(self, graphdef: nnx.GraphDef, chunk_steps: int, k_cap: int, roles: AdapterRoles | None = None) -> None:
         self.graphdef = graphdef
+        self.roles = roles
         self.chunk_steps = chunk_steps
         self.k_cap = k_cap
         self.compile_count = 0
@@ -91,7 +93,7 @@ class DecodePrograms:
 
         `adapters` selects the adapter slots the rows read (None: no row has one), see `tx.lora.select`."""
         self.compile_count += 1  # runs only while tracing
-        state, layers, lora = _select(state, adapters)
+        state, layers, lora = _select(state, adapters, self.roles)
 
         def one_step(carry: tuple, _: None) -> tuple[tuple, tuple[jax.Array, jax.Array]]:
             cache, token, position, step = carry
@@ -118,7 +120,7 @@ class DecodePrograms:
         Kept apart from `insert` so that this, the expensive compile, does not depend on the decode shape.
         """
         self.compile_count += 1
-        state, layers, lora = _select(state, adapters)
+        state, layers, lora = _select(state, adapters, self.roles)
         model = nnx.merge(self.graphdef, state)
         N, P = batch.tokens.shape
         empty = prefill_cache(model.config, N, P)
@@ -167,12 +169,15 @@ def _as_form(cache: Cache, per_layer: bool) -> Cache:
     return cache.stacked() if isinstance(cache, LayerCache) else cache
 
 
-def _select(weights: Weights, adapters: Selection | None) -> tuple[nnx.State, list | None, LoRARows | None]:
+def _select(
+    weights: Weights, adapters: Selection | None, roles: AdapterRoles | None
+) -> tuple[nnx.State, list | None, LoRARows | None]:
     """(the model's state, its decoder layers' own buffers when the weights come split, the rows' adapters)."""
     if isinstance(weights, nnx.State):
         weights = {tuple(str(k) for k in path): leaf for path, leaf in nnx.to_flat_state(weights)}
     flat = {p: v.get_value() if isinstance(v, nnx.Variable) else v for p, v in weights.items()}
     if adapters is not None:
-        flat = take_adapters(flat, adapters)
+        assert roles is not None, "a selection over a model without adapter roles"
+        flat = take_adapters(flat, adapters, roles)
     rest, layers = per_layer(flat)
     return nnx.from_flat_state(list(rest.items())), layers, None if adapters is None else adapters.rows

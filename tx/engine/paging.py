@@ -42,23 +42,26 @@ class Pager:
     def claim(self, owner: str, kind: OwnerKind, lora: LoraConfig, protect: frozenset[str]) -> int:
         """A slot for `owner` in the table, making room first if every slot is held."""
         self._make_room(protect | {owner})
-        info = self.bank.slots.allocate(owner, kind, lora.rank, lora.alpha, lora_targets(lora))
+        info = self.bank.allocate(owner, kind, lora.rank, lora.alpha, lora_targets(lora))
         return info.slot
 
-    def ensure_resident(self, run_id: str, protect: frozenset[str]) -> None:
-        """Page `run_id` in if it is in host memory; raises `SlotsExhausted` if no slot can be freed."""
+    def ensure_resident(self, run_id: str, protect: frozenset[str]) -> int:
+        """Page `run_id` in if it is in host memory; the host bytes it held there (0: it was on the device).
+        Raises `SlotsExhausted` if no slot can be freed."""
         run = self.trainer.runs.get(run_id)
         if run is None or run.resident:
             if run_id in self.bank.slots:
                 self.bank.slots.touch(run_id)
-            return
+            return 0
         assert run.lora is not None
         start = time.perf_counter()
+        nbytes = self.bank.host[run_id].nbytes
         slot = self.claim(run_id, "run", run.lora, protect)
         self.trainer.page_in(run_id, slot)
         self.stats.page_ins += 1
         self.stats.seconds += time.perf_counter() - start
-        log.debug("paged run %s into slot %d", run_id, slot)
+        log.info("paged run %s into slot %d from %.2f MiB of host memory", run_id, slot, nbytes / 2**20)
+        return nbytes
 
     def _make_room(self, protect: frozenset[str]) -> None:
         slots = self.bank.slots
@@ -74,12 +77,12 @@ class Pager:
             )
         start = time.perf_counter()
         if slots.lookup(victim).kind == "sampler":
-            self.bank.stash_snapshot(victim)
+            nbytes = self.bank.stash_snapshot(victim).nbytes
         else:
-            self.trainer.page_out(victim)
+            nbytes = self.trainer.page_out(victim).nbytes
         self.stats.page_outs += 1
         self.stats.seconds += time.perf_counter() - start
-        log.info("paged %s out to host memory (%s)", victim, self.host_report())
+        log.info("paged %s out to %.2f MiB of host memory (%s)", victim, nbytes / 2**20, self.host_report())
 
     def host_report(self) -> str:
         """What the host store holds: runs and snapshots, and their bytes (each run's too)."""
@@ -96,7 +99,7 @@ class Pager:
         start = time.perf_counter()
         info = host.info
         self._make_room(frozenset({snapshot_id}))
-        slot = self.bank.slots.allocate(snapshot_id, "sampler", info.rank, info.alpha, info.targets).slot
+        slot = self.bank.allocate(snapshot_id, "sampler", info.rank, info.alpha, info.targets).slot
         self.bank.restore_snapshot(snapshot_id, slot)
         self.stats.page_ins += 1
         self.stats.seconds += time.perf_counter() - start

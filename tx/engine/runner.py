@@ -57,6 +57,7 @@ from tx.protocol import (
 
 log = logging.getLogger("tx.engine")
 QUEUE_WAIT = "queue_wait_s:max"  # seconds from submission to the start of execution, per request
+PAGED_IN = "paged_in_bytes:max"  # host memory the request's run was paged in from before it ran (if it was)
 
 
 class JaxRunner:
@@ -91,6 +92,7 @@ class JaxRunner:
         # a request over one round's tokens, a micro-batch per round
         self.long = LongItem(trainer, functools.partial(as_request_error, roots=data_dirs))
         self.waits: dict[str, float] = {}  # future id -> seconds it waited in the queue
+        self.paged_in: dict[str, int] = {}  # future id -> host bytes its run was paged in from this round
 
     # ---- Runner protocol ----------------------------------------------------------------------------
 
@@ -108,6 +110,8 @@ class JaxRunner:
         self.outbox = [c for c in self.outbox if c.future_id not in gone]
         self.slot_waiting = [i for i in self.slot_waiting if i.future_id not in gone]
         self.long.discard(gone)
+        for future_id in gone:
+            self.paged_in.pop(future_id, None)
 
     def idle(self) -> bool:
         samplers_idle = all(s.idle() for s in self._samplers())
@@ -179,9 +183,12 @@ class JaxRunner:
         waiting: set[str] = set()
         for run_id in dict.fromkeys(str(i.model_id) for i in plan.items):
             try:
-                self.pager.ensure_resident(run_id, self._protect)
+                nbytes = self.pager.ensure_resident(run_id, self._protect)
             except SlotsExhausted:
                 waiting.add(run_id)
+                continue
+            if nbytes:
+                self.paged_in.update({i.future_id: nbytes for i in plan.items if i.model_id == run_id})
         fused = [i for i in plan.fused if i.model_id not in waiting]
         control = [i for i in plan.control if i.model_id not in waiting]
         long = plan.long if plan.long is not None and plan.long.model_id not in waiting else None
@@ -196,10 +203,14 @@ class JaxRunner:
                     item.kind, item.future_id, item.model_id, wait)  # fmt: skip
 
     def _with_wait(self, completion: Completion) -> Completion:
+        """The request's queue wait, and the host bytes its run was paged in from, in its metrics."""
         wait = self.waits.pop(completion.future_id, None)
+        paged = self.paged_in.pop(completion.future_id, None)
         metrics = getattr(completion.result, "metrics", None)
         if wait is not None and isinstance(metrics, dict):
             metrics[QUEUE_WAIT] = wait
+        if paged is not None and isinstance(metrics, dict):
+            metrics[PAGED_IN] = float(paged)
         return completion
 
     def _error(self, err: BaseException) -> RequestError:
@@ -274,7 +285,7 @@ class JaxRunner:
         if item.kind == "unload_model":
             self._run(run_id)
             self.trainer.drop_run(run_id)  # a paged-out run leaves the host store
-            self.slots.free(run_id) if run_id in self.slots else None
+            self.bank.release(run_id) if run_id in self.slots else None
             return UnloadResult(run_id)
         raise RequestError(f"unsupported request kind {item.kind!r}", "server")
 
@@ -345,7 +356,7 @@ class JaxRunner:
                 raise RequestError(
                     f"sampler weights {snapshot_id!r} are being sampled; save under another name", "user"
                 )
-            self.bank.clear(self.slots.free(snapshot_id).slot)
+            self.bank.clear(self.bank.release(snapshot_id).slot)
         self.bank.host_snapshots.pop(snapshot_id, None)  # replaced by the new weights
         # Idle runs are paged out (LRU) before a snapshot is refused; this round's runs stay.
         slot = self.pager.claim(snapshot_id, "sampler", lora, self._protect)

@@ -41,6 +41,7 @@ from tx.engine.sampler_rows import (
 )
 from tx.engine.sampling import StopChecker, resolve_seed, sample_seeds
 from tx.gather import to_host
+from tx.lora.params import AdapterRoles
 from tx.lora.select import Selection, select
 from tx.models.cache import decode_cache
 from tx.models.config import ModelConfig
@@ -127,6 +128,11 @@ class AdapterView(Protocol):
         """A value that changes whenever an adapter weight or scale changes; None: not versioned."""
         ...
 
+    @property
+    def roles(self) -> AdapterRoles:
+        """Which weights are LoRA A and B factors (from their variable types)."""
+        ...
+
 
 class Sampler:
     """The continuous-batching sampling engine (see the module docstring)."""
@@ -153,7 +159,8 @@ class Sampler:
         self.lora_scale: Callable[[], np.ndarray] | None = None if adapters is None else (lambda: adapters.scale)
         self.eos_token_ids = tuple(eos_token_ids)
         self.decode = decode
-        self.programs = programs or DecodePrograms(graphdef, cfg.chunk_steps, cfg.k_cap)
+        roles = None if adapters is None else adapters.roles
+        self.programs = programs or DecodePrograms(graphdef, cfg.chunk_steps, cfg.k_cap, roles)
         versioned = adapters is not None and adapters.weights_version() is not None
         self.weights_version = adapters.weights_version if versioned and adapters is not None else None
         self.prefill_count = 0  # prompts prefilled (one per distinct prompt of an admission, cache misses only)

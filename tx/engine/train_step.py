@@ -3,8 +3,9 @@
 Each program takes named pytrees (`TrainBatch`, the model's states) and is built once per graph; shapes
 come from the host-side bucketing in `batching.py`, so a workload replays without new compiles. The
 model is split once into LoRA weights (`LoRAParam`) and base weights; a LoRA run differentiates the
-former, a full fine-tuning run the latter, through the same loss code. Dimension letters: R rows,
-T row length, N = R*T tokens, K targets per token, V vocab.
+former, a full fine-tuning run the latter, through the same loss code. Which flat paths are LoRA A and B
+factors comes from their variable types (`AdapterRoles`), passed to every program that cuts or pads them.
+Dimension letters: R rows, T row length, N = R*T tokens, K targets per token, V vocab.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from flax import nnx
 
 from tx.engine.compiles import train_jit
 from tx.engine.losses import LossInputs, token_losses
+from tx.lora.params import AdapterRoles
 from tx.lora.select import Selection, slot_slice, take_adapters
 
 Flat = dict[tuple[str, ...], jax.Array]
@@ -98,8 +100,9 @@ class StepFunctions:
     like `batch.adapters.active`.
     """
 
-    def __init__(self, graphdef: nnx.GraphDef) -> None:
+    def __init__(self, graphdef: nnx.GraphDef, roles: AdapterRoles) -> None:
         self.graphdef = graphdef
+        self.roles = roles
         self.forward = _jit(self._forward)
         self.lora_grad = _jit(functools.partial(self._grad, train_lora=True))
         self.full_grad = _jit(functools.partial(self._grad, train_lora=False))
@@ -108,10 +111,10 @@ class StepFunctions:
         return nnx.merge(self.graphdef, as_state(lora), as_state(base))
 
     def _forward(self, lora: Flat, base: Flat, batch: TrainBatch) -> StepOutputs:
-        return _outputs(self.model(_compact(lora, batch), base), batch)[1]
+        return _outputs(self.model(self._compact(lora, batch), base), batch)[1]
 
     def _grad(self, lora: Flat, base: Flat, batch: TrainBatch, *, train_lora: bool) -> tuple[Flat, StepOutputs]:
-        lora = _compact(lora, batch)
+        lora = self._compact(lora, batch)
 
         def loss_fn(trainable: Flat, frozen: Flat) -> tuple[jax.Array, StepOutputs]:
             pair = (trainable, frozen) if train_lora else (frozen, trainable)
@@ -120,16 +123,11 @@ class StepFunctions:
         grads, out = jax.grad(loss_fn, has_aux=True)(*((lora, base) if train_lora else (base, lora)))
         return grads, out
 
-
-def _compact(lora: Flat, batch: TrainBatch) -> Flat:
-    return lora if batch.adapters is None else take_adapters(lora, batch.adapters)
+    def _compact(self, lora: Flat, batch: TrainBatch) -> Flat:
+        return lora if batch.adapters is None else take_adapters(lora, batch.adapters, self.roles)
 
 
 # ---- per-run slices of the stacked adapter slots -------------------------------------------------
-
-
-def is_lora_a(path: tuple[str, ...]) -> bool:
-    return path[-1] == "lora_a"
 
 
 def take_slot(x: jax.Array, slot: jax.Array, rank: int, a: bool) -> jax.Array:
@@ -145,12 +143,11 @@ def put_slot(x: jax.Array, slot: jax.Array, value: jax.Array, a: bool) -> jax.Ar
     return jax.lax.dynamic_update_index_in_dim(x, full, slot, x.ndim - 3)
 
 
-@functools.partial(_jit, static_argnames=("ranks",), donate_argnums=0)
-def accumulate_slot(acc: Flat, grads: Flat, slot: jax.Array, ranks: tuple) -> Flat:
-    """acc[path] += slice `slot` of grads[path] (LoRA runs: the run's index in the compact stack the
-    gradient was taken over; `ranks` is static, one per path)."""
-    rank = dict(ranks)
-    return {p: acc[p] + take_slot(grads[p], slot, rank[p], is_lora_a(p)) for p in acc}
+@functools.partial(_jit, static_argnames=("roles",), donate_argnums=0)
+def accumulate_slot(acc: Flat, grads: Flat, slot: jax.Array, roles: AdapterRoles) -> Flat:
+    """acc[path] += slice `slot` of grads[path], at the accumulator's rank (LoRA runs: the run's index in the
+    compact stack the gradient was taken over)."""
+    return {p: acc[p] + take_slot(grads[p], slot, roles.rank_of(p, acc[p]), roles.is_a(p)) for p in acc}
 
 
 @functools.partial(_jit, donate_argnums=0)
@@ -158,14 +155,31 @@ def accumulate_full(acc: Flat, grads: Flat) -> Flat:
     return {p: acc[p] + grads[p].astype(acc[p].dtype) for p in acc}
 
 
-@_jit
-def read_slot_params(lora: Flat, slot: jax.Array, like: Flat) -> Flat:
-    return {p: take_slot(lora[p], slot, like[p].shape[-1 if is_lora_a(p) else -2], is_lora_a(p)) for p in like}
+@functools.partial(_jit, static_argnames=("roles",))
+def read_slot_params(lora: Flat, slot: jax.Array, like: Flat, roles: AdapterRoles) -> Flat:
+    """Slot `slot` of every stacked adapter in `like`, cut to the rank `like` has there."""
+    return {p: take_slot(lora[p], slot, roles.rank_of(p, like[p]), roles.is_a(p)) for p in like}
 
 
-@functools.partial(_jit, donate_argnums=0)
-def write_slot_params(lora: Flat, slot: jax.Array, params: Flat) -> Flat:
-    return {p: put_slot(v, slot, params[p], is_lora_a(p)) if p in params else v for p, v in lora.items()}
+@functools.partial(_jit, static_argnames=("roles",), donate_argnums=0)
+def write_slot_params(lora: Flat, slot: jax.Array, params: Flat, roles: AdapterRoles) -> Flat:
+    """`params` (one run's adapter) into slot `slot` of the stacks, zero-padded to their rank."""
+    return {p: put_slot(v, slot, params[p], roles.is_a(p)) if p in params else v for p, v in lora.items()}
+
+
+@functools.partial(_jit, static_argnames=("width", "roles"))
+def resize_stacks(lora: Flat, width: int, roles: AdapterRoles) -> Flat:
+    """Every stacked adapter cut or zero-padded to `width` rank columns (the bank's rank bucket)."""
+    return {p: _to_width(v, width, roles.is_a(p)) for p, v in lora.items()}
+
+
+def _to_width(x: jax.Array, width: int, a: bool) -> jax.Array:
+    axis = x.ndim - 1 if a else x.ndim - 2
+    if width <= x.shape[axis]:
+        return jax.lax.slice_in_dim(x, 0, width, axis=axis)
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, width - x.shape[axis])
+    return jnp.pad(x, widths)
 
 
 # ---- AdamW ------------------------------------------------------------------------------------------

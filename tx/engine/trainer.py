@@ -72,17 +72,13 @@ class Run:
         """False while a LoRA run is paged out to host memory (slot 0, state in `AdapterBank.host`)."""
         return self.lora is None or self.slot != 0
 
-    @property
-    def ranks(self) -> tuple:
-        return tuple((p, g.shape[-1] if ts.is_lora_a(p) else g.shape[-2]) for p, g in sorted(self.grads.items()))
-
 
 class Trainer:
     """`bank`: the model's adapter bank (`tx.engine.bank`), the one writer of adapter slots."""
 
     def __init__(self, model: CausalLM | Qwen3_5CausalLM, bank: AdapterBank, micro_batch_tokens: int = 8192) -> None:
         graphdef, _, base = nnx.split(model, LoRAParam, ...)  # type: ignore[misc]
-        self.steps = ts.StepFunctions(graphdef)
+        self.steps = ts.StepFunctions(graphdef, bank.roles)
         self.bank = bank
         self.base = {p: jax.device_put(v, v.sharding) for p, v in ts.flat(base).items()}
         sharding = next(iter(self.base.values())).sharding
@@ -105,29 +101,27 @@ class Trainer:
         """A fresh adapter in `slot`, initialised as PEFT does (so training starts at the base model)."""
         targets = lora_targets(cfg)
         self.bank.init(slot, cfg.rank, cfg.alpha, targets, seed if cfg.seed is None else cfg.seed)
-        slot_ = jnp.int32(slot)
+        slot_, roles = jnp.int32(slot), self.bank.roles
         params = {
-            p: ts.take_slot(v, slot_, cfg.rank, ts.is_lora_a(p))
-            for p, v in self.bank.arrays.items()
-            if p[-2] in targets
+            p: ts.take_slot(v, slot_, cfg.rank, roles.is_a(p)) for p, v in self.bank.arrays.items() if p[-2] in targets
         }
         # Placed as `adam_step` returns them (replicated over the mesh), or the second step recompiles
         # `accumulate_slot` and `adam_step` for the new placement (+0.6 s on `small`).
         grads, opt_state = self._placed_like(ts.fresh_state(params), {})
         run = Run(run_id, slot, cfg, grads, opt_state)
         self.runs[run_id] = run
-        lora, slot_, ranks = dict(self.bank.arrays), jnp.int32(slot), run.ranks
+        lora = dict(self.bank.arrays)
         # A gradient over the compact stack `lora_grad` returns for a batch of this run alone.
         alone = select([slot], self.bank.scale)
         assert alone is not None
-        shapes = jax.eval_shape(lambda weights: take_adapters(weights, alone), lora)
+        shapes = jax.eval_shape(lambda weights: take_adapters(weights, alone, roles), lora)
         compact = {p: self._placed_like(jnp.zeros(v.shape, v.dtype), {}) for p, v in shapes.items()}
         self._warm_up(
             [
-                (ts.accumulate_slot, (run.grads, compact, jnp.int32(0), ranks)),
-                (ts.read_slot_params, (lora, slot_, run.grads)),
+                (ts.accumulate_slot, (run.grads, compact, jnp.int32(0), roles)),
+                (ts.read_slot_params, (lora, slot_, run.grads, roles)),
                 (ts.adam_step, (params, run.opt_state, run.grads, _zero_hyper_params())),
-                (ts.write_slot_params, (lora, slot_, params)),
+                (ts.write_slot_params, (lora, slot_, params, roles)),
             ]
         )
         return run
@@ -199,7 +193,7 @@ class Trainer:
         params, grads, opt_state = tree_to_host((self.run_params(run), run.grads, run.opt_state))
         host = self.bank.host[run_id] = HostRun(params, grads, opt_state)
         self.bank.clear(run.slot)
-        self.bank.slots.free(run_id)
+        self.bank.release(run_id)
         run.slot, run.grads, run.opt_state = 0, {}, None
         return host
 
@@ -312,7 +306,7 @@ class Trainer:
         for run_id in sorted(needs_grad):
             run = self.runs[run_id]
             index = jnp.int32(active.index(run.slot))  # the run's place in the compact stack
-            run.grads = ts.accumulate_slot(run.grads, grads, index, run.ranks)
+            run.grads = ts.accumulate_slot(run.grads, grads, index, self.bank.roles)
         return out
 
     def _results(self, work, examples, owner, outputs) -> list[ForwardBackwardResult]:

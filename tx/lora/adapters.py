@@ -4,7 +4,7 @@ The model's adapters are `LoRAParam` variables shaped A `[*stack, S, in, R]` and
 (`stack`: the scanned layer axis, absent for `lm_head`, then the `expert` axis on a MoE block's experts).
 Everything here is generic over the state from `nnx.state(model, LoRAParam)`: variables are chosen by
 type, their slot, stacked and rank axes are read from the `logical_axes` metadata (`adapter`, `layers`,
-`expert`, `lora_rank`), A and B are told apart by where the rank axis sits, and the path is read only to
+`expert`, `lora_rank`), A and B are told apart by their types (`LoRAA`, `LoRAB`), and the path is read only to
 spell the HF module name (`model.layers.3.self_attn.q_proj`, `model.layers.3.mlp.experts.5.up_proj`,
 `lm_head`). Writes go through small jitted functions that take the slot as a traced integer (one compile
 per array shape, not per slot), keep each array's sharding, and donate the array they replace: the input
@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from tx.gather import to_host
-from tx.lora.params import LoRAParam
+from tx.lora.params import LoRAA, LoRAParam
 from tx.lora.peft import AdapterConfig, AdapterWeights
 from tx.lora.select import slot_slice
 
@@ -83,10 +83,10 @@ def _axes(path: tuple[str, ...], var: nnx.Variable) -> tuple[str | None, ...]:
 
 
 def _modules(flat: Mapping[tuple[str, ...], nnx.Variable]) -> dict[tuple[str, ...], _Module]:
-    """Pair every module's A and B: A has the rank axis last, B right after the slot axis."""
+    """Pair every module's A and B factor (by their types)."""
     parts: dict[tuple[str, ...], dict[str, tuple[str, ...]]] = {}
     for path, var in flat.items():
-        kind = "a" if _axes(path, var)[-1] == "lora_rank" else "b"
+        kind = "a" if isinstance(var, LoRAA) else "b"
         parts.setdefault(path[:-1], {})[kind] = path
     modules = {}
     for module, pair in parts.items():

@@ -21,19 +21,19 @@ import jax
 import jax.numpy as jnp
 
 from tx.lora.layers import LoRASpec
-from tx.lora.params import LoRAParam, LoRARows
+from tx.lora.params import LoRAA, LoRAB, LoRARows
 
 
 def expert_lora_pair(
     experts: int, d_in: int, d_out: int, axes: tuple[str, str], spec: LoRASpec, stack: tuple[int, ...]
-) -> tuple[LoRAParam, LoRAParam]:
+) -> tuple[LoRAA, LoRAB]:
     """Zero A `[*stack, X, S, in, R]` and B `[*stack, X, S, R, out]` for one expert projection."""
     lead = (*("layers",) * len(stack), "expert")
-    a = LoRAParam(
+    a = LoRAA(
         jnp.zeros((*stack, experts, spec.slots, d_in, spec.max_rank), jnp.float32),
         logical_axes=(*lead, "adapter", axes[0], "lora_rank"),
     )
-    b = LoRAParam(
+    b = LoRAB(
         jnp.zeros((*stack, experts, spec.slots, spec.max_rank, d_out), jnp.float32),
         logical_axes=(*lead, "adapter", "lora_rank", axes[1]),
     )

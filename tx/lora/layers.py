@@ -15,12 +15,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tx.lora.kernels import DEFAULT_KERNEL, Kernel, lora_delta
-from tx.lora.params import LoRAParam, LoRARows
+from tx.lora.params import LoRAA, LoRAB, LoRARows
 
 
 @dataclasses.dataclass(frozen=True)
 class LoRASpec:
-    """Shape of the adapter stacks: how many slots (slot 0 = none), the largest rank, the kernel form."""
+    """Shape of the adapter stacks as built: how many slots (slot 0 = none), their rank width (the engine's
+    adapter bank then resizes it to the ranks in use, `tx.engine.bank`), the kernel form."""
 
     slots: int
     max_rank: int
@@ -35,13 +36,13 @@ class LoRASpec:
 
 def lora_pair(
     d_in: int, d_out: int, axes: tuple[str, str], spec: LoRASpec, stack: tuple[int, ...]
-) -> tuple[LoRAParam, LoRAParam]:
+) -> tuple[LoRAA, LoRAB]:
     lead = ("layers",) * len(stack)
-    a = LoRAParam(
+    a = LoRAA(
         jnp.zeros((*stack, spec.slots, d_in, spec.max_rank), jnp.float32),
         logical_axes=(*lead, "adapter", axes[0], "lora_rank"),
     )
-    b = LoRAParam(
+    b = LoRAB(
         jnp.zeros((*stack, spec.slots, spec.max_rank, d_out), jnp.float32),
         logical_axes=(*lead, "adapter", "lora_rank", axes[1]),
     )

@@ -1,8 +1,10 @@
 """LoRA variable type and the per-row adapter selector that every LoRA-aware layer receives.
 
 Adapter weights are a `LoRAParam`, a subclass of `nnx.Param`, so the trainer selects them by type
-(`nnx.state(model, LoRAParam)`) and never by matching path strings. Adapters are stacked in slots:
-A `[..., S, in, R]` and B `[..., S, R, out]`; slot 0 is "no adapter" and is kept at zero scale.
+(`nnx.state(model, LoRAParam)`) and never by matching path strings; the two factors are the subclasses
+`LoRAA` and `LoRAB`, and `AdapterRoles` records once, from those types, which flat path holds which, for
+the programs that see plain {path: array} dicts. Adapters are stacked in slots: A `[..., S, in, R]` and
+B `[..., S, R, out]`; slot 0 is "no adapter" and is kept at zero scale.
 """
 
 from __future__ import annotations
@@ -16,6 +18,48 @@ from flax import nnx
 
 class LoRAParam(nnx.Param):
     """A stacked low-rank adapter weight (fp32 master, one slice per adapter slot)."""
+
+
+class LoRAA(LoRAParam):
+    """The down projection A `[..., S, in, R]`: the rank axis last."""
+
+
+class LoRAB(LoRAParam):
+    """The up projection B `[..., S, R, out]`: the rank axis second to last."""
+
+
+Path = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterRoles:
+    """Which flat paths hold A factors and which B, read from the variables' types (hashable: a static
+    argument of the programs that cut or pad stacked adapters)."""
+
+    a: frozenset[Path]
+    b: frozenset[Path]
+
+    @classmethod
+    def of(cls, state: nnx.State) -> AdapterRoles:
+        flat = [(tuple(str(k) for k in path), var) for path, var in nnx.to_flat_state(state)]
+        return cls(
+            frozenset(p for p, v in flat if isinstance(v, LoRAA)), frozenset(p for p, v in flat if isinstance(v, LoRAB))
+        )
+
+    def __contains__(self, path: object) -> bool:
+        return path in self.a or path in self.b
+
+    def is_a(self, path: Path) -> bool:
+        """True for an A factor, False for a B factor; a path that is neither is a KeyError."""
+        if path in self.a:
+            return True
+        if path in self.b:
+            return False
+        raise KeyError(f"{'.'.join(path)} is not a LoRA factor")
+
+    def rank_of(self, path: Path, x: jax.Array | jax.ShapeDtypeStruct) -> int:
+        """The rank width of `x`, the array at `path` (stacked or one slot's)."""
+        return int(x.shape[-1] if self.is_a(path) else x.shape[-2])
 
 
 @jax.tree_util.register_dataclass

@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tx.lora.params import LoRARows
+from tx.lora.params import AdapterRoles, LoRARows
 
-A_NAME, B_NAME = "lora_a", "lora_b"  # the attribute names of the stacked pair on every LoRA layer
 MIN_RANK_BUCKET = 8  # ranks 1..8 share one compiled shape; the extra columns cost next to nothing
 
 
@@ -79,15 +78,12 @@ def slot_slice(x: jax.Array, slots: jax.Array | int, rank: int, a: bool) -> jax.
     return picked[..., :rank] if a else picked[..., :rank, :]
 
 
-def _take(path: tuple, x: jax.Array, active: jax.Array, rank: int) -> jax.Array | None:
-    name = str(path[-1])
-    return slot_slice(x, active, rank, name == A_NAME) if name in (A_NAME, B_NAME) else None
-
-
-def take_adapters(weights: Mapping[tuple, jax.Array], selection: Selection) -> dict[tuple, jax.Array]:
-    """{path: array} with every stacked adapter cut to the selected slots and rank (other entries as they are)."""
-    out = {}
-    for path, x in weights.items():
-        cut = _take(path, x, selection.active, selection.rank)
-        out[path] = x if cut is None else cut
-    return out
+def take_adapters(
+    weights: Mapping[tuple, jax.Array], selection: Selection, roles: AdapterRoles
+) -> dict[tuple, jax.Array]:
+    """{path: array} with every stacked adapter (a path in `roles`) cut to the selected slots and rank; other
+    entries as they are."""
+    return {
+        path: slot_slice(x, selection.active, selection.rank, roles.is_a(path)) if path in roles else x
+        for path, x in weights.items()
+    }

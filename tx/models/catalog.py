@@ -80,7 +80,7 @@ def has_weights(model_dir: Path) -> bool:
 
 
 def describe_model(
-    name: str, model_dir: Path, max_seq_len: int, max_lora_rank: int = 32, max_lora_adapters: int = 8
+    name: str, model_dir: Path, max_seq_len: int, max_lora_rank: int = 128, max_lora_adapters: int = 8
 ) -> ModelInfo:
     """The `ModelInfo` of the model in `model_dir`, served under `name`. A hub name lets a client on another
     machine resolve the tokenizer itself; a local directory is only meaningful to clients that share this

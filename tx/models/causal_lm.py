@@ -15,6 +15,7 @@ layers take their window as a per-layer value of the scan (`layer_windows`), so 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
@@ -24,7 +25,7 @@ from flax import nnx
 
 from tx.lora.kernels import lora_delta
 from tx.lora.layers import LoRASpec, linear, lora_pair
-from tx.lora.params import LoRARows
+from tx.lora.params import AdapterRoles, LoRARows
 from tx.models.cache import KVCache, LayerCache
 from tx.models.config import ModelConfig
 from tx.models.layers import MLP, Attention, AttentionMask, RMSNorm
@@ -275,17 +276,15 @@ def _is_split(path: tuple[str, ...]) -> bool:
     return path[:2] == LAYERS and len(path) > 2 and path[2].isdigit()
 
 
-def _is_adapter(path: tuple[str, ...]) -> bool:
-    return path[-1] in ("lora_a", "lora_b")
-
-
-@jax.jit
-def split_layers(weights: Flat) -> Flat:
-    """Stacked decoder base weights [L, ...] -> one entry per layer; adapters and the rest as they are.
-    Jitted: the per-layer buffers keep the stacked arrays' sharding on their other axes."""
+@functools.partial(jax.jit, static_argnames="adapters")
+def split_layers(weights: Flat, adapters: AdapterRoles | None = None) -> Flat:
+    """Stacked decoder base weights [L, ...] -> one entry per layer; the LoRA factors among `weights`
+    (`adapters`, known by their variable types) and the rest as they are. Jitted: the per-layer buffers
+    keep the stacked arrays' sharding on their other axes."""
+    keep = adapters or AdapterRoles(frozenset(), frozenset())
     out: Flat = {}
     for path, x in weights.items():
-        if path[:2] == LAYERS and not _is_split(path) and not _is_adapter(path):
+        if path[:2] == LAYERS and not _is_split(path) and path not in keep:
             for index in range(x.shape[0]):
                 out[(*LAYERS, str(index), *path[2:])] = x[index]
         else:
@@ -293,12 +292,12 @@ def split_layers(weights: Flat) -> Flat:
     return out
 
 
-def decode_layout(weights: Flat, tuning: Tuning, copy: bool = False) -> Flat:
+def decode_layout(weights: Flat, tuning: Tuning, copy: bool = False, adapters: AdapterRoles | None = None) -> Flat:
     """The weights as the sampler reads them: split per layer where `tuning.per_layer_decode` (new buffers),
     else the same buffers (no second copy of the weights; copied only when `copy`: a snapshot of weights
-    that will change)."""
+    that will change). The engine passes base weights only; `adapters` names LoRA factors among them."""
     if tuning.per_layer_decode:
-        split = split_layers(weights)  # new buffers for the layers; the other entries pass through
+        split = split_layers(weights, adapters)  # new buffers for the layers; the other entries pass through
         return {p: jnp.array(v, copy=True) if copy and not _is_split(p) else v for p, v in split.items()}
     return {p: jnp.array(v, copy=True) for p, v in weights.items()} if copy else dict(weights)
 
