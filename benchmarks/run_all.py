@@ -38,6 +38,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "api_submit": ([], ["--requests", "20", "--kb", "16"]),
     "rl_loop": ([], ["--quick"]),
     "tenants": ([], ["--quick"]),
+    "ranks": ([], ["--quick"]),
     "host_overhead": ([], ["--quick"]),  # runs api_overhead.py against its own server (its "sdk" cases)
     "load": ([], ["--quick"]),
 }
