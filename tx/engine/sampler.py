@@ -43,7 +43,6 @@ from tx.engine.sampling import StopChecker, resolve_seed, sample_seeds
 from tx.gather import to_host
 from tx.lora.params import AdapterRoles
 from tx.lora.select import Selection, select
-from tx.models.cache import decode_cache
 from tx.models.config import ModelConfig
 from tx.protocol import RequestError, SampleRequest, SampleResult
 
@@ -269,7 +268,7 @@ class Sampler:
         rows = warm_bucket(count, self.cfg.row_buckets, self._decoded, length)
         self._decoded.add((rows, length))
         if self._cache is None:
-            self._cache = decode_cache(self.model_cfg, rows, length, self.cfg.layer_cache)
+            self._cache = self.programs.empty(self.model_cfg, rows, length, self.cfg.layer_cache)
             self._rows = [None] * rows
         elif self.cache_shape != (rows, length):
             live = [i for i, row in enumerate(self._rows) if row is not None]
