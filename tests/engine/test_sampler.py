@@ -333,7 +333,7 @@ def test_prompts_prefilled_together_are_kept_apart(qwen):
     """Each prompt of one admission is kept as its own prefill row: sampled again from the cache, each gives the
     greedy continuation of its own prompt."""
     sampler = Sampler(qwen.graphdef, lambda: qwen.weights, qwen.cfg, CFG, (), char_decode,
-                      FixedAdapters(lambda: qwen.scale, lambda: "v1"), qwen.sampler.programs)  # fmt: skip
+                      qwen.fixed(lambda: "v1"), qwen.sampler.programs)  # fmt: skip
     prompts = {"b": PROMPTS[2], "c": PROMPTS[3]}
     for _ in range(2):
         results, _ = run(sampler, {k: (make_req(p, 4, temperature=0.0), 0) for k, p in prompts.items()})
