@@ -6,6 +6,12 @@ cores, memory, jax version and backend, date, commit). A script that fails is re
 with the tail of its stderr, and the others still run. Prints a JSON summary (exit code and seconds
 per script) on stdout; exits 1 if any script failed.
 
+Every row that reports a rate of work (`gflops_per_s` or `active_gflops_per_s`: FLOPs; `gb_per_s`: bytes
+read) gets its fractions of the machine's limits beside it, measured by `limits.py` in this same run after
+the scripts: `of_matmul_peak`, `of_read_bandwidth` and `of_roofline`, their sum (the time the roofline
+allows over the time taken; a training step's is its compute share, a sampling round's both). Rows of
+server-side rates (requests/s, RL steps/s) have no such limit.
+
     python benchmarks/run_all.py                         # full sizes -> benchmarks/results/run_all.md
     python benchmarks/run_all.py --quick --out /tmp/r.md # every script at its CI smoke size
     python benchmarks/run_all.py --only rl_loop host_overhead
@@ -42,6 +48,10 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "host_overhead": ([], ["--quick"]),  # runs api_overhead.py against its own server (its "sdk" cases)
     "load": ([], ["--quick"]),
 }
+
+
+PEAK, BANDWIDTH = "fp32_matmul_peak_gflops_per_s", "read_bandwidth_gb_s"  # limits.py's keys
+COMPUTE_RATES, READ_RATE = ("gflops_per_s", "active_gflops_per_s"), "gb_per_s"
 
 
 @dataclass
@@ -163,7 +173,32 @@ def cell(value: Any) -> str:
     return text.replace("|", "\\|")
 
 
-def section(outcome: Outcome) -> list[str]:
+def measure_limits(quick: bool, timeout: float) -> dict[str, float]:
+    """The matmul peak and read bandwidth, from `limits.py` in a child process ({} if it fails)."""
+    outcome = run_script("limits", ["--quick"] if quick else [], timeout)
+    doc = outcome.docs[-1] if outcome.returncode == 0 and outcome.docs else {}
+    return {key: doc[key] for key in (PEAK, BANDWIDTH) if isinstance(doc.get(key), int | float) and doc[key] > 0}
+
+
+def reports_rates(outcomes: list[Outcome]) -> bool:
+    return any(f'"{key}"' in json.dumps(o.docs) for o in outcomes for key in (*COMPUTE_RATES, READ_RATE))
+
+
+def with_fractions(row: dict[str, Any], limits: dict[str, float]) -> dict[str, Any]:
+    """`row` and, when it reports rates of work, their fractions of `limits` (see the module docstring)."""
+    compute = next((row[k] for k in COMPUTE_RATES if isinstance(row.get(k), int | float)), None)
+    read = row.get(READ_RATE) if isinstance(row.get(READ_RATE), int | float) else None
+    fractions = {}
+    if compute is not None and PEAK in limits:
+        fractions["of_matmul_peak"] = compute / limits[PEAK]
+    if read is not None and BANDWIDTH in limits:
+        fractions["of_read_bandwidth"] = read / limits[BANDWIDTH]
+    if fractions:
+        fractions["of_roofline"] = sum(fractions.values())
+    return {**row, **{key: round(value, 3) for key, value in fractions.items()}}
+
+
+def section(outcome: Outcome, limits: dict[str, float]) -> list[str]:
     lines = [f"## {outcome.name}", "", f"`{' '.join([outcome.name + '.py', *outcome.args])}`: {outcome.seconds} s", ""]
     if outcome.returncode != 0:
         return lines + [f"**failed** (exit code {outcome.returncode})", "", "```", outcome.stderr_tail, "```", ""]
@@ -175,19 +210,23 @@ def section(outcome: Outcome) -> list[str]:
         rows, context = rows_of(doc)
         if context:
             lines += [", ".join(f"{k}: {v}" for k, v in context.items()), ""]
-        for row in rows:
+        for row in (with_fractions(row, limits) for row in rows):
             groups.setdefault(tuple(row), []).append(row)
     for rows in groups.values():
         lines += [*table(rows), ""]
     return lines
 
 
-def render(info: dict[str, str], outcomes: list[Outcome], quick: bool) -> str:
+def render(info: dict[str, str], outcomes: list[Outcome], quick: bool, limits: dict[str, float]) -> str:
     lines = ["# SmolGym benchmark results", ""]
     lines += [f"- **{key}**: {value}" for key, value in info.items()]
-    lines += [f"- **sizes**: {'quick (CI smoke sizes)' if quick else 'full'}", ""]
+    lines += [f"- **sizes**: {'quick (CI smoke sizes)' if quick else 'full'}"]
+    if limits:
+        lines += [f"- **limits, measured in this run**: float32 matmul peak {limits.get(PEAK)} GFLOP/s, read bandwidth "
+                  f"{limits.get(BANDWIDTH)} GB/s (the `of_*` columns are each row's rates over them)"]  # fmt: skip
+    lines += [""]
     for outcome in outcomes:
-        lines += section(outcome)
+        lines += section(outcome, limits)
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -205,10 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in SCRIPTS
         if not args.only or name in args.only
     ]
+    limits = measure_limits(args.quick, args.timeout) if reports_rates(outcomes) else {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(machine(), outcomes, args.quick))
+    args.out.write_text(render(machine(), outcomes, args.quick, limits))
     summary = {o.name: {"returncode": o.returncode, "seconds": o.seconds} for o in outcomes}
-    print(json.dumps({"benchmark": "run_all", "out": str(args.out), "scripts": summary}), flush=True)
+    print(json.dumps({"benchmark": "run_all", "out": str(args.out), "limits": limits, "scripts": summary}), flush=True)
     return 0 if all(o.returncode == 0 for o in outcomes) else 1
 
 

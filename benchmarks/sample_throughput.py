@@ -120,11 +120,29 @@ def measure(args: argparse.Namespace, shape: str, batches: list[int], variants: 
                 compile_s=round(max(first - steady, 0.0), 3),
                 compiles=compiles,
                 tokens_per_s=round(batch * args.new_tokens / steady, 1),
+                **rates(cfg, batch, args.prompt, args.new_tokens, steady),
                 **peak_memory(),
             )
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
+
+
+def rates(cfg: ModelConfig, batch: int, prompt: int, new: int, seconds: float) -> dict[str, float]:
+    """The least work a point needs, as rates over its measured time: `gflops_per_s` (2 per weight per generated
+    token, the same less the unembedding per prompt token, 4 * heads * head_dim per attended position in each
+    attention layer) and `gb_per_s` (the weights once for the prefill and once per decode step, every step's
+    read of its rows' keys and values). Over the machine's matmul peak and read bandwidth they add up to the
+    point's fraction of its roofline (above 1 where weights stay in the caches between steps)."""
+    params, item = param_count(cfg), np.dtype(jax.numpy.dtype(cfg.dtype)).itemsize
+    attention = len(cfg.layers_holding("self_attn"))
+    total = prompt + new
+    attended = batch * total * (total + 1) // 2  # causal: token t attends t positions
+    matmul = params * new + (params - cfg.vocab_size * cfg.hidden_size) * prompt  # prefill computes no logits
+    flops = 2 * batch * matmul + 4 * attention * cfg.num_heads * cfg.head_dim * attended
+    kv_position = 2 * attention * cfg.num_kv_heads * cfg.head_dim * item
+    read = params * item * (1 + new) + batch * kv_position * sum(prompt + t for t in range(new))
+    return {"gflops_per_s": round(flops / seconds / 1e9, 2), "gb_per_s": round(read / seconds / 1e9, 2)}
 
 
 def weight_bytes(shape: str, dtype: str) -> int:

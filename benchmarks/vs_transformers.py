@@ -93,11 +93,13 @@ def main() -> None:
         step = train_step_s(model, args.batch, args.length, args.steps, cfg.vocab_size)
         flops = (6 if mode == "full" else 4) * n * args.batch * args.length
         rows.append(dict(shape=args.shape, mode=mode, tokens_per_s=round(args.batch * args.length / step, 1),
+                         gflops_per_s=round(flops / step / 1e9, 1),
                          fraction_of_peak=round(flops / step / 1e9 / peak, 3)))  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     decode = generate_tokens_per_s(hf_model(args.shape), args.prompt, args.new_tokens, cfg.vocab_size)
     ceiling = bandwidth / (4 * n)
     rows.append(dict(shape=args.shape, mode="generate_batch1", tokens_per_s=round(decode, 1),
+                     gb_per_s=round(decode * 4 * n / 1e9, 2),
                      fraction_of_ceiling=round(decode / ceiling, 3)))  # fmt: skip
     print(json.dumps(rows[-1]), flush=True)
     doc = dict(benchmark="vs_transformers", torch=torch.__version__, threads=torch.get_num_threads(),

@@ -76,6 +76,19 @@ def test_run_all_writes_markdown(tmp_path: Path) -> None:
     assert "| datums |" in text and "## packing_waste" in text
 
 
+def test_rates_are_written_with_their_fractions_of_the_runs_limits() -> None:
+    limits = {"fp32_matmul_peak_gflops_per_s": 200.0, "read_bandwidth_gb_s": 20.0}
+    sampled = RUN_ALL.with_fractions({"tokens_per_s": 9.0, "gflops_per_s": 50.0, "gb_per_s": 5.0}, limits)
+    assert sampled == {"tokens_per_s": 9.0, "gflops_per_s": 50.0, "gb_per_s": 5.0,
+                       "of_matmul_peak": 0.25, "of_read_bandwidth": 0.25, "of_roofline": 0.5}  # fmt: skip
+    assert RUN_ALL.with_fractions({"active_gflops_per_s": 100}, limits)["of_roofline"] == 0.5
+    assert RUN_ALL.with_fractions({"requests_per_s": 9.0}, limits) == {"requests_per_s": 9.0}
+    assert RUN_ALL.with_fractions({"gflops_per_s": 50.0}, {}) == {"gflops_per_s": 50.0}  # limits.py failed
+    rows = [{"mode": "r8", "gflops_per_s": 50.0}, {"mode": "full", "gflops_per_s": 100.0}]
+    text = RUN_ALL.render({"cpu": "x"}, [RUN_ALL.Outcome("train", [], 0, 1.0, [{"results": rows}])], False, limits)
+    assert "matmul peak 200.0 GFLOP/s" in text and "| full | 100.0 | 0.5 | 0.5 |" in text
+
+
 def test_json_values_reads_lines_and_documents() -> None:
     text = 'progress\n{"a": 1}\n{"b": [1, 2]}\n{\n "c": {"d": 3}\n}\n'
     assert RUN_ALL.json_values(text) == [{"a": 1}, {"b": [1, 2]}, {"c": {"d": 3}}]
