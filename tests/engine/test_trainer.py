@@ -10,6 +10,7 @@ import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 
+from tx.engine import train_step as ts
 from tx.engine.bank import AdapterBank
 from tx.engine.compiles import compile_count
 from tx.engine.trainer import Trainer
@@ -171,6 +172,29 @@ def test_fused_runs_equal_alone_and_steps_are_isolated(setup):
         np.testing.assert_array_equal(before, np.asarray(after))
     for p, v in trainer.bank.arrays.items():
         np.testing.assert_array_equal(np.asarray(v[..., 2, :, :]), lora_b_slot[p])
+
+
+def test_a_batch_failing_part_way_leaves_the_gradients_as_they_were(setup, monkeypatch):
+    """A fused batch that fails after one run's share was accumulated gives every run back its accumulators
+    exactly (the runner then runs the requests one by one)."""
+    _, _, model, cfg = setup
+    trainer = Trainer(model, AdapterBank.of(model))
+    trainer.create_lora_run("a", LoraConfig(rank=4, train_unembed=False), slot=1)  # the shapes of the test above
+    trainer.create_lora_run("b", LoraConfig(rank=8, train_attn=False), slot=2)
+    trainer.forward_backward([("a", sft_batch(cfg, 1))])
+    before = {p: np.asarray(g) for p, g in trainer.runs["a"].grads.items()}
+    accumulate = ts.accumulate_slot
+
+    def fails_for_b(grads, *args):  # runs accumulate in sorted order: a's share is already added
+        if grads is trainer.runs["b"].grads:
+            raise RuntimeError("device lost")
+        return accumulate(grads, *args)
+
+    monkeypatch.setattr(ts, "accumulate_slot", fails_for_b)
+    with pytest.raises(RuntimeError, match="device lost"):
+        trainer.forward_backward([("a", sft_batch(cfg, 1)), ("b", sft_batch(cfg, 2))])
+    for p, g in trainer.runs["a"].grads.items():
+        np.testing.assert_array_equal(np.asarray(g), before[p])
 
 
 def test_micro_batches_equal_one_batch(setup):

@@ -192,7 +192,9 @@ def make_optimizer() -> optax.GradientTransformation:
 
 @_jit
 def copy_weights(weights: Flat) -> Flat:
-    """A full fine-tuning run's own copy of the base weights (a compiled copy: placed like step outputs)."""
+    """A compiled copy of a weight set, placed like step outputs: a full fine-tuning run's own base weights, a
+    LoRA run's gradient accumulators saved before a batch (one program, where an eager copy per leaf took one
+    dispatch each)."""
     return {p: jnp.copy(v) for p, v in weights.items()}
 
 

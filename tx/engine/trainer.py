@@ -118,6 +118,7 @@ class Trainer:
         compact = {p: self._placed_like(jnp.zeros(v.shape, v.dtype), {}) for p, v in shapes.items()}
         self._warm_up(
             [
+                (ts.copy_weights, (run.grads,)),  # the accumulators saved before each batch
                 (ts.accumulate_slot, (run.grads, compact, jnp.int32(0), roles)),
                 (ts.read_slot_params, (lora, slot_, run.grads, roles)),
                 (ts.adam_step, (params, run.opt_state, run.grads, _zero_hyper_params())),
@@ -261,7 +262,7 @@ class Trainer:
         accumulation donates them); a full fine-tuning run's are as large as the model, so a failure
         after part of its batch was added discards its accumulated gradients, and says so."""
         runs = [self.runs[r] for r in sorted(run_ids)]
-        saved = {run.run_id: jax.tree.map(jnp.copy, run.grads) for run in runs if run.lora is not None}
+        saved = {run.run_id: ts.copy_weights(run.grads) for run in runs if run.lora is not None}  # one program
         try:
             yield
         except Exception as err:
