@@ -267,6 +267,10 @@ def test_one_finish_many_records_every_outcome_and_its_linked_rows(db: Database)
     assert db.records.get_checkpoint(runs[0].id, "weights/a", OWNER).size_bytes == 7  # type: ignore[union-attr]
     assert db.records.get_checkpoint(runs[0].id, "weights/b", OWNER, ready=False) is None
     assert {(m.kind, m.value) for m in db.records.latest_metrics(runs[0].id)} == {("optim_step", 0.5)}
+    # A step's many requests are finished without looking for linked rows, so they may bring none.
+    extra = TrainingRunRow(id="m9:train:0", session_id="m9", owner=OWNER, base_model="b")
+    with pytest.raises(ValueError, match="a forward_backward request brings no rows"):
+        db.queue.submit(kind="forward_backward", payload=_fb([1, 2]), owner=OWNER, model_id=runs[0].id, rows=[extra])
 
 
 def test_recover_fails_unfinished_work(db: Database) -> None:

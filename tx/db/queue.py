@@ -51,6 +51,9 @@ def _table(model: type[SQLModel]) -> Table:
 FUTURES, RUNS, CHECKPOINTS = _table(FutureRow), _table(TrainingRunRow), _table(CheckpointRow)
 METRICS = _table(MetricRow)
 _LINKED = (RUNS, CHECKPOINTS, _table(SamplerSnapshotRow))
+# The kinds of the many requests of every step; they bring no rows into existence (`submit` refuses them
+# any), so finishing them flips no linked rows.
+UNLINKED_KINDS = frozenset({"sample", "forward", "forward_backward", "optim_step", "unload_model"})
 
 
 class SqlQueue:
@@ -84,6 +87,8 @@ class SqlQueue:
         rows: Sequence[SQLModel] = (),
     ) -> Submitted:
         """Queue one request; returns the existing future for a repeated `dedupe_key`."""
+        if rows and kind in UNLINKED_KINDS:
+            raise ValueError(f"a {kind} request brings no rows into existence (UNLINKED_KINDS)")
         self.notifier.submission_started()  # the engine's burst gathering waits for requests in flight
         try:
             blob = codec.encode(payload)
@@ -182,9 +187,10 @@ class SqlQueue:
             ids = [int(future_id) for future_id, _ in outcomes]
             rows = {row.id: row for row in session.exec(select(FutureRow).where(col(FutureRow.id).in_(ids)))}
             found = [(f, out, blob) for (f, out), blob in zip(outcomes, blobs, strict=True) if int(f) in rows]
+            linking = [(f, out) for f, out, _ in found if rows[int(f)].kind not in UNLINKED_KINDS]
             # Linked rows first: an unload finished after its run's creation leaves the run unloaded.
-            self._mark_linked(session, [f for f, out, _ in found if not isinstance(out, RequestError)], "ready")
-            self._mark_linked(session, [f for f, out, _ in found if isinstance(out, RequestError)], "failed")
+            self._mark_linked(session, [f for f, out in linking if not isinstance(out, RequestError)], "ready")
+            self._mark_linked(session, [f for f, out in linking if isinstance(out, RequestError)], "failed")
             metrics: list[dict[str, Any]] = []
             for future_id, outcome, blob in found:
                 row = rows[int(future_id)]
