@@ -21,7 +21,8 @@ back, encoding them and the queue writes.
 Method (`program_clock.py`): `jax.jit` is wrapped before `tx` is imported, so every program's call waits
 for its outputs and the wait is clocked: `program_ms`. `host_ms` = the round's wall time - `program_ms`:
 Python, dispatch, eager jnp ops, copies, SQL, with nothing hidden behind a running program (the full host
-cost, as an accelerator whose programs take milliseconds pays it). `host_fraction` = host_ms / round_ms.
+cost, as an accelerator whose programs take milliseconds pays it; on CPU an upper bound, since XLA runs small
+programs inline in the calling thread). `host_fraction` = host_ms / round_ms.
 `async_round_ms` is the same round with the waits off, run alternately in the same process; `phases`
 splits host_ms between the engine's parts (`other`: what no phase covers, mostly program dispatch).
 

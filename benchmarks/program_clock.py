@@ -7,7 +7,9 @@ function, so `program_s` is the time its programs ran, and a round's wall time m
 `own_s`, the clock's own bookkeeping) is the host's: Python, each call's dispatch, eager `jnp` operations,
 copies between host and device, SQL. Waiting after each program serialises host and device, so no host
 work hides behind a running program: the host time is counted in full, as it is paid on an accelerator
-whose programs take milliseconds. With `on` False the wrapper only passes calls through.
+whose programs take milliseconds. One exception makes it an upper bound on CPU: XLA's CPU client runs a
+small program inline in the calling thread (the call returns when it is done), so that run counts as host
+time. With `on` False the wrapper only passes calls through.
 
 `Phases` attributes host time to named functions: each wrapped call's wall time net of the programs
 that ran inside it.
