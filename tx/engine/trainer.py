@@ -46,8 +46,14 @@ Flat = ts.Flat
 HYPER_PARAMS = ("learning_rate", "b1", "b2", "eps", "weight_decay", "grad_clip_norm")  # adam_step's inputs
 
 
-def _zero_hyper_params() -> dict[str, jax.Array]:
-    return {name: jnp.asarray(0.0, jnp.float32) for name in HYPER_PARAMS}
+def _hyper_params(values: dict[str, float]) -> dict[str, np.float32]:
+    """`adam_step`'s hyper-parameters as numpy float32 scalars: the call moves them to the device with its other
+    inputs (six `jnp.asarray` first cost 0.45 ms of dispatch per optim_step here, 10x the call's own)."""
+    return {name: np.float32(values[name]) for name in HYPER_PARAMS}
+
+
+def _zero_hyper_params() -> dict[str, np.float32]:  # the warm-up compiles with the same kind of inputs
+    return _hyper_params(dict.fromkeys(HYPER_PARAMS, 0.0))
 
 
 MAX_EXPERT_FRACTION = "moe/max_expert_fraction:max"  # a MoE model's router balance per forward_backward
@@ -347,8 +353,9 @@ class Trainer:
             "grad_clip_norm": adam.grad_clip_norm,
         }
         assert tuple(hp) == HYPER_PARAMS
-        hp_arrays = {k: jnp.asarray(v, jnp.float32) for k, v in hp.items()}
-        params, run.opt_state, run.grads, norm = ts.adam_step(self.run_params(run), run.opt_state, run.grads, hp_arrays)
+        params, run.opt_state, run.grads, norm = ts.adam_step(
+            self.run_params(run), run.opt_state, run.grads, _hyper_params(hp)
+        )
         self.set_run_params(run, params)
         run.step += 1
         return {"grad_norm:mean": float(norm), "learning_rate:mean": adam.learning_rate}
