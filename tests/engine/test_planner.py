@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+import pytest
 
 from tx.engine.planner import RoundLimits, item_tokens, plan_round
 from tx.protocol import AdamParams, Datum, ForwardBackwardRequest, OptimStepRequest, WorkItem
@@ -85,3 +88,10 @@ def test_one_long_item_at_a_time_the_first_in_turn() -> None:
     assert plan_round([first, second], set(), RoundLimits(tokens=20)).long is first
     in_progress = RoundLimits(tokens=20, busy=frozenset({"x"}))  # run x's long item: no other starts
     assert plan_round([second], set(), in_progress).long is None
+
+
+def test_the_default_limits_shared_by_every_call_cannot_be_changed() -> None:
+    """plan_round's default RoundLimits is one instance shared by every call: a caller that could set a field on
+    it would change the limits of every later round planned without explicit ones."""
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RoundLimits().tokens = 5  # type: ignore[misc]
