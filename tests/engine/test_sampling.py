@@ -245,6 +245,10 @@ def test_stop_string_across_chunks_keeps_the_completing_tokens() -> None:
     both = StopChecker([1], ["</answer>"], _decode, max_tokens=20)
     assert both.check([0, 2, 3, 4, 5, 1], num_new=6) == Finish(5, "stop")
     assert both.check([0, 1, 2, 3, 4, 5], num_new=6) == Finish(2, "stop")
+    # One byte per token: the decoded window reaches back over every token of the string begun chunks ago.
+    spelled = StopChecker([], ["ababab"], _decode, max_tokens=20)
+    assert spelled.check([0, 1, 0, 1, 0], num_new=2) is None
+    assert spelled.check([0, 1, 0, 1, 0, 1], num_new=1) == Finish(6, "stop")
 
 
 def test_stop_param_forms() -> None:
