@@ -102,3 +102,28 @@ def test_fresh_state_keeps_gradients_in_the_params_dtype_unless_told_and_moments
     assert {g.dtype for g in grads.values()} == {jnp.dtype(jnp.float32)}
     moments = [x for x in jax.tree.leaves(opt_state) if getattr(x, "ndim", 0) > 0]
     assert moments and {x.dtype for x in moments} == {jnp.dtype(jnp.float32)}
+
+
+def test_stacks_with_a_layer_axis_are_resized_and_written_along_their_rank_axis_only() -> None:
+    """Stacks [L=2, S=3, in=5, R=4] / [L, S, R, out=6], as a scanned model holds them: cut to 2 or zero-padded to
+    8 rank columns, and one slot's [L, in, 3] / [L, 3, out] adapter written zero-padded to the stacks' rank
+    (every size distinct, so a wrong axis cannot pass)."""
+    rng = np.random.default_rng(2)
+    a_path, b_path = ("q", "lora_a"), ("q", "lora_b")
+    a, b = rng.normal(size=(2, 3, 5, 4)).astype(np.float32), rng.normal(size=(2, 3, 4, 6)).astype(np.float32)
+    stack = {a_path: jnp.asarray(a), b_path: jnp.asarray(b)}
+    cut = ts.resize_stacks(stack, 2, Q_ROLES)
+    np.testing.assert_array_equal(cut[a_path], a[..., :2])
+    np.testing.assert_array_equal(cut[b_path], b[..., :2, :])
+    wide = ts.resize_stacks(stack, 8, Q_ROLES)
+    assert wide[a_path].shape == (2, 3, 5, 8) and wide[b_path].shape == (2, 3, 8, 6)
+    np.testing.assert_array_equal(wide[a_path][..., :4], a)
+    np.testing.assert_array_equal(wide[b_path][..., :4, :], b)
+    assert not np.asarray(wide[a_path][..., 4:]).any() and not np.asarray(wide[b_path][..., 4:, :]).any()
+    run = {a_path: jnp.full((2, 5, 3), 7.0), b_path: jnp.full((2, 3, 6), 9.0)}
+    written = ts.write_slot_params(stack, jnp.int32(2), run, Q_ROLES)
+    got_a, got_b = np.asarray(written[a_path]), np.asarray(written[b_path])
+    assert (got_a[:, 2, :, :3] == 7).all() and not got_a[:, 2, :, 3:].any()
+    assert (got_b[:, 2, :3] == 9).all() and not got_b[:, 2, 3:].any()
+    np.testing.assert_array_equal(got_a[:, :2], a[:, :2])
+    np.testing.assert_array_equal(got_b[:, :2], b[:, :2])
