@@ -4,6 +4,7 @@ greedy sampling of the base model equals transformers' `generate`; so does a Qwe
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -148,6 +149,17 @@ def test_qwen3_5_moe_trains_exports_reports_balance_and_samples_as_generate(serv
         logits = exported.eval()(torch.tensor([tokens])).logits[0]
     want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(datum.loss_fn_inputs["target_tokens"])[:, None])
     np.testing.assert_allclose(trained.outputs[0]["logprobs"], want[:, 0].numpy(), atol=1e-4)
+    # ... and reads back into another slot as the same adapter (the fused experts split per expert again).
+    assert runner.io.peft_lora_config(tmp_path / "adapter") == dataclasses.replace(lora, seed=None)
+    slot, spare = runner.trainer.runs["run"].slot, runner.bank.allocate("reload", "sampler", 4, 8.0).slot
+    runner.io.load_peft(tmp_path / "adapter", runner.bank, spare)
+    read = [runner.bank.read_peft(s, 4, runner.bank.targets(), runner.io.cfg.stacked_layer) for s in (slot, spare)]
+    assert read[0].keys() == read[1].keys() and runner.bank.scale[spare].tolist() == runner.bank.scale[slot].tolist()
+    for name, (a, b) in read[0].items():
+        np.testing.assert_allclose(read[1][name][0], a, rtol=1e-6, err_msg=name)
+        np.testing.assert_allclose(read[1][name][1], b, rtol=1e-6, err_msg=name)
+    runner.bank.clear(spare)
+    runner.bank.release("reload")
     prompt = [3, 14, 15, 92, 65, 35]
     params = SamplingParams(max_tokens=8, temperature=0.0, stop_at_eos=False)
     sampled = run(runner, "sample", "s", SampleRequest(prompt=prompt, num_samples=1, params=params, base_model="m"))
