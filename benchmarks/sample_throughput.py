@@ -10,12 +10,16 @@ a rank-8 adapter in slot 1).
     python benchmarks/sample_throughput.py --full          # ... and B = 128
     python benchmarks/sample_throughput.py --qwen3-0.6b    # the Qwen3-0.6B shape (fp32)
     python benchmarks/sample_throughput.py --quick         # CI smoke, well under 20 s
+    python benchmarks/sample_throughput.py --shapes qwen3-moe-small gpt-oss-small --vs-transformers
     python benchmarks/sample_throughput.py --shapes qwen3-0.6b --dtype bfloat16 --batches 1 64 256 1024 \
         --variants lora --repeats 1                        # GPU sizes (benchmarks/device_check.sh)
 
 The sampler gets the backend's tuning (`tx.tuning`): on CPU the per-layer weight copy and cache, elsewhere
 the stacked weights and cache. All of a batch's prompts are admitted in one step (one prefill). Prints one
 JSON line per point as it finishes and one JSON document at the end (also written to --out when given).
+A MoE shape's decode ceiling counts the weights a token reads on average (its picked experts' share).
+`--vs-transformers`: transformers' batch-1 `generate` of the same shape (greedy, prefill included) timed
+in the same run, next to each shape's batch-1 points.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from tx.tuning import for_backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from limits import read_bandwidth  # noqa: E402
-from shapes import SHAPES, model_config, param_count, peak_memory, random_state  # noqa: E402
+from shapes import SHAPES, active_param_count, model_config, peak_memory, random_state  # noqa: E402
 
 LORA_RANK = 8
 LORA_SLOTS, MAX_RANK = 9, 32  # the server defaults (--max-lora-adapters 8, --max-lora-rank 32)
@@ -134,7 +138,7 @@ def rates(cfg: ModelConfig, batch: int, prompt: int, new: int, seconds: float) -
     attention layer) and `gb_per_s` (the weights once for the prefill and once per decode step, every step's
     read of its rows' keys and values). Over the machine's matmul peak and read bandwidth they add up to the
     point's fraction of its roofline (above 1 where weights stay in the caches between steps)."""
-    params, item = param_count(cfg), np.dtype(jax.numpy.dtype(cfg.dtype)).itemsize
+    params, item = active_param_count(cfg), np.dtype(jax.numpy.dtype(cfg.dtype)).itemsize
     attention = len(cfg.layers_holding("self_attn"))
     total = prompt + new
     attended = batch * total * (total + 1) // 2  # causal: token t attends t positions
@@ -153,7 +157,7 @@ def weight_bytes(shape: str, dtype: str) -> int:
     if cfg.linear is not None:
         lin = cfg.linear
         state = 2 * 4 * len(cfg.layers_holding("linear_attn")) * lin.value_heads * lin.key_head_dim * lin.value_head_dim
-    return np.dtype(jax.numpy.dtype(dtype)).itemsize * param_count(cfg) + state
+    return np.dtype(jax.numpy.dtype(dtype)).itemsize * active_param_count(cfg) + state
 
 
 def add_ceiling(results: list[dict], bandwidth: float) -> None:
@@ -164,6 +168,22 @@ def add_ceiling(results: list[dict], bandwidth: float) -> None:
             ceiling = bandwidth / weight_bytes(point["shape"], point["dtype"])
             point["ceiling_tokens_per_s"] = round(ceiling, 1)
             point["fraction_of_ceiling"] = round(point["tokens_per_s"] / ceiling, 3)
+
+
+def add_transformers(results: list[dict], args: argparse.Namespace) -> None:
+    """Each shape's transformers batch-1 generate tokens/s on its batch-1 points, and our speed-up over it."""
+    from vs_transformers import generate_tokens_per_s, hf_model
+
+    theirs: dict[str, float] = {}
+    for point in results:
+        if point["batch"] != 1:
+            continue
+        shape = point["shape"]
+        if shape not in theirs:
+            vocab = model_config(shape).vocab_size
+            theirs[shape] = generate_tokens_per_s(hf_model(shape), args.prompt, args.new_tokens, vocab)
+        point["transformers_tokens_per_s"] = round(theirs[shape], 1)
+        point["speedup_vs_transformers"] = round(point["tokens_per_s"] / theirs[shape], 2)
 
 
 def main() -> None:
@@ -179,6 +199,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2, help="steady runs per point (median)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--vs-transformers", action="store_true", help="also transformers' batch-1 generate")
     args = parser.parse_args()
     batches = args.batches or [1, 8, 32] + ([128] if args.full else [])
     if args.quick:
@@ -187,6 +208,8 @@ def main() -> None:
     results = [row for shape in shapes for row in measure(args, shape, batches, args.variants)]
     bandwidth = read_bandwidth(64 if args.quick else 512)
     add_ceiling(results, bandwidth)
+    if args.vs_transformers:
+        add_transformers(results, args)
     doc = dict(
         benchmark="sample_throughput",
         read_bandwidth_gb_s=round(bandwidth / 1e9, 2),

@@ -4,8 +4,11 @@ peak memory a benchmark process reached.
 `tiny` and `small` match the presets of the side-by-side bench scripts; `qwen3-0.6b` is the real
 Qwen3-0.6B architecture. The `qwen3.5-*` shapes are the hybrid family (Gated DeltaNet + gated full
 attention, 3 linear : 1 full): `qwen3.5-small` is `small`'s width over 8 layers, `qwen3.5-9b-d4` the
-published Qwen3.5-9B layer width over 4 layers (one group of the pattern). Weights are random normals:
-throughput does not depend on their values.
+published Qwen3.5-9B layer width over 4 layers (one group of the pattern). `qwen3-moe-small` and
+`gpt-oss-small` are mixture-of-experts models of `small`'s width and depth: 8 experts, 2 picked per token,
+each expert 768 wide, so a token's active MLP width (2 x 768) is `small`'s 1536; gpt-oss's layers alternate
+sliding-window (128) and full attention. Weights are random normals: throughput does not depend on their
+values (the routers spread tokens roughly evenly).
 """
 
 from __future__ import annotations
@@ -80,18 +83,61 @@ SHAPES: dict[str, dict[str, Any]] = {
         linear_key_head_dim=128,
         linear_value_head_dim=128,
     ),
+    "qwen3-moe-small": dict(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
+        moe_intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    ),
+    "gpt-oss-small": dict(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=128,
+    ),
 }
+COMMON = {"tie_word_embeddings": True, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6}
+GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0}
+GPT_OSS_ROPE |= {"truncate": False, "original_max_position_embeddings": 4096}
 
 
 def hf_config(shape: str) -> dict[str, Any]:
     """The `config.json` of a shape, as a Hugging Face checkpoint of its family would carry it."""
-    common = {"tie_word_embeddings": True, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6}
+    if shape.startswith("qwen3-moe"):
+        return {
+            **SHAPES[shape],
+            **COMMON,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "rope_theta": 1e6,
+        }
+    if shape.startswith("gpt-oss"):
+        return {
+            **SHAPES[shape],
+            **COMMON,
+            "architectures": ["GptOssForCausalLM"],
+            "model_type": "gpt_oss",
+            "rope_parameters": GPT_OSS_ROPE,
+        }
     if shape.startswith("qwen3.5"):
         rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
-        hf = {**SHAPES[shape], **common, "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text"}
+        hf = {**SHAPES[shape], **COMMON, "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text"}
         hf.update(linear_conv_kernel_dim=4, rope_parameters=rope, full_attention_interval=4)
         return hf
-    return {**SHAPES[shape], **common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rope_theta": 1e6}
+    return {**SHAPES[shape], **COMMON, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rope_theta": 1e6}
 
 
 def model_config(shape: str, dtype: str = "float32") -> ModelConfig:
@@ -135,11 +181,16 @@ def random_model(shape: str, lora: LoRASpec | None = None, dtype: str = "float32
     return nnx.merge(*random_state(model_config(shape, dtype), lora, seed))
 
 
-def param_count(cfg: ModelConfig) -> int:
-    """Weights a token's forward pass multiplies by (the base model's, adapters excluded), counted from the
-    model's own structure; a tied embedding counts once for the output projection."""
+def active_param_count(cfg: ModelConfig) -> int:
+    """Weights a token's forward pass multiplies by on average (the base model's, adapters excluded), counted
+    from the model's own structure: a tied embedding once, for the output projection; a routed expert's
+    weights at top_k / experts (a dense model's: all of them)."""
     _, params, _ = nnx.split(abstract_for(cfg, None, remat=False), nnx.Param, ...)
-    return sum(int(math.prod(var.shape)) for _, var in nnx.to_flat_state(params))
+    share = 1.0 if cfg.moe is None else cfg.moe.top_k / cfg.moe.experts
+    total = 0.0
+    for path, var in nnx.to_flat_state(params):
+        total += math.prod(var.shape) * (share if "experts" in map(str, path) else 1.0)
+    return int(total)
 
 
 def peak_memory() -> dict[str, Any]:

@@ -4,10 +4,13 @@ Runs the engine's Trainer in-process on a random-weight model (no server, no fil
 full fine-tuning, with the backend's tuning (`tx.tuning`), prints one JSON line per mode as it finishes and
 one JSON document at the end. `compile_s` is the first step's time minus a steady step's; FLOPs count
 the base weights a token multiplies by (6 per weight for full fine-tuning, 4 for LoRA: no weight
-gradient), reported as a fraction of the float32 matmul peak measured in the same run. Example:
+gradient; a MoE model's routed experts at top_k / experts, its active FLOPs), reported as a fraction of
+the float32 matmul peak measured in the same run. `--vs-transformers` times transformers' CPU
+implementation of the same shape and modes in the same run (`vs_transformers.train_point`). Example:
     python benchmarks/train_throughput.py --shape small --batch 8 --length 256
     python benchmarks/train_throughput.py --shape qwen3-0.6b --dtype bfloat16 --batch 16 --length 1024
     python benchmarks/train_throughput.py --shape qwen3.5-small --modes r8,full   # the hybrid family
+    python benchmarks/train_throughput.py --shape gpt-oss-small --modes r8,full --vs-transformers
     python benchmarks/train_throughput.py --quick          # CI smoke: tiny shape, 2 steps
 """
 
@@ -26,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from limits import matmul_peak  # noqa: E402
-from shapes import SHAPES, model_config, param_count, peak_memory, random_model  # noqa: E402
+from shapes import SHAPES, active_param_count, model_config, peak_memory, random_model  # noqa: E402
 
 from tx.engine.bank import AdapterBank  # noqa: E402
 from tx.engine.trainer import Trainer  # noqa: E402
@@ -65,7 +68,7 @@ def measure(shape: str, mode: str, batch: int, length: int, steps: int, max_rank
     steady = statistics.median(times[1:])
     tokens = batch * length
     cfg = model_config(shape)
-    flops = (6 if rank is None else 4) * param_count(cfg) * tokens
+    flops = (6 if rank is None else 4) * active_param_count(cfg) * tokens
     return {
         "shape": shape,
         "mode": mode,
@@ -82,6 +85,16 @@ def measure(shape: str, mode: str, batch: int, length: int, steps: int, max_rank
     }
 
 
+def add_transformers(row: dict, args: argparse.Namespace, peak: float) -> None:
+    """transformers' tokens/s and fraction of peak for the row's shape and mode, and our speed-up over it."""
+    from vs_transformers import train_point
+
+    theirs = train_point(row["shape"], row["mode"], args.batch, args.length, args.steps, peak)
+    row["transformers_tokens_per_s"] = theirs["tokens_per_s"]
+    row["transformers_fraction_of_peak"] = theirs["fraction_of_peak"]
+    row["speedup_vs_transformers"] = round(row["tokens_per_s"] / theirs["tokens_per_s"], 2)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="small", choices=list(SHAPES))
@@ -91,6 +104,7 @@ def main() -> None:
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--steps", type=int, default=3, help="steady-state steps after the first (median reported)")
     p.add_argument("--quick", action="store_true", help="tiny shape, batch 2 x 32, 1 step: a smoke test")
+    p.add_argument("--vs-transformers", action="store_true", help="also transformers' CPU model, same modes")
     args = p.parse_args()
     if args.quick:
         args.shape, args.batch, args.length, args.steps, args.modes = "tiny", 2, 32, 1, "r8,full"
@@ -101,6 +115,8 @@ def main() -> None:
     for mode in modes:
         results.append(measure(args.shape, mode, args.batch, args.length, args.steps, max_rank, args.dtype))
         results[-1]["fraction_of_peak"] = round(results[-1]["gflops_per_s"] / peak, 3)
+        if args.vs_transformers:
+            add_transformers(results[-1], args, peak)
         print(json.dumps(results[-1]), flush=True)
     out = {
         "benchmark": "train_throughput",

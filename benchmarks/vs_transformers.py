@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from limits import matmul_peak, read_bandwidth  # noqa: E402
-from shapes import SHAPES, model_config, param_count  # noqa: E402
+from shapes import COMMON, GPT_OSS_ROPE, SHAPES, active_param_count, model_config  # noqa: E402
 
 
 def hf_model(shape: str) -> torch.nn.Module:
@@ -27,12 +27,49 @@ def hf_model(shape: str) -> torch.nn.Module:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    common = dict(tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6)
+    common = dict(COMMON)
+    if shape.startswith("qwen3-moe"):
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(**SHAPES[shape], **common, rope_theta=1e6)).float()
+    if shape.startswith("gpt-oss"):
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        config = GptOssConfig(**SHAPES[shape], **common, rope_parameters=GPT_OSS_ROPE)
+        return GptOssForCausalLM(config).float()
     if shape.startswith("qwen3.5"):
         rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
         config = Qwen3_5TextConfig(**SHAPES[shape], **common, linear_conv_kernel_dim=4, rope_parameters=rope)
         return Qwen3_5ForCausalLM(config).float()
     return Qwen3ForCausalLM(Qwen3Config(**SHAPES[shape], **common)).float()
+
+
+def with_lora(model: torch.nn.Module, shape: str, rank: int) -> torch.nn.Module:
+    """A peft LoRA of `rank` on what SmolGym's train_attn + train_mlp adapt: every attention and MLP
+    projection, a MoE model's experts (peft retargets Qwen3-MoE's expert names onto its fused experts;
+    gpt-oss's are fused parameters, named as such)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    if shape.startswith("qwen3.5"):
+        targets += ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]
+    if shape.startswith("gpt-oss"):
+        fused = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        config = LoraConfig(r=rank, lora_alpha=32, target_modules=targets[:4], target_parameters=fused)
+        return get_peft_model(model, config)
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=32, target_modules=targets))
+
+
+def train_point(shape: str, mode: str, batch: int, length: int, steps: int, peak: float) -> dict[str, Any]:
+    """transformers' training tokens/s of `mode` (rN or full) and its fraction of `peak` on active FLOPs."""
+    model = hf_model(shape)
+    if mode != "full":
+        model = with_lora(model, shape, int(mode[1:]))
+    step = train_step_s(model, batch, length, steps, model_config(shape).vocab_size)
+    flops = (6 if mode == "full" else 4) * active_param_count(model_config(shape)) * batch * length
+    return dict(shape=shape, mode=mode, tokens_per_s=round(batch * length / step, 1),
+                gflops_per_s=round(flops / step / 1e9, 1),
+                fraction_of_peak=round(flops / step / 1e9 / peak, 3))  # fmt: skip
 
 
 def train_step_s(model: torch.nn.Module, batch: int, length: int, steps: int, vocab: int) -> float:
@@ -78,23 +115,11 @@ def main() -> None:
         args.shape, args.batch, args.length, args.steps, args.prompt, args.new_tokens = "tiny", 2, 32, 1, 16, 8
     torch.set_num_threads(torch.get_num_threads())  # all cores, as XLA uses them
     cfg = model_config(args.shape)
-    n = param_count(cfg)
+    n = active_param_count(cfg)  # a MoE model's decode reads only the picked experts, on average
     peak, bandwidth = matmul_peak(256 if args.quick else 2048), read_bandwidth(64 if args.quick else 512)
     rows = []
     for mode in args.modes.split(","):
-        model = hf_model(args.shape)
-        if mode != "full":
-            from peft import LoraConfig, get_peft_model
-
-            targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-            if args.shape.startswith("qwen3.5"):  # every projection, as SmolGym's train_attn + train_mlp adapt
-                targets += ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]
-            model = get_peft_model(model, LoraConfig(r=int(mode[1:]), lora_alpha=32, target_modules=targets))
-        step = train_step_s(model, args.batch, args.length, args.steps, cfg.vocab_size)
-        flops = (6 if mode == "full" else 4) * n * args.batch * args.length
-        rows.append(dict(shape=args.shape, mode=mode, tokens_per_s=round(args.batch * args.length / step, 1),
-                         gflops_per_s=round(flops / step / 1e9, 1),
-                         fraction_of_peak=round(flops / step / 1e9 / peak, 3)))  # fmt: skip
+        rows.append(train_point(args.shape, mode, args.batch, args.length, args.steps, peak))
         print(json.dumps(rows[-1]), flush=True)
     decode = generate_tokens_per_s(hf_model(args.shape), args.prompt, args.new_tokens, cfg.vocab_size)
     ceiling = bandwidth / (4 * n)
