@@ -1,6 +1,7 @@
 """Qwen3.5-MoE against transformers (torch CPU, float32): the config of both checkpoint classes (unknown
 fields rejected), logits of both, every weight's gradient (experts, router, shared expert and its gate
-included), LoRA gradients of the mixers and the shared expert against PEFT, and prefill + decode."""
+included), LoRA gradients of the mixers and the shared expert against PEFT, prefill + decode, packed rows, and
+meshes with an expert axis against one device."""
 
 from __future__ import annotations
 
@@ -244,3 +245,45 @@ def test_prefill_then_decode_matches_full_forward(models):
         logits, cache = step(tokens[:, i : i + 1], jnp.full((B, 1), i, jnp.int32), cache)
         outs.append(logits)
     np.testing.assert_allclose(np.concatenate(outs, axis=1), np.asarray(full), atol=1e-5, rtol=0)
+
+
+def test_packed_rows_match_each_sequence_alone(models):
+    """Attention, the DeltaNet's conv window and state and the routed experts all stay inside a segment."""
+    _, _, model, cfg = models()
+    seqs = [tokens_for(cfg, (1, n), seed=n)[0] for n in (5, 9, 3)]
+    tokens, segments, positions = (np.zeros((1, 20), np.int32) for _ in range(3))
+    start = 0
+    for i, s in enumerate(seqs):
+        tokens[0, start : start + len(s)], segments[0, start : start + len(s)] = s, i + 1
+        positions[0, start : start + len(s)] = np.arange(len(s))
+        start += len(s)
+    packed, _ = model(tokens, positions, segments)
+    start = 0
+    for s in seqs:
+        alone, _ = model(s[None])
+        np.testing.assert_allclose(np.asarray(packed[0, start : start + len(s)]), np.asarray(alone[0]), atol=1e-5)
+        start += len(s)
+
+
+@pytest.mark.parametrize("mesh_sizes", [dict(expert=4), dict(expert=2, tp=2)])
+def test_expert_mesh_matches_single_device(models, mesh_sizes):
+    """The routed experts split over the expert axis (the shared expert and the mixers on tp): one device's
+    logits and gradients."""
+    from tx.models.sharding import make_mesh
+
+    path, _, model, cfg = models()
+    sharded, _ = load_model(str(path), mesh=make_mesh(**mesh_sizes), progress=False)
+    experts = sharded.model.layers.mlp.experts.gate_proj.weight[...]
+    assert experts.sharding.spec[1] == "expert" and len(experts.sharding.device_set) == 4
+    tokens = tokens_for(cfg, (4, 12), seed=9)
+    expected, _ = jax.jit(lambda t: model(t))(tokens)
+    got, _ = jax.jit(lambda t: sharded(t))(tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5, rtol=0)
+
+    def loss(m):
+        return jnp.sum(jnp.tanh(m(tokens)[0]))
+
+    grads = [nnx.state(jax.jit(nnx.grad(loss))(m), nnx.Param) for m in (model, sharded)]
+    for (p, mine), (_, want) in zip(nnx.to_flat_state(grads[1]), nnx.to_flat_state(grads[0]), strict=True):
+        mine, want = np.asarray(mine.get_value()), np.asarray(want.get_value())  # summation order differs
+        assert np.abs(mine - want).max() <= 1e-4 * np.abs(want).max(), p
