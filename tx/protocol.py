@@ -312,6 +312,18 @@ class SampleResult:
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
+@dataclass(frozen=True)
+class LostState:
+    """What a restart lost: the in-memory state a dead engine process held, as its database knew it.
+
+    `runs`: run id -> the tinker path of its last training checkpoint (None: it saved none); their
+    weights, gradients and optimizer state are gone. `snapshots`: sampler snapshots that lived only in
+    memory (ephemeral saves). Named sampler checkpoints are on disk and reload, so they are not here."""
+
+    runs: dict[str, str | None] = field(default_factory=dict)
+    snapshots: frozenset[str] = frozenset()
+
+
 @dataclass
 class RequestError(Exception):
     """A failed request. `user` errors are the caller's fault; `server` errors are ours."""

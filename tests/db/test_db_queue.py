@@ -8,10 +8,11 @@ import time
 
 import numpy as np
 import pytest
+from sqlmodel import SQLModel
 
 from tx.db import Database, DuplicateRequestError, owner_of
 from tx.db.queue import SqlQueue
-from tx.db.tables import CheckpointRow, TrainingRunRow
+from tx.db.tables import CheckpointRow, SamplerSnapshotRow, TrainingRunRow
 from tx.protocol import (
     AdamParams,
     CheckpointResult,
@@ -23,7 +24,9 @@ from tx.protocol import (
     LoraConfig,
     OptimStepRequest,
     OptimStepResult,
+    Payload,
     RequestError,
+    SaveSamplerRequest,
     SaveStateRequest,
     UnloadModelRequest,
     UnloadResult,
@@ -273,13 +276,58 @@ def test_one_finish_many_records_every_outcome_and_its_linked_rows(db: Database)
         db.queue.submit(kind="forward_backward", payload=_fb([1, 2]), owner=OWNER, model_id=runs[0].id, rows=[extra])
 
 
-def test_recover_fails_unfinished_work(db: Database) -> None:
+def test_recover_fails_running_work_and_keeps_pending_work_queued(db: Database) -> None:
     running, pending = _submit(db, 1), _submit(db, 2)
     db.queue.claim(1)
-    assert db.queue.recover() == 2
-    for future_id in (running, pending):
-        row = db.queue.get(future_id)
-        assert row is not None and row.status == "failed" and "restarted" in (row.error or "")
+    found = db.queue.recover()
+    assert (found.failed, found.pending) == (1, 1)
+    row = db.queue.get(running)
+    assert row is not None and row.status == "failed" and "effect is unknown" in (row.error or "")
+    assert db.queue.get(pending).status == "pending"  # type: ignore[union-attr]
+    assert [item.future_id for item in db.queue.claim(10)] == [pending]  # and the new engine claims it
+
+
+def _ready_run(db: Database, run_id: str) -> TrainingRunRow:
+    run = TrainingRunRow(id=run_id, session_id=run_id, owner=OWNER, base_model="b", lora_rank=4)
+    made = db.queue.submit(kind="create_model", payload=CreateModelRequest("b", LoraConfig(4)), owner=OWNER,
+                           model_id=run.id, rows=[run])  # fmt: skip
+    db.queue.claim(10)
+    db.queue.complete(made.future_id, CreateModelResult(run.id))
+    return run
+
+
+def _saved(db: Database, run_id: str, name: str, kind: str = "training", path: str | None = "") -> str:
+    """A finished save of `run_id` (a training checkpoint, or a sampler snapshot when `kind` is sampler)."""
+    if kind == "sampler":
+        row: SQLModel = SamplerSnapshotRow(id=name, model_id=run_id, owner=OWNER, tinker_path=path)
+        payload: Payload = SaveSamplerRequest(name, tinker_path=path)
+    else:
+        tinker_path = f"tinker://{run_id}/weights/{name}"
+        row = CheckpointRow(run_id=run_id, checkpoint_id=f"weights/{name}", checkpoint_type="training", owner=OWNER,
+                            tinker_path=tinker_path, directory=f"/tmp/{name}")  # fmt: skip
+        payload = SaveStateRequest(name, f"/tmp/{name}", tinker_path)
+    save = db.queue.submit(kind=f"save_{'weights_for_sampler' if kind == 'sampler' else 'state'}", payload=payload,
+                           owner=OWNER, model_id=run_id, rows=[row])  # fmt: skip
+    db.queue.claim(10)
+    db.queue.complete(save.future_id, CheckpointResult(path=path or None))
+    return name
+
+
+def test_recover_reports_each_lost_run_with_its_newest_checkpoint_and_memory_only_snapshots(db: Database) -> None:
+    saved, bare = _ready_run(db, "s:train:0"), _ready_run(db, "n:train:0")
+    _saved(db, saved.id, "first")
+    time.sleep(0.01)
+    _saved(db, saved.id, "second")
+    ephemeral = _saved(db, saved.id, "s:sample:0", "sampler", None)
+    _saved(db, saved.id, "named", "sampler", "tinker://s:train:0/sampler_weights/named")
+    queued = TrainingRunRow(id="q:train:0", session_id="q", owner=OWNER, base_model="b", lora_rank=4)
+    db.queue.submit(kind="create_model", payload=CreateModelRequest("b", LoraConfig(4)), owner=OWNER,
+                    model_id=queued.id, rows=[queued])  # fmt: skip
+    lost = db.queue.recover().lost
+    assert lost.runs == {saved.id: "tinker://s:train:0/weights/second", bare.id: None}
+    assert lost.snapshots == {ephemeral}
+    assert db.records.get_run(queued.id, OWNER).status == "pending"  # type: ignore[union-attr]
+    assert db.queue.recover().lost.runs == {}  # unloaded now: a second restart loses nothing more
 
 
 def test_recover_fails_what_an_unfinished_request_would_have_created(db: Database) -> None:
@@ -295,12 +343,12 @@ def test_recover_fails_what_an_unfinished_request_would_have_created(db: Databas
     finished = _submit(db, 1)
     db.queue.claim(10)
     db.queue.complete(finished, ForwardBackwardResult([], {"loss:sum": 1.0}))
-    assert db.queue.recover() == 2
+    assert db.queue.recover().failed == 2
     assert db.records.get_run(run.id, OWNER).status == "failed"  # type: ignore[union-attr]
     assert db.records.get_checkpoint("q:train:0", "weights/c", OWNER, ready=False) is None
     assert {db.queue.get(f).status for f in (created.future_id, save.future_id)} == {"failed"}  # type: ignore[union-attr]
     assert db.queue.get(finished).status == "done"  # type: ignore[union-attr]
-    assert db.queue.recover() == 0
+    assert db.queue.recover().failed == 0
 
 
 def test_an_unreadable_stored_request_fails_alone_at_claim(db: Database) -> None:

@@ -1,8 +1,9 @@
 """`python -m tx.api`: start SmolGym (database, engine thread, HTTP server), in one process or split by role.
 
-`--role all` (default): open the database in the data directory (or `--database-url`), fail work left over
-from a previous run, build the model pool (`tx.engine.pool.ModelPool`) and preload every `--base-model`
-into it (each through `tx.engine.build_runner`), start the engine loop, then serve HTTP. Other models
+`--role all` (default): open the database in the data directory (or `--database-url`), settle work left over
+from a previous run (`recover`: what was running fails, what was queued runs unless it needed the dead
+process's memory, `tx.engine.restart`), build the model pool (`tx.engine.pool.ModelPool`) and preload every
+`--base-model` into it (each through `tx.engine.build_runner`), start the engine loop, then serve HTTP. Other models
 load on demand, as `--allow-models` and `--memory-budget-gb` permit. When the server is listening it prints
 how to point the `tinker` SDK at it and the line "SmolGym ready on http://HOST:PORT".
 
@@ -44,7 +45,7 @@ from tx.api.models import ModelCatalog, ModelRules, default_allow
 from tx.api.paths import checkpoints_root
 from tx.db import Database, open_database
 from tx.db.connect import is_postgres_url
-from tx.protocol import RequestError
+from tx.protocol import LostState, RequestError
 from tx.upload_store import GB, UploadStore
 
 if TYPE_CHECKING:
@@ -283,17 +284,23 @@ def _configure_logging(level: str) -> None:
         logging.getLogger("absl").setLevel(logging.WARNING)
 
 
-def recover(db: Database, data_dir: Path) -> None:
-    """Engine side only: fail the work a previous engine left unfinished and sweep half-written checkpoints.
+def recover(db: Database, data_dir: Path) -> LostState:
+    """Engine side only: settle the work a previous engine left (`SqlQueue.recover`: claimed work fails,
+    pending work stays queued) and sweep half-written checkpoints; returns the state that died with it.
     Never run by an API server: another process's engine may be running that work right now."""
-    failed = db.queue.recover()
-    if failed:
-        log.warning("failed %d requests left unfinished by a previous run", failed)
+    found = db.queue.recover()
+    if found.failed:
+        log.warning("failed %d requests that were running when the previous engine stopped", found.failed)
+    if found.pending:
+        log.info("%d requests queued before the restart will run now", found.pending)
+    if found.lost.runs:
+        log.warning("%d training runs lost their in-memory state at the restart", len(found.lost.runs))
     from tx.engine.checkpoints import sweep_partial  # JAX loads with the engine, not with the CLI
 
     swept = sweep_partial(checkpoints_root(data_dir))
     if swept:
         log.warning("removed %d half-written checkpoint directories left by a previous run", len(swept))
+    return found.lost
 
 
 def start_engine(
@@ -302,14 +309,16 @@ def start_engine(
     """`leader`: the plan channel to the follower processes (`tx.api.cluster.join`), or None on one."""
     from tx.engine.loop import Engine  # JAX loads with the engine, never in an API-only process
     from tx.engine.multihost import LeaderRunner
+    from tx.engine.restart import RestartGate
 
-    recover(db, Path(args.data_dir))
+    lost = recover(db, Path(args.data_dir))
     pool = build_pool(args)
     engines: list[Engine] = []  # filled below: a follower lost while the models load fails nothing
     if leader is not None:
         watch_followers(args, leader, db, lambda: engines[0].in_flight() if engines else [])
     catalog = build_catalog(args, pool, uploads)
-    engine = Engine(db.queue, LeaderRunner(pool, leader) if leader is not None else pool)
+    runner = LeaderRunner(pool, leader) if leader is not None else pool
+    engine = Engine(db.queue, RestartGate(runner, lost))  # in front of every process: lost work runs nowhere
     engines.append(engine)
     engine.start()
     return engine, pool, catalog

@@ -16,9 +16,10 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Table, text, update
+from sqlalchemy import Table, func, text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, SQLModel, col, select
 
@@ -30,6 +31,7 @@ from tx.db.tables import CheckpointRow, FutureRow, MetricRow, SamplerSnapshotRow
 from tx.protocol import (
     CheckpointResult,
     ForwardBackwardResult,
+    LostState,
     OptimStepResult,
     Payload,
     RequestError,
@@ -40,6 +42,7 @@ from tx.protocol import (
 log = logging.getLogger("tx.db")
 
 FINISHED = ("done", "failed")
+RUNNING_AT_RESTART = "the server stopped while this request was running, so its effect is unknown; it was not run again"
 
 
 def _table(model: type[SQLModel]) -> Table:
@@ -54,6 +57,15 @@ _LINKED = (RUNS, CHECKPOINTS, _table(SamplerSnapshotRow))
 # The kinds of the many requests of every step; they bring no rows into existence (`submit` refuses them
 # any), so finishing them flips no linked rows.
 UNLINKED_KINDS = frozenset({"sample", "forward", "forward_backward", "optim_step", "unload_model"})
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What `SqlQueue.recover` found: requests failed (they were running), requests left queued, state lost."""
+
+    failed: int
+    pending: int
+    lost: LostState
 
 
 class SqlQueue:
@@ -223,19 +235,44 @@ class SqlQueue:
         row.status, row.payload, row.completed_at = "failed", None, time.time()
         row.error, row.error_category = error.message, error.category
 
-    def recover(self) -> int:
-        """Fail work left unfinished by a previous server process; its in-memory state is gone."""
+    def recover(self) -> Recovery:
+        """Start of a new engine: settle what the previous engine process left. Work it had claimed
+        (`running`: maybe half done, its effect unknown) fails, with what it would have created; `pending`
+        work stays queued and runs now. Every `ready` run becomes `unloaded`: its state lived in that
+        process. Which queued requests needed that state is the engine's call (`tx.engine.restart`), from
+        the returned `LostState`."""
         with self.write_lock.held(), Session(self.engine) as session:
-            stale = session.exec(select(FutureRow).where(col(FutureRow.status).in_(["pending", "running"]))).all()
+            stale = session.exec(select(FutureRow).where(FutureRow.status == "running")).all()
             for row in stale:
                 row.status, row.payload, row.completed_at = "failed", None, time.time()
-                row.error, row.error_category = "the server restarted before this request finished", "server"
+                row.error, row.error_category = RUNNING_AT_RESTART, "server"
             self._mark_linked(session, [str(row.id) for row in stale], "failed")
-            session.execute(
-                update(TrainingRunRow).where(col(TrainingRunRow.status) == "ready").values(status="unloaded")
-            )
+            lost = LostState(self._lost_runs(session), self._lost_snapshots(session))
+            session.execute(RUNS.update().where(RUNS.c.status == "ready").values(status="unloaded"))
             session.commit()
-        return len(stale)
+            queued = select(func.count()).select_from(FutureRow).where(FutureRow.status == "pending")
+            pending = session.exec(queued).one()
+        return Recovery(len(stale), int(pending), lost)
+
+    @staticmethod
+    def _lost_runs(session: Session) -> dict[str, str | None]:
+        """Every ready run -> the tinker path of its newest ready training checkpoint (or None)."""
+        runs = session.exec(select(TrainingRunRow.id).where(TrainingRunRow.status == "ready")).all()
+        saved = session.exec(
+            select(CheckpointRow.run_id, CheckpointRow.tinker_path)
+            .where(CheckpointRow.status == "ready", CheckpointRow.checkpoint_type == "training")
+            .order_by(col(CheckpointRow.created_at), col(CheckpointRow.id))
+        ).all()
+        newest = dict(saved)  # later rows overwrite earlier ones
+        return {run: newest.get(run) for run in runs}
+
+    @staticmethod
+    def _lost_snapshots(session: Session) -> frozenset[str]:
+        """Ready sampler snapshots with no checkpoint on disk (ephemeral saves): they lived in memory only."""
+        query = select(SamplerSnapshotRow.id).where(
+            SamplerSnapshotRow.status == "ready", col(SamplerSnapshotRow.tinker_path).is_(None)
+        )
+        return frozenset(session.exec(query).all())
 
     # ---- helpers ------------------------------------------------------------------------------
 
