@@ -4,7 +4,8 @@ Two `python -m tx.api` processes with two simulated CPU devices each form one fs
 across the processes, tp within each); the reference is an in-process server on four devices with the same
 mesh. The SDK's supervised loop, save_state / load_state, a named PEFT export and a seeded sample must give
 the same losses, logprobs, adapter tensors and tokens. Then the follower is killed while a request is in
-flight: the leader must fail it naming the lost process and exit with status 3 within the bound.
+flight and another is queued: the leader must fail the first naming the lost process and exit with status 3
+within the bound, leaving the second queued; both processes started again run it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def launch(
            "--process-id", str(process_id), "--base-model", str(model_dir), "--data-dir", str(data_dir),
            "--port", str(port), *FLAGS]  # fmt: skip
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(cmd, stdout=log.open("a"), stderr=subprocess.STDOUT, env=env)
 
 
 def workload(url: str, base_model: str, data_dir: Path) -> dict:
@@ -89,23 +90,38 @@ class TwoProcesses:
     model_dir: Path
 
 
+def start_pair(model_dir: Path, data_dir: Path, tmp: Path) -> TwoProcesses:
+    """Both processes on `data_dir` (appending to their logs in `tmp`), once both say they are ready."""
+    port, coordinator = _free_port(), f"127.0.0.1:{_free_port()}"
+    logs = [tmp / "leader.log", tmp / "follower.log"]
+    follower = launch(1, coordinator, model_dir, data_dir, 0, logs[1])
+    leader = launch(0, coordinator, model_dir, data_dir, port, logs[0])
+    pair = TwoProcesses(leader, follower, logs, f"http://127.0.0.1:{port}", data_dir, model_dir)
+    try:
+        wait_ready(leader, logs[0], "SmolGym ready on")
+        wait_ready(follower, logs[1], "SmolGym follower ready")
+    except BaseException:
+        stop_pair(pair)
+        raise
+    return pair
+
+
+def stop_pair(pair: TwoProcesses) -> None:
+    for proc in (pair.leader, pair.follower):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+
+
 @pytest.fixture(scope="module")
 def two(hf_models, tmp_path_factory) -> Iterator[TwoProcesses]:
     model_dir, _ = hf_models("qwen3", 2, False)
     tmp = tmp_path_factory.mktemp("multihost")
-    data_dir, port, coordinator = tmp / "data", _free_port(), f"127.0.0.1:{_free_port()}"
-    logs = [tmp / "leader.log", tmp / "follower.log"]
-    follower = launch(1, coordinator, model_dir, data_dir, 0, logs[1])
-    leader = launch(0, coordinator, model_dir, data_dir, port, logs[0])
+    pair = start_pair(model_dir, tmp / "data", tmp)
     try:
-        wait_ready(leader, logs[0], "SmolGym ready on")
-        wait_ready(follower, logs[1], "SmolGym follower ready")
-        yield TwoProcesses(leader, follower, logs, f"http://127.0.0.1:{port}", data_dir, model_dir)
+        yield pair
     finally:
-        for proc in (leader, follower):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-            proc.wait(30)
+        stop_pair(pair)
 
 
 def test_two_processes_compute_what_one_does(two: TwoProcesses, tmp_path):
@@ -125,19 +141,29 @@ def test_two_processes_compute_what_one_does(two: TwoProcesses, tmp_path):
     np.testing.assert_allclose(got["sample_logprobs"], want["sample_logprobs"], rtol=1e-5, atol=1e-6)
 
 
-def test_a_lost_follower_fails_in_flight_work_and_stops_the_leader(two: TwoProcesses):
-    """The follower stops (SIGSTOP) so that the leader's next request is in flight for certain, then dies."""
+def test_a_lost_follower_fails_in_flight_work_and_stops_the_leader_and_queued_work_runs_after_a_restart(
+    two: TwoProcesses,
+):
+    """The follower stops (SIGSTOP) so that the leader's next request is in flight for certain, and a sample
+    queued behind it waits (the engine is stuck in that request's collective); then the follower dies. Both
+    processes started again on the same data directory run the queued sample."""
     import tinker
+    from tinker import types
 
     service = tinker.ServiceClient(base_url=two.url, api_key=KEY)
     db, log = two.data_dir / "smolgym.db", two.logs[0]
-    running_before = len(futures(db, "running"))
+    running_before, samples_done = len(futures(db, "running")), futures(db, "done").count("sample")
+    sampling = service.create_sampling_client(base_model=str(two.model_dir)).result()
     two.follower.send_signal(signal.SIGSTOP)
     service.create_lora_training_client(base_model=str(two.model_dir), rank=4)  # not awaited: never answered
     deadline = time.monotonic() + 60
     while len(futures(db, "running")) == running_before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert len(futures(db, "running")) > running_before, "the request never reached the engine"
+    sampling.sample(types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(max_tokens=3, seed=2))
+    while futures(db, "pending") != ["sample"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert futures(db, "pending") == ["sample"], futures(db, "running")
     two.follower.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     rc = two.leader.wait(LOST_BOUND_S)
@@ -145,6 +171,16 @@ def test_a_lost_follower_fails_in_flight_work_and_stops_the_leader(two: TwoProce
     lost = [error for error in futures(db, "failed") if "engine process 1 of 2 is gone" in error]
     assert len(lost) == 1 and not futures(db, "running"), futures(db, "failed")
     assert "engine process 1 of 2 is gone" in log.read_text()
+    assert futures(db, "pending") == ["sample"]  # the exit left the queued work queued
+
+    again = start_pair(two.model_dir, two.data_dir, log.parent)
+    try:
+        deadline = time.monotonic() + 120
+        while (futures(db, "pending") or futures(db, "running")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert futures(db, "done").count("sample") == samples_done + 1, (futures(db, "failed"), log.read_text()[-3000:])
+    finally:
+        stop_pair(again)
 
 
 def futures(db: Path, status: str) -> list[str]:
