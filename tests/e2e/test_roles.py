@@ -1,9 +1,9 @@
 """Split roles on one Postgres: two `--role api` servers and one `--role engine`, real subprocesses.
 
-Six SDK clients train and sample through two balancers (one prefers server A, the other B); server A is
-killed (SIGKILL) mid-run, its clients' connections drop and their retries land on B, and A is started
-again while work is in flight (an API server must not fail work as left over). Every request must
-complete exactly once: the futures table holds each client's calls once each, all `done`.
+Sixteen SDK clients (threads, tiny requests) train and sample through two balancers (one prefers server A,
+the other B); server A is killed (SIGKILL) mid-run, its clients' connections drop and their retries land on
+B, and A is started again while work is in flight (an API server must not fail work as left over). Every
+request must complete exactly once: the futures table holds each client's calls once each, all `done`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from e2e.conftest import KEY, POSTGRES_URL, _free_port, postgres_schema_url
 from e2e.tcp_proxy import FailoverProxy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not POSTGRES_URL, reason="set SMOLGYM_TEST_POSTGRES_URL")]
-CLIENTS, STEPS = 6, 4
+CLIENTS, STEPS = 16, 3
 
 
 def launch(role: str, url: str, data_dir: Path, model_dir: Path, log: Path, port: int = 0) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tx.api", "--role", role, "--database-url", url, "--data-dir", str(data_dir),
-           "--base-model", str(model_dir), "--port", str(port), "--max-lora-adapters", "16",
+           "--base-model", str(model_dir), "--port", str(port), "--max-lora-adapters", "32",
            "--max-lora-rank", "8", "--decode-rows", "8", "--max-seq-len", "128", "--log-level", "warning"]  # fmt: skip
     return subprocess.Popen(
         cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -125,7 +125,7 @@ def test_two_api_servers_one_engine_survive_a_killed_server(hf_models, tmp_path)
         for model_id, losses, _seconds, lengths in results.values():
             assert kinds[model_id] == {"create_model": 1, "forward_backward": STEPS, "optim_step": STEPS,
                                        "save_weights_for_sampler": 1}, kinds[model_id]  # fmt: skip
-            assert losses[-1] < losses[0] and lengths == [4, 4]
+            assert losses[-1] < losses[0] and len(lengths) == 2 and all(1 <= n <= 4 for n in lengths)  # EOS may stop
         samples = [k for k in kinds.values() if "sample" in k]  # keyed by sampling session
         assert samples == [{"sample": 1}] * CLIENTS, kinds
         # long polls on an API server are woken by the engine's NOTIFY: without it every step (two polls)
