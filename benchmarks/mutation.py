@@ -53,11 +53,18 @@ TARGETS: dict[str, list[str]] = {
     "tx/engine/sampling.py": ["tests/engine/test_sampling.py"],
     "tx/engine/weights_io.py": [
         "tests/engine/test_weights_io.py",
-        "tests/engine/test_moe_serving.py",  # the fused-experts export of Qwen3.5-MoE, loaded in peft
+        "tests/engine/test_moe_serving.py",  # Qwen3.5-MoE's fused-experts export, loaded in peft and read back
         "tests/e2e/test_peft_export.py",
         "tests/e2e/test_full_finetune.py",
     ],
     "tx/lora/peft.py": ["tests/lora/test_peft.py"],
+    # An adapter slot's PEFT reads and writes (what weights_io did before AdapterBank took them over).
+    "tx/lora/adapters.py": [
+        "tests/lora/test_slots.py",
+        "tests/lora/test_multi_adapter.py",
+        "tests/engine/test_moe_serving.py",  # a fused-experts export read back into another slot
+        "tests/e2e/test_peft_export.py",
+    ],
     "tx/engine/planner.py": ["tests/engine/test_planner.py"],
     "tx/db/queue.py": ["tests/db/test_db_queue.py", "tests/db/test_db_engine_loop.py"],
     "tx/api/validate.py": ["tests/api/test_validate_rules.py", "tests/api/test_api_validation.py"],
