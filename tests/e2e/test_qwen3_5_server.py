@@ -69,7 +69,9 @@ def test_lora_on_both_layer_kinds_exports_to_peft_samples_and_merges(qwen3_5, tm
     service, base_model, _, data_dir = qwen3_5
     client = service.create_lora_training_client(base_model=base_model, rank=4).result()
     data = batch(1)
-    train(client, data, 3, 1e-2)
+    # 1e-2 on every projection made the tiny model so sensitive that fp32 rounding alone (torch's merged model
+    # against its unmerged PEFT model) reached 2e-3 in the logits; 2e-3 still moves the logprobs by > 1 nat
+    train(client, data, 3, 2e-3)
     path = client.save_weights_for_sampler("trained").result().path
     directory = checkpoint_dir(data_dir, parse_tinker_path(path))
     config = json.loads((directory / "adapter_config.json").read_text())
