@@ -55,9 +55,10 @@ def proto_body(model_id: str, seq_id: int, tokens: list[int], targets: list[int]
 
 @contextlib.contextmanager
 def running_server(
-    runner: Runner, model: ModelInfo, data_dir: Path, hold_s: float = 1.0
+    runner: Runner, model: ModelInfo, data_dir: Path, hold_s: float = 1.0, **settings: Any
 ) -> Iterator[tuple[str, Database]]:
-    """Database + engine thread + uvicorn on a free loopback port, torn down on exit."""
+    """Database + engine thread + uvicorn on a free loopback port, torn down on exit; `settings` are
+    further `Settings` fields (e.g. max_runs)."""
     db = open_database(None, data_dir)
     db.queue.recover()
     engine = Engine(db.queue, runner)
@@ -65,7 +66,7 @@ def running_server(
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
-    app = create_app(Settings(data_dir=data_dir, retrieve_hold_s=hold_s), db, model)
+    app = create_app(Settings(data_dir=data_dir, retrieve_hold_s=hold_s, **settings), db, model)
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()

@@ -183,3 +183,28 @@ def test_expired_download_links_are_purged(tmp_path) -> None:  # type: ignore[no
     for _ in range(5):
         ctx.issue_download(tmp_path)
     assert len(ctx.downloads) == 1  # each new link purged the expired ones before it
+
+
+def test_max_runs_bounds_the_servers_live_runs_and_a_retry_is_not_a_new_run(tmp_path) -> None:
+    from api.fake_runner import FakeRunner
+    from api.harness import running_server
+
+    with running_server(FakeRunner(), MODEL, tmp_path, max_runs=2) as (url, _db):
+        client = httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": KEY}, timeout=30)
+        other = httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": OTHER_KEY}, timeout=30)
+
+        def create(http: httpx.Client, session_id: str, seq: int) -> httpx.Response:
+            body = {"session_id": session_id, "model_seq_id": seq, "base_model": MODEL.base_model,
+                    "lora_config": {"rank": 4}}  # fmt: skip
+            return http.post("/create_model", json=body)
+
+        mine = client.post("/create_session", json={"tags": []}).json()["session_id"]
+        theirs = other.post("/create_session", json={"tags": []}).json()["session_id"]
+        first = create(client, mine, 0).json()
+        wait(client, first["request_id"])
+        second = create(other, theirs, 0).json()  # another owner's run counts against the same server
+        assert create(other, theirs, 0).json()["request_id"] == second["request_id"]  # a retry, not a third run
+        refused = create(client, mine, 1)
+        assert refused.status_code == 400 and "--max-runs 2" in refused.json()["detail"]
+        wait(client, client.post("/unload_model", json={"model_id": first["model_id"]}).json()["request_id"])
+        assert create(client, mine, 1).status_code == 200  # an unloaded run gives its place back

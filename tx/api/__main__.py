@@ -355,7 +355,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     api_keys = load_api_keys(args.api_key, args.api_keys_file)
     db = open_database(args.database_url, args.data_dir, session_timeout_s=args.session_timeout)
-    settings = Settings(data_dir=Path(args.data_dir), api_keys=api_keys, max_upload_bytes=int(args.max_upload_gb * GB))
+    settings = Settings(
+        data_dir=Path(args.data_dir),
+        api_keys=api_keys,
+        max_upload_bytes=int(args.max_upload_gb * GB),
+        max_runs=args.max_runs,
+    )
     uploads = UploadStore(settings.data_dir / "uploads", settings.max_upload_bytes)
     engine = pool = None
     try:

@@ -44,6 +44,7 @@ class Settings:
     max_topk_logprobs: int = 20
     archive_url_ttl_s: float = 3600.0
     max_upload_bytes: int = int(DEFAULT_MAX_UPLOAD_GB * GB)
+    max_runs: int = 256  # training runs per server, every model and owner together (--max-runs)
 
 
 @dataclass

@@ -54,6 +54,7 @@ def create_model(body: schemas.CreateModelRequest, ctx: Ctx, owner: Owner) -> di
             lora_in.rank, DEFAULT_LORA_ALPHA, lora_in.train_attn, lora_in.train_mlp, lora_in.train_unembed, lora_in.seed
         )
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
+    check_run_limit(ctx, model_id, owner)
     run = new_run_row(model_id, body.session_id, owner, body.base_model, lora, body.user_metadata or {})
     payload = CreateModelRequest(body.base_model, lora, body.user_metadata or {}, served.model_dir)
     return submit(
@@ -65,6 +66,16 @@ def create_model(body: schemas.CreateModelRequest, ctx: Ctx, owner: Owner) -> di
         dedupe_key=f"{model_id}#create",
         rows=[run],
     )
+
+
+def check_run_limit(ctx: AppContext, model_id: str, owner: str) -> None:
+    """--max-runs bounds the server's live training runs; a retried create of an accepted run is not a new one."""
+    limit = ctx.settings.max_runs
+    if ctx.db.records.get_run(model_id, owner) is None and ctx.db.records.live_run_count() >= limit:
+        user_error(
+            f"this server already holds {limit} training runs, its limit (--max-runs {limit}); unload a run, "
+            f"let an idle session expire, or restart the server with a higher --max-runs"
+        )
 
 
 def new_run_row(

@@ -19,7 +19,7 @@ from sqlmodel import SQLModel
 from tx.api import schemas, validate
 from tx.api.context import AppContext, Ctx, Owner, not_found, run_model, submit, usable_run, user_error
 from tx.api.paths import TinkerPath, checkpoint_dir, parse_tinker_path
-from tx.api.routes_train import new_run_row
+from tx.api.routes_train import check_run_limit, new_run_row
 from tx.db.tables import CheckpointRow, SamplerSnapshotRow, SamplingSessionRow, TrainingRunRow, utcnow
 from tx.protocol import (
     DEFAULT_LORA_ALPHA,
@@ -189,6 +189,7 @@ def _create_from_state(
     served = run_model(ctx, source)
     lora = _run_lora(source)
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
+    check_run_limit(ctx, model_id, owner)
     meta = body.user_metadata or {}
     run = new_run_row(model_id, body.session_id, owner, source.base_model, lora, meta)
     payload = LoadWeightsRequest(

@@ -177,6 +177,12 @@ class Records:
             row = session.get(TrainingRunRow, model_id)
         return row if row is not None and row.owner == owner else None
 
+    def live_run_count(self) -> int:
+        """Training runs holding engine memory on this server, every owner and model: created or being created."""
+        live = col(TrainingRunRow.status).in_(["pending", "ready"])
+        with self._session() as session:
+            return int(session.exec(select(func.count()).select_from(TrainingRunRow).where(live)).one())
+
     def list_runs(self, owner: str, limit: int, offset: int) -> tuple[list[TrainingRunRow], int]:
         visible = (TrainingRunRow.owner == owner, col(TrainingRunRow.status).in_(["ready", "unloaded"]))
         query = select(TrainingRunRow).where(*visible).order_by(col(TrainingRunRow.created_at).desc())
