@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from models.packing import assert_packed_rows_match_alone, tokens_for
 
 from tx.models.causal_lm import KVCache
 from tx.models.sharding import make_mesh
@@ -15,10 +16,6 @@ def qwen(hf_models):
     path, _ = hf_models("qwen3", 2, False)
     model, cfg = load_model(str(path), progress=False)
     return path, model, cfg
-
-
-def tokens_for(cfg, shape, seed=0):
-    return np.random.RandomState(seed).randint(0, cfg.vocab_size, shape).astype(np.int32)
 
 
 @pytest.mark.parametrize("data,fsdp,tp", [(1, 2, 4), (1, 8, 1), (1, 1, 2), (2, 2, 2)])
@@ -74,17 +71,4 @@ def test_packed_rows_match_each_sequence_alone(qwen):
     _, model, cfg = qwen
     lengths = [5, 8, 3]
     seqs = [tokens_for(cfg, (1, n), seed=n)[0] for n in lengths]
-    T = 20
-    tokens, segments, positions = np.zeros((1, T), np.int32), np.zeros((1, T), np.int32), np.zeros((1, T), np.int32)
-    start = 0
-    for i, s in enumerate(seqs):
-        tokens[0, start : start + len(s)] = s
-        segments[0, start : start + len(s)] = i + 1
-        positions[0, start : start + len(s)] = np.arange(len(s))
-        start += len(s)
-    packed, _ = model(tokens, positions, segments)
-    start = 0
-    for s in seqs:
-        alone, _ = model(s[None])
-        np.testing.assert_allclose(np.asarray(packed[0, start : start + len(s)]), np.asarray(alone[0]), atol=1e-5)
-        start += len(s)
+    assert_packed_rows_match_alone(model, seqs, width=20)

@@ -14,6 +14,7 @@ import torch
 from conftest import QWEN3_5_TEXT as TEXT
 from conftest import build_qwen3_5 as build
 from flax import nnx
+from models.packing import assert_packed_rows_match_alone, tokens_for
 from safetensors.numpy import load_file, save_file
 
 from tx.lora.layers import LoRASpec
@@ -35,10 +36,6 @@ def models(tmp_path_factory):
         return cache[multimodal, tied]
 
     return get
-
-
-def tokens_for(cfg: ModelConfig, shape, seed=0) -> np.ndarray:
-    return np.random.RandomState(seed).randint(0, cfg.vocab_size, shape).astype(np.int32)
 
 
 @pytest.mark.parity
@@ -152,19 +149,7 @@ def test_packed_rows_match_each_sequence_alone(models):
     model, cfg = load_model(str(path), progress=False)
     lengths = [5, 70, 9]
     seqs = [tokens_for(cfg, (1, n), seed=n)[0] for n in lengths]
-    T = 96
-    tokens, segments, positions = (np.zeros((1, T), np.int32) for _ in range(3))
-    start = 0
-    for i, s in enumerate(seqs):
-        tokens[0, start : start + len(s)], segments[0, start : start + len(s)] = s, i + 1
-        positions[0, start : start + len(s)] = np.arange(len(s))
-        start += len(s)
-    packed, _ = model(tokens, positions, segments)
-    start = 0
-    for s in seqs:
-        alone, _ = model(s[None])
-        np.testing.assert_allclose(np.asarray(packed[0, start : start + len(s)]), np.asarray(alone[0]), atol=1e-5)
-        start += len(s)
+    assert_packed_rows_match_alone(model, seqs, width=96)
 
 
 def test_missing_tensor_of_a_linear_layer_is_named(models, tmp_path):

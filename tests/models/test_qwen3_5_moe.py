@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import QWEN3_5_TEXT, QWEN3_5_VISION
 from flax import nnx
+from models.packing import assert_packed_rows_match_alone, tokens_for
 
 from tx.lora import adapters, peft
 from tx.lora.layers import LoRASpec
@@ -67,10 +68,6 @@ def models(tmp_path_factory):
         return cache[multimodal]
 
     return get
-
-
-def tokens_for(cfg: ModelConfig, shape, seed=0) -> np.ndarray:
-    return np.random.RandomState(seed).randint(0, cfg.vocab_size, shape).astype(np.int32)
 
 
 def test_config_reads_the_moe_section_and_rejects_unknown_fields(models):
@@ -251,18 +248,7 @@ def test_packed_rows_match_each_sequence_alone(models):
     """Attention, the DeltaNet's conv window and state and the routed experts all stay inside a segment."""
     _, _, model, cfg = models()
     seqs = [tokens_for(cfg, (1, n), seed=n)[0] for n in (5, 9, 3)]
-    tokens, segments, positions = (np.zeros((1, 20), np.int32) for _ in range(3))
-    start = 0
-    for i, s in enumerate(seqs):
-        tokens[0, start : start + len(s)], segments[0, start : start + len(s)] = s, i + 1
-        positions[0, start : start + len(s)] = np.arange(len(s))
-        start += len(s)
-    packed, _ = model(tokens, positions, segments)
-    start = 0
-    for s in seqs:
-        alone, _ = model(s[None])
-        np.testing.assert_allclose(np.asarray(packed[0, start : start + len(s)]), np.asarray(alone[0]), atol=1e-5)
-        start += len(s)
+    assert_packed_rows_match_alone(model, seqs, width=20)
 
 
 @pytest.mark.parametrize("mesh_sizes", [dict(expert=4), dict(expert=2, tp=2)])

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from models.packing import assert_packed_rows_match_alone, tokens_for
 from safetensors.numpy import load_file, save_file
 
 from tx.lora.layers import LoRASpec
@@ -81,10 +82,6 @@ def loaded(hf_moe):
         return cache[form]
 
     return get
-
-
-def tokens_for(cfg: ModelConfig, shape, seed=0) -> np.ndarray:
-    return np.random.RandomState(seed).randint(0, cfg.vocab_size, shape).astype(np.int32)
 
 
 def reference(ref, tokens: np.ndarray) -> np.ndarray:
@@ -205,18 +202,7 @@ def peft_factor(modules: dict, name: str, which: str) -> torch.nn.Module:
 def test_packed_rows_match_each_sequence_alone(loaded):
     model, cfg = loaded()
     seqs = [tokens_for(cfg, (1, n), seed=n)[0] for n in (5, 8, 3)]
-    tokens, segments, positions = (np.zeros((1, 20), np.int32) for _ in range(3))
-    start = 0
-    for i, s in enumerate(seqs):
-        tokens[0, start : start + len(s)], segments[0, start : start + len(s)] = s, i + 1
-        positions[0, start : start + len(s)] = np.arange(len(s))
-        start += len(s)
-    packed, _ = model(tokens, positions, segments)
-    start = 0
-    for s in seqs:
-        alone, _ = model(s[None])
-        np.testing.assert_allclose(np.asarray(packed[0, start : start + len(s)]), np.asarray(alone[0]), atol=1e-5)
-        start += len(s)
+    assert_packed_rows_match_alone(model, seqs, width=20)
 
 
 @pytest.mark.parametrize("per_layer_weights", [False, True])
