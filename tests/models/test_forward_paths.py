@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from models.packing import assert_packed_rows_match_alone, tokens_for
+from models.family_checks import assert_packed_rows_match_alone, tokens_for
 
 from tx.models.causal_lm import KVCache
 from tx.models.sharding import make_mesh

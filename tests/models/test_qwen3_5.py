@@ -14,7 +14,7 @@ import torch
 from conftest import QWEN3_5_TEXT as TEXT
 from conftest import build_qwen3_5 as build
 from flax import nnx
-from models.packing import assert_packed_rows_match_alone, tokens_for
+from models.family_checks import assert_packed_rows_match_alone, tokens_for
 from safetensors.numpy import load_file, save_file
 
 from tx.lora.layers import LoRASpec

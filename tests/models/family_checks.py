@@ -24,3 +24,22 @@ def assert_packed_rows_match_alone(model: Any, seqs: list[np.ndarray], width: in
     for s, start in zip(seqs, starts, strict=True):
         alone, _ = model(s[None])
         np.testing.assert_allclose(np.asarray(packed[0, start : start + len(s)]), np.asarray(alone[0]), atol=atol)
+
+
+def assert_sharded_matches_one_device(model: Any, sharded: Any, tokens: np.ndarray) -> None:
+    """A model laid out over a mesh gives one device's logits and parameter gradients (up to summation order)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    expected, _ = jax.jit(lambda t: model(t))(tokens)
+    got, _ = jax.jit(lambda t: sharded(t))(tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5, rtol=0)
+
+    def loss(m: Any) -> Any:
+        return jnp.sum(jnp.tanh(m(tokens)[0]))
+
+    grads = [nnx.state(jax.jit(nnx.grad(loss))(m), nnx.Param) for m in (model, sharded)]
+    for (path, mine), (_, want) in zip(nnx.to_flat_state(grads[1]), nnx.to_flat_state(grads[0]), strict=True):
+        mine, want = np.asarray(mine.get_value()), np.asarray(want.get_value())
+        assert np.abs(mine - want).max() <= 1e-4 * np.abs(want).max(), path
