@@ -157,3 +157,28 @@ def build_gpt_oss(path: Path, seed: int = 0):
                 p.normal_(0.0, 0.3)
     ref.save_pretrained(path)
     return ref
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sdk_heartbeats_end_with_the_suite():
+    """A tinker SDK client that a test does not close keeps a heartbeat on the SDK's daemon thread, which
+    logs to stderr every 10 s once its server is gone; a daemon thread writing while the interpreter shuts
+    down can abort the process after every test has passed. Torn down last: stop every client left open
+    (local cleanup only, no request to a server that may be gone)."""
+    yield
+    import gc
+
+    from tinker.lib.internal_client_holder import InternalClientHolder
+
+    for holder in [obj for obj in gc.get_objects() if isinstance(obj, InternalClientHolder)]:
+        if holder._begin_close():
+            holder.run_coroutine_threadsafe(holder._async_cleanup()).result(timeout=30)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """pytest turns its faulthandler off here; keep one on through interpreter shutdown, so a crash after
+    the summary prints every thread's stack instead of a bare exit code."""
+    import faulthandler
+    import sys
+
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)

@@ -96,8 +96,10 @@ def models(hf_models, tmp_path_factory) -> Iterator[Models]:  # type: ignore[no-
 
 
 @pytest.fixture(scope="module")
-def service(models: Models) -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=models.url, api_key=KEY)
+def service(models: Models) -> Iterator[tinker.ServiceClient]:
+    client = tinker.ServiceClient(base_url=models.url, api_key=KEY)
+    yield client
+    client.close("success").result(timeout=30)
 
 
 def _datum(tokens: list[int]) -> types.Datum:
