@@ -67,7 +67,7 @@ def client_loop(url: str, base_model: str, deadline: float, tally: Tally, args: 
     training = resolve(service.create_lora_training_client(base_model=base_model, rank=4))
     prompt = [1 + (seed + i) % 50 for i in range(6)]
     step = 0
-    while time.monotonic() < deadline:
+    while step == 0 or time.monotonic() < deadline:  # at least one round, however slow creating the run was
         try:
             one_step(training, prompt, step + 1000 * seed, tally, args)
         except Exception:
