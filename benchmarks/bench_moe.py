@@ -1,5 +1,6 @@
-"""Time the two exact forms of the mixture-of-experts product (`tx.models.moe`): `ragged` (pairs sorted by
-expert, `jax.lax.ragged_dot`) and `dense` (every expert on every token); prints JSON.
+"""Time the exact forms of the mixture-of-experts product (`tx.models.moe`): `ragged` (pairs sorted by
+expert, `jax.lax.ragged_dot`), `dense` (every expert on every token) and `blocked` (pairs sorted by expert,
+padded per expert to blocks of 128 rows, one matmul per block); prints JSON.
 
 One MoE block's routed experts (router excluded: both forms share it) on N tokens of width D, X experts of
 width F, k per token, for a training step (forward and backward of the inputs and the expert weights) and
@@ -7,7 +8,7 @@ a forward pass (prefill, decode). Each line is one case: milliseconds per call (
 GFLOP/s and fraction of this machine's float32 matmul peak counted on *active* FLOPs (what the k chosen
 experts cost, 6 N k D F forward, 3x that for a training step). The peak is measured in the same run
 (the best of a large square matmul). The last line names the faster form per case and the largest expert
-count at which `dense` won every workload: `Tuning.moe_dense_max_experts` for this backend.
+count at which `dense` beat `ragged` in every workload: `Tuning.moe_dense_max_experts` for this backend.
 """
 
 from __future__ import annotations
@@ -69,15 +70,17 @@ def measure(workload: str, D: int, F: int, X: int, k: int, reps: int, peak: floa
 
 
 def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The faster form per (workload, X), and the largest X up to which dense won every workload."""
-    winners: dict[str, str] = {}
-    for r in records:
-        key = f"{r['workload']}/X={r['X']}"
-        best = min((o for o in records if f"{o['workload']}/X={o['X']}" == key), key=lambda o: o["ms"])
-        winners[key] = best["form"]
+    """The fastest form per (workload, X), and the largest X up to which dense beat ragged in every workload."""
+
+    def faster(key: str, forms: tuple[str, ...]) -> str:
+        cases = [o for o in records if f"{o['workload']}/X={o['X']}" == key and o["form"] in forms]
+        return min(cases, key=lambda o: o["ms"])["form"]
+
+    keys = sorted({f"{r['workload']}/X={r['X']}" for r in records})
+    winners = {key: faster(key, tuple(FORMS)) for key in keys}
     dense_max = 0
     for X in sorted({r["X"] for r in records}):
-        if any(winners[k] != "dense" for k in winners if k.endswith(f"/X={X}")):
+        if any(faster(k, ("dense", "ragged")) != "dense" for k in keys if k.endswith(f"/X={X}")):
             break
         dense_max = X
     return {"winner": winners, "moe_dense_max_experts": dense_max}

@@ -31,6 +31,8 @@ class Tuning:
     train_compiler_options: XLA options for the training programs (`tx.engine.compiles.train_jit`).
     moe_dense_max_experts: a mixture-of-experts block of at most this many experts runs every expert on
         every token (`tx.models.moe.dense_experts`); above it, or at 0, the sort-by-expert ragged product.
+    moe_block_rows: a call whose pairs fit in fewer padded blocks of this many rows than `dense` computes
+        runs the blocked product instead (`tx.models.moe.blocked_experts`); 0 = never.
     """
 
     backend: str
@@ -40,6 +42,7 @@ class Tuning:
     lora_kernel: Kernel
     train_compiler_options: tuple[tuple[str, Any], ...] = ()
     moe_dense_max_experts: int = 0
+    moe_block_rows: int = 0
 
     def compiler_options(self) -> dict[str, Any]:
         return dict(self.train_compiler_options)
@@ -73,6 +76,9 @@ CPU = Tuning(
     # 2.28 s at 8, 3.79 vs 4.93 s at 16; decode of 32 tokens 3.2 vs 6.1 ms at 4, 54 vs 180 ms at 32. At
     # X=128 (one repetition) decode still favoured dense (361 vs 566 ms), prefill ragged (13.2 vs 17.7 s).
     moe_dense_max_experts=32,
+    # The blocked product pays at most X * 127 padding rows over the active ones, so it runs where the tokens
+    # outnumber the experts' padding (training, prefill) and dense keeps decode. Numbers in bench_moe.py.
+    moe_block_rows=128,
 )
 
 TUNINGS: dict[str, Tuning] = {"cpu": CPU}

@@ -24,8 +24,9 @@ from tx.tuning import CPU
 
 HF = GPT_OSS
 FORMS = {
-    "ragged": dataclasses.replace(CPU, moe_dense_max_experts=0),
-    "dense": dataclasses.replace(CPU, moe_dense_max_experts=64),
+    "ragged": dataclasses.replace(CPU, moe_dense_max_experts=0, moe_block_rows=0),
+    "dense": dataclasses.replace(CPU, moe_dense_max_experts=64, moe_block_rows=0),
+    "blocked": dataclasses.replace(CPU, moe_block_rows=2),  # blocks of 2 rows: several per expert, some padded
 }
 
 
@@ -56,8 +57,9 @@ def reference(ref, tokens: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("form", list(FORMS))
 def test_logits_match_transformers(hf_oss, loaded, form):
     model, cfg = loaded(form)
-    assert model.model.layers.mlp.form == form and cfg.sliding_layers == (0,) and cfg.sliding_window == 4
     tokens = tokens_for(cfg, (2, 12))
+    assert model.model.layers.mlp.form_for(tokens.size) == form
+    assert cfg.sliding_layers == (0,) and cfg.sliding_window == 4
     got, _ = model(tokens)
     np.testing.assert_allclose(np.asarray(got), reference(hf_oss[1], tokens), atol=1e-4, rtol=0)
 

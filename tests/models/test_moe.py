@@ -1,9 +1,10 @@
 """The MoE block alone: with a shared expert against transformers' Qwen3.5-MoE block (outputs and
-gradients, both forms), and the two expert-product forms against each other when an expert gets no token."""
+gradients, each form), and the expert-product forms against each other when an expert gets no token."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ import torch
 from flax import nnx
 
 from tx.models.config import ModelConfig, MoE
-from tx.models.moe import Routing, SparseMoeBlock, dense_experts, ragged_experts
+from tx.models.moe import Routing, SparseMoeBlock, block_rows, blocked_experts, blocks_of, dense_experts, ragged_experts
 from tx.tuning import CPU
 
 D, F, SHARED, X, K = 16, 8, 12, 4, 2
@@ -44,9 +45,11 @@ def reference():
     return block
 
 
-def ours(reference, form_max: int) -> SparseMoeBlock:
-    """Our block with the reference's weights; `form_max`: `Tuning.moe_dense_max_experts`."""
-    block = SparseMoeBlock(config(), None, (), dataclasses.replace(CPU, moe_dense_max_experts=form_max))
+def ours(reference, form_max: int, block_rows: int = 128) -> SparseMoeBlock:
+    """Our block with the reference's weights; `form_max`, `block_rows`: `Tuning.moe_dense_max_experts`,
+    `Tuning.moe_block_rows`."""
+    tuning = dataclasses.replace(CPU, moe_dense_max_experts=form_max, moe_block_rows=block_rows)
+    block = SparseMoeBlock(config(), None, (), tuning)
     w = {name: jnp.asarray(p.detach().numpy()) for name, p in reference.named_parameters()}
     block.gate.weight.set_value(w["gate.weight"])
     block.experts.gate_proj.weight.set_value(w["experts.gate_up_proj"][:, :F])
@@ -59,10 +62,10 @@ def ours(reference, form_max: int) -> SparseMoeBlock:
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("form_max", [0, X])
-def test_shared_expert_block_matches_transformers(reference, form_max):
-    block = ours(reference, form_max)
-    assert block.form == ("dense" if form_max else "ragged")
+@pytest.mark.parametrize("form_max, rows, form", [(0, 0, "ragged"), (X, 0, "dense"), (X, 2, "blocked")])
+def test_shared_expert_block_matches_transformers(reference, form_max, rows, form):
+    block = ours(reference, form_max, rows)
+    assert block.form_for(10) == form
     x = np.random.RandomState(0).randn(2, 5, D).astype(np.float32)
     xt = torch.tensor(x, requires_grad=True)
     want = reference(xt)
@@ -96,9 +99,29 @@ def test_forms_agree_when_an_expert_gets_no_token():
             x, gate, up, down
         )
 
-    np.testing.assert_allclose(
-        ragged_experts(x, routing, gate, up, down), dense_experts(x, routing, gate, up, down), atol=1e-4
-    )
-    for mine, want in zip(grads(ragged_experts), grads(dense_experts), strict=True):
-        np.testing.assert_allclose(mine, want, atol=1e-5, rtol=0)
-    assert not np.any(np.asarray(grads(ragged_experts)[1][2]))  # the unused expert gets no gradient
+    want = dense_experts(x, routing, gate, up, down)
+    blocked = [functools.partial(blocked_experts, rows=rows) for rows in (1, 2, 4, 32)]  # 32: one block each
+    for product in (ragged_experts, *blocked):
+        np.testing.assert_allclose(product(x, routing, gate, up, down), want, atol=1e-4)
+        for mine, want_grad in zip(grads(product), grads(dense_experts), strict=True):
+            np.testing.assert_allclose(mine, want_grad, atol=1e-5, rtol=0)
+        assert not np.any(np.asarray(grads(product)[1][2]))  # the unused expert gets no gradient
+
+
+def test_blocks_hold_each_experts_pairs_in_whole_blocks():
+    """The layout itself: every pair in one padded row, each block one expert's, its padding marked."""
+    flat = jnp.asarray([2, 0, 2, 2, 1, 0, 2], jnp.int32)  # expert 3 gets none
+    layout = blocks_of(flat, 4, 2)
+    assert layout.pair.shape == (block_rows(7, 4, 2),) == (12,)  # 7 pairs + up to 1 padding row per expert
+    pair, at, expert = (np.asarray(v) for v in (layout.pair, layout.at, layout.expert))
+    np.testing.assert_array_equal(pair[at], np.arange(7))
+    np.testing.assert_array_equal(pair, [1, 5, 4, 7, 0, 2, 3, 6, 7, 7, 7, 7])
+    np.testing.assert_array_equal(expert, [0, 1, 2, 2, 3, 3])  # the unused blocks: any expert, rows all padding
+    np.testing.assert_array_equal(np.asarray(flat)[pair[pair < 7]], np.repeat(expert, 2)[pair < 7])
+
+
+def test_the_blocked_form_runs_where_it_computes_fewer_rows(reference):
+    """With blocks of 128 rows, 4 experts of top-2: decode-sized calls stay dense, long prefills go blocked."""
+    block = ours(reference, X)
+    assert block.block == 128 and block.form_for(32) == "dense" and block.form_for(2048) == "blocked"
+    assert block_rows(2048 * K, X, 128) < 2048 * X and block_rows(32 * K, X, 128) >= 32 * X

@@ -31,8 +31,9 @@ HF = dict(
 RANK, ALPHA, X, F = 4, 8.0, 4, 16
 TARGETS = frozenset({*SOFTMAX_ATTN, *MLP_TARGETS, "lm_head"})
 FORMS = {
-    "ragged": dataclasses.replace(CPU, moe_dense_max_experts=0),
-    "dense": dataclasses.replace(CPU, moe_dense_max_experts=64),
+    "ragged": dataclasses.replace(CPU, moe_dense_max_experts=0, moe_block_rows=0),
+    "dense": dataclasses.replace(CPU, moe_dense_max_experts=64, moe_block_rows=0),
+    "blocked": dataclasses.replace(CPU, moe_block_rows=2),  # blocks of 2 rows: several per expert, some padded
 }
 
 
@@ -134,6 +135,7 @@ def peft_grads(module: dict, name: str) -> dict[str, tuple[np.ndarray, np.ndarra
 def test_expert_gradients_match_peft(base, exported, form):
     model, adapter = exported
     ids = tokens(seed=4)
+    assert model(form).model.layers.mlp.form_for(ids.size) == form
     w = np.random.RandomState(7).randn(*ids.shape, HF["vocab_size"]).astype(np.float32) / HF["vocab_size"]
     graph, lora, rest = nnx.split(model(form), LoRAParam, ...)
 

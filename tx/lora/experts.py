@@ -80,3 +80,10 @@ class ExpertAdapter:
         """(token, expert) pairs sorted by expert: rows [M, in], each pair's token [M], group sizes [X] -> [M, out]."""
         xa = jax.lax.ragged_dot(rows, self.a, sizes) * jnp.take(self.mask, token, axis=0)
         return jax.lax.ragged_dot(xa, self.b, sizes)
+
+    def blocked(self, blocks: jax.Array, expert: jax.Array, mask: jax.Array) -> jax.Array:
+        """Padded blocks of pairs (`tx.models.moe.Blocks`): blocks [nb, n, in], each block's expert [nb], the
+        padded rows' column mask [nb * n, Q] -> [nb, n, out]."""
+        nb, n, _ = blocks.shape
+        xa = jnp.einsum("bni,biq->bnq", blocks, jnp.take(self.a, expert, axis=0)) * mask.reshape(nb, n, -1)
+        return jnp.einsum("bnq,bqo->bno", xa, jnp.take(self.b, expert, axis=0))

@@ -10,17 +10,21 @@ the top-k logits before a softmax over them, and fuses each expert's gate and up
 projections and its clamped SwiGLU; the same two forms run it. Letters as in `tx.models.layers`, plus
 N tokens (B*T), X experts, k experts per token, M = N*k (token, expert) pairs, F an expert's width.
 
-The grouped expert product has two exact forms, chosen per backend by measurement
-(`Tuning.moe_dense_max_experts`, numbers in `benchmarks/bench_moe.py`):
+The grouped expert product has three exact forms, chosen per backend by measurement
+(`Tuning.moe_dense_max_experts`, `Tuning.moe_block_rows`, numbers in `benchmarks/bench_moe.py`):
 - `ragged`: the M pairs sorted by expert, each expert's rows one group of `jax.lax.ragged_dot`;
   the work is the active FLOPs where the ragged dot is native.
 - `dense`: every expert on every token, the outputs summed with the routing weights (0 for experts a token
   did not choose); X / k times the active FLOPs, but plain batched matmuls.
+- `blocked`: the pairs sorted by expert, each expert's rows padded to whole blocks, one plain matmul per
+  block against its expert's weight (gathered per block): the active FLOPs plus at most X blocks' padding.
+  It runs per call where its blocks hold fewer rows than `dense` computes (`SparseMoeBlock.form_for`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Literal
 
@@ -35,7 +39,7 @@ from tx.models.config import ModelConfig, MoE
 from tx.models.layers import MLP, swiglu
 from tx.tuning import Tuning
 
-Form = Literal["ragged", "dense"]
+Form = Literal["ragged", "dense", "blocked"]
 
 
 @jax.tree_util.register_dataclass
@@ -156,7 +160,86 @@ def ragged_experts(
     return jnp.sum(jnp.take(out, back, axis=0).reshape(N, k, -1), axis=1)
 
 
-FORMS = {"ragged": ragged_experts, "dense": dense_experts}
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """The (token, expert) pairs sorted by expert with each expert's rows padded to whole blocks of `rows`:
+    pair [P] (the pair in each padded row, M for padding), at [M] (each pair's padded row, in pair order) and
+    expert [P / rows] (each block's expert). P = the fewest whole blocks that hold M rows plus X - 1 partial
+    blocks' padding, a bound fixed by the shapes."""
+
+    pair: jax.Array
+    at: jax.Array
+    expert: jax.Array
+
+
+def block_rows(M: int, X: int, rows: int) -> int:
+    """P: room for M pairs in X groups, each padded to a multiple of `rows`."""
+    return -(-(M + X * (rows - 1)) // rows) * rows
+
+
+def blocks_of(flat: jax.Array, X: int, rows: int) -> Blocks:
+    """flat [M]: each pair's expert -> the padded block layout."""
+    M = flat.shape[0]
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=X)
+    padded = -(-sizes // rows) * rows
+    start, padded_start = jnp.cumsum(sizes) - sizes, jnp.cumsum(padded) - padded
+    sorted_expert = jnp.take(flat, order)
+    at_sorted = jnp.take(padded_start, sorted_expert) + jnp.arange(M) - jnp.take(start, sorted_expert)
+    P = block_rows(M, X, rows)
+    pair = jnp.full((P,), M, jnp.int32).at[at_sorted].set(order.astype(jnp.int32))
+    at = jnp.zeros((M,), jnp.int32).at[order].set(at_sorted.astype(jnp.int32))
+    ends = jnp.cumsum(padded)
+    expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(P // rows) * rows, side="right"), X - 1)
+    return Blocks(pair, at, expert.astype(jnp.int32))
+
+
+def blocked_experts(
+    x: jax.Array,
+    routing: Routing,
+    gate: jax.Array,
+    up: jax.Array | None,
+    down: jax.Array,
+    adapters: Adapters = NO_ADAPTERS,
+    biases: Biases = NO_BIASES,
+    act: Activation = swiglu,
+    rows: int = 128,
+) -> jax.Array:
+    """x [N, D] -> [N, D]: the pairs sorted by expert and padded per expert to blocks of `rows`, each block
+    one plain matmul against its expert's weight: at most X * rows padding rows over the active FLOPs, where
+    a backend without a native ragged dot runs `ragged` as X masked products over all M rows."""
+    N, k = routing.experts.shape
+    X = gate.shape[0]
+    layout = blocks_of(routing.experts.reshape(N * k), X, rows)
+    nb = layout.expert.shape[0]
+    token = layout.pair // k  # N for padding rows: the zero row appended below
+    inputs = jnp.take(jnp.concatenate([x, jnp.zeros_like(x[:1])]), token, axis=0)
+    padded_mask = _padded_mask(adapters, token)
+
+    def project(h: jax.Array, weight: jax.Array, bias: jax.Array | None, adapter: ExpertAdapter | None) -> jax.Array:
+        blocks = h.reshape(nb, rows, h.shape[-1])
+        y = jnp.einsum("bni,boi->bno", blocks, jnp.take(weight, layout.expert, axis=0))
+        y = y if bias is None else y + jnp.take(bias, layout.expert, axis=0)[:, None, :]
+        y = _plus(y, adapter, lambda a: a.blocked(blocks, layout.expert, padded_mask))
+        return y.reshape(nb * rows, -1)
+
+    weights = zip((gate, up), biases[:2], adapters[:2], strict=True)
+    h = act(*[project(inputs, w, b, a) for w, b, a in weights if w is not None])
+    pair_weights = jnp.concatenate([routing.weights.reshape(N * k), jnp.zeros((1,), routing.weights.dtype)])
+    out = project(h, down, biases[2], adapters[2]) * jnp.take(pair_weights, layout.pair)[:, None].astype(x.dtype)
+    return jnp.sum(jnp.take(out, layout.at, axis=0).reshape(N, k, -1), axis=1)
+
+
+def _padded_mask(adapters: Adapters, token: jax.Array) -> jax.Array:
+    """The tokens' adapter columns on the padded rows (padding rows: all 0), [P, Q]."""
+    given = [a.mask for a in adapters if a is not None]
+    if not given:
+        return jnp.zeros((token.shape[0], 0))  # never read: no projection has an adapter
+    return jnp.take(jnp.concatenate([given[0], jnp.zeros_like(given[0][:1])]), token, axis=0)
+
+
+FORMS = {"ragged": ragged_experts, "dense": dense_experts, "blocked": blocked_experts}
 
 
 class ExpertLinear(nnx.Module):
@@ -206,15 +289,19 @@ class Experts(nnx.Module):
         self.down_proj = ExpertLinear(X, F, D, ("mlp", "embed"), dt, stack, lora, bias=biased)
         self.clamp = None if moe.gpt_oss is None else (moe.gpt_oss.alpha, moe.gpt_oss.limit)  # static floats
 
-    def __call__(self, x: jax.Array, routing: Routing, form: Form, mask: jax.Array | None = None) -> jax.Array:
-        """x [N, D]; `mask` [N, G*R]: each token's adapter columns (`tx.lora.experts.token_columns`)."""
+    def __call__(
+        self, x: jax.Array, routing: Routing, form: Form, mask: jax.Array | None = None, rows: int = 128
+    ) -> jax.Array:
+        """x [N, D]; `mask` [N, G*R]: each token's adapter columns (`tx.lora.experts.token_columns`); `rows`:
+        the block height of the blocked form."""
         gate = self.gate_up_proj if hasattr(self, "gate_up_proj") else self.gate_proj
         up, down = getattr(self, "up_proj", None), self.down_proj
         adapters = (gate.adapter(mask), None if up is None else up.adapter(mask), down.adapter(mask))
         biases = (gate.bias_or_none(), None, down.bias_or_none())
         weights = (gate.weight[...], None if up is None else up.weight[...], down.weight[...])
         act = swiglu if self.clamp is None else clamped_swiglu(*self.clamp)
-        return FORMS[form](x, routing, *weights, adapters, biases, act)
+        product = functools.partial(blocked_experts, rows=rows) if form == "blocked" else FORMS[form]
+        return product(x, routing, *weights, adapters, biases, act)
 
 
 class Router(nnx.Module):
@@ -251,6 +338,15 @@ class SparseMoeBlock(nnx.Module):
             )
         self.top_k, self.normalize, self.softmax_of_top = moe.top_k, moe.norm_topk_prob, moe.gpt_oss is not None
         self.form: Form = "dense" if moe.experts <= tuning.moe_dense_max_experts else "ragged"
+        self.block = tuning.moe_block_rows  # static: the blocked form runs where it computes fewer rows
+
+    def form_for(self, N: int) -> Form:
+        """The product for N tokens (shapes are static at trace time): blocked where its padded blocks hold
+        fewer rows than every expert on every token, else the block's standing form."""
+        X = self.experts.down_proj.weight.shape[-3]
+        if self.block and block_rows(N * self.top_k, X, self.block) < N * X:
+            return "blocked"
+        return self.form
 
     def __call__(self, x: jax.Array, rows: LoRARows | None) -> jax.Array:
         """x [B, T, D] -> [B, T, D]."""
@@ -264,7 +360,7 @@ class SparseMoeBlock(nnx.Module):
         router = self.router if hasattr(self, "router") else self.gate
         routing = route(router(tokens), self.top_k, self.normalize, self.softmax_of_top)
         mask = None if rows is None else token_columns(rows, T, x.dtype)
-        out = self.experts(tokens, routing, self.form, mask).reshape(B, T, D)
+        out = self.experts(tokens, routing, self.form_for(B * T), mask, self.block).reshape(B, T, D)
         if hasattr(self, "shared_expert"):
             gate = jax.nn.sigmoid(self.shared_expert_gate(x, None))
             out = out + gate * self.shared_expert(x, rows)
