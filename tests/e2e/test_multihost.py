@@ -2,8 +2,9 @@
 
 Two `python -m tx.api` processes with two simulated CPU devices each form one fsdp=2 x tp=2 mesh (fsdp
 across the processes, tp within each); the reference is an in-process server on four devices with the same
-mesh. The SDK's supervised loop, save_state / load_state, a named PEFT export and a seeded sample must give
-the same losses, logprobs, adapter tensors and tokens. Then the follower is killed while a request is in
+mesh. The SDK's supervised loop, save_state / load_state, a named PEFT export, a seeded sample and two rounds
+of the RL loop (sample the run's weights, train on the samples with importance_sampling) must give the same
+losses, logprobs, adapter tensors and tokens. Then the follower is killed while a request is in
 flight and another is queued: the leader must fail the first naming the lost process and exit with status 3
 within the bound, leaving the second queued; both processes started again run it.
 """
@@ -25,6 +26,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from e2e.conftest import KEY, _free_port, start_server
+from e2e.rl_data import rl_batch
 from e2e.test_roles import wait_ready
 
 pytestmark = pytest.mark.e2e
@@ -44,7 +46,7 @@ def launch(
 
 
 def workload(url: str, base_model: str, data_dir: Path) -> dict:
-    """A few SL steps, save_state / load_state, a named PEFT export, a seeded sample."""
+    """A few SL steps, save_state / load_state, a named PEFT export, a seeded sample, two RL rounds."""
     import tinker
     from tinker import types
 
@@ -69,6 +71,15 @@ def workload(url: str, base_model: str, data_dir: Path) -> dict:
     sampling = service.create_sampling_client(model_path=sampler.path).result()
     params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7)
     sample = sampling.sample(types.ModelInput.from_ints(tokens[:5]), 2, params).result()
+    rl_sampled, rl_logprobs = [], []
+    for round_ in range(2):
+        data = rl_batch(client, tokens[:5], seed=11 + round_)
+        rl_sampled.append([d.model_input.to_ints() for d in data])
+        rl_out = client.forward_backward(data, "importance_sampling").result()
+        rl_logprobs.append(np.concatenate([o["logprobs"].to_numpy() for o in rl_out.loss_fn_outputs]).tolist())
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after_rl = client.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    service.close("success").result(timeout=30)
     return {
         "losses": losses,
         "logprobs": out.loss_fn_outputs[0]["logprobs"].tolist(),
@@ -76,7 +87,9 @@ def workload(url: str, base_model: str, data_dir: Path) -> dict:
         "peft": peft,
         "tokens": [s.tokens for s in sample.sequences],
         "sample_logprobs": [s.logprobs for s in sample.sequences],
-        "next_step": lambda: client.forward_backward([datum], "cross_entropy"),
+        "rl_sampled": rl_sampled,
+        "rl_logprobs": rl_logprobs,
+        "after_rl": after_rl,
     }
 
 
@@ -139,6 +152,12 @@ def test_two_processes_compute_what_one_does(two: TwoProcesses, tmp_path):
         np.testing.assert_allclose(got["peft"][name], tensor, rtol=1e-5, atol=1e-7, err_msg=name)
     assert got["tokens"] == want["tokens"]
     np.testing.assert_allclose(got["sample_logprobs"], want["sample_logprobs"], rtol=1e-5, atol=1e-6)
+    assert got["rl_sampled"] == want["rl_sampled"]
+    for got_round, want_round in zip(got["rl_logprobs"], want["rl_logprobs"], strict=True):
+        np.testing.assert_allclose(got_round, want_round, rtol=1e-5, atol=1e-6)
+    # The RL steps' updates: the same weights after them, which differ from the weights before them.
+    np.testing.assert_allclose(got["after_rl"], want["after_rl"], rtol=1e-5, atol=1e-6)
+    assert np.abs(np.subtract(got["after_rl"], got["logprobs"])).max() > 1e-3
 
 
 def test_a_lost_follower_fails_in_flight_work_and_stops_the_leader_and_queued_work_runs_after_a_restart(

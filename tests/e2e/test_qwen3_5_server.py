@@ -18,6 +18,7 @@ from peft import PeftModel
 from tinker import types
 
 from e2e.conftest import KEY, start_server
+from e2e.rl_data import rl_batch
 from e2e.test_peft_export import peft_greedy, peft_logprobs
 from tx.api.paths import checkpoint_dir, parse_tinker_path
 from tx.lora.merge import merge_to_hf
@@ -121,23 +122,6 @@ def test_image_chunks_are_refused_with_a_clear_error(qwen3_5):
     image = types.ModelInput(chunks=[types.ImageChunk(data=b"\x89PNG\r\n", format="png", expected_tokens=4)])
     with pytest.raises(tinker.BadRequestError, match="image input is not supported yet for this model"):
         sampler.sample(image, 1, types.SamplingParams(max_tokens=2)).result()
-
-
-def rl_batch(client, prompt: list[int]) -> list[types.Datum]:
-    """An importance_sampling batch from the run's own samples (advantages = reward - mean)."""
-    sampler = client.save_weights_and_get_sampling_client().result()
-    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=5)
-    seqs = sampler.sample(types.ModelInput.from_ints(prompt), 4, params).result().sequences
-    rewards = np.array([float(seq.tokens[0] % 2) for seq in seqs])
-    data = []
-    for seq, adv in zip(seqs, rewards - rewards.mean(), strict=True):
-        tokens = prompt + seq.tokens
-        lp = np.zeros(len(tokens) - 1, np.float32)
-        lp[len(prompt) - 1 :] = seq.logprobs
-        advantages = np.where(np.arange(len(tokens) - 1) >= len(prompt) - 1, adv, 0.0).astype(np.float32)
-        inputs = {"target_tokens": np.asarray(tokens[1:], np.int64), "logprobs": lp, "advantages": advantages}
-        data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs))
-    return data
 
 
 def test_fused_runs_with_different_losses_match_running_alone_and_state_resumes(qwen3_5):
