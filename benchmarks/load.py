@@ -8,7 +8,7 @@ duplicated (one client request executed twice); the server's RSS after the warm-
 end. Targets: 0 failed, 0 lost, 0 duplicated, RSS growth under 5%.
 
     python benchmarks/load.py                     # 32 clients for 60 s on the tiny model
-    python benchmarks/load.py --quick             # CI: 4 clients, 10 s warm-up + 10 s
+    python benchmarks/load.py --quick             # CI: 4 clients, 5 s warm-up + 5 s
 """
 
 from __future__ import annotations
@@ -169,10 +169,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-samples", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="further flags for the server")
-    p.add_argument("--quick", action="store_true", help="CI smoke: 4 clients, 10 s warm-up, 10 s measured")
+    p.add_argument("--quick", action="store_true", help="CI smoke: 4 clients, 5 s warm-up, 5 s measured")
     args = p.parse_args(argv)
     if args.quick:
-        args.clients, args.warm_up_s, args.seconds = 4, 10.0, 10.0
+        args.clients, args.warm_up_s, args.seconds = 4, 5.0, 5.0
     return args
 
 
