@@ -4,7 +4,8 @@ Stages run one at a time, each in its own process (its own peak memory; a stage 
 time is killed and recorded, and the next one still runs): the `parity or device` tests; Qwen3-0.6B-shape
 LoRA r32 training, sampling at batch 1/64/256/1024 and full fine-tuning (`train_throughput.py`,
 `sample_throughput.py`), random weights in bfloat16; the multi-adapter kernel forms side by side
-(`bench_lora.py`: the measurement the accelerator rows of `tx.tuning` wait for). A stage starts only while
+(`bench_lora.py`: the measurement the accelerator rows of `tx.tuning` wait for); Qwen3.5 LoRA r32 training
+at the 9B's layer width over one group of its layers (`qwen3.5-9b-d4`). A stage starts only while
 enough of the time limit is left, and gets at most what is left. After every stage `device_check.json`
 (every number) and `device_check.md` (a summary against the published anchors, then one table per stage)
 are rewritten under `--out-dir`, so a run cut short still leaves what it measured. `--dry-run` runs the
@@ -33,7 +34,6 @@ sys.path.insert(0, str(HERE))
 import run_all  # noqa: E402
 
 TEST_DIRS = ["tests/models", "tests/engine", "tests/lora"]  # the parity tests; tests/api needs the server's packages
-QWEN35 = "the Qwen3.5 family (Gated DeltaNet and gated attention layers) is not in tx/models yet"
 ANCHORS = {
     "train_lora_r32": "Qwen3-0.6B LoRA: surogate 62-65k tok/s, Unsloth 22-25k (one H100/H200)",
     "sample": "SkyRL: 88k tok/s at batch 2048 on one H100",
@@ -48,12 +48,13 @@ class Sizes:
     batches: tuple[int, ...]
     prompt: int
     new_tokens: int
+    hybrid: str  # the Qwen3.5 (Gated DeltaNet) shape of the last stage's LoRA training
 
 
 # 8 x 1024 tokens a step: ~35 GB at peak by count (fp32 logits and their gradient 5 GB each, attention
 # probabilities 0.5 GB a layer), well inside the H200's 139 GB.
-GPU = Sizes("qwen3-0.6b", "bfloat16", (8, 1024, 3), (1, 64, 256, 1024), 128, 128)
-DRY = Sizes("tiny", "bfloat16", (2, 32, 1), (1, 4), 16, 8)
+GPU = Sizes("qwen3-0.6b", "bfloat16", (8, 1024, 3), (1, 64, 256, 1024), 128, 128, "qwen3.5-9b-d4")
+DRY = Sizes("tiny", "bfloat16", (2, 32, 1), (1, 4), 16, 8, "qwen3.5-tiny")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +68,9 @@ class Stage:
 
 def stages(sizes: Sizes, dry: bool) -> list[Stage]:
     batch, length, steps = sizes.train
-    train = [str(HERE / "train_throughput.py"), "--shape", sizes.shape, "--dtype", sizes.dtype]
-    train += ["--batch", str(batch), "--length", str(length), "--steps", str(steps), "--modes"]
+    shape = ["--batch", str(batch), "--length", str(length), "--steps", str(steps), "--dtype", sizes.dtype]
+    train = [str(HERE / "train_throughput.py"), *shape, "--shape", sizes.shape, "--modes"]
+    hybrid = [str(HERE / "train_throughput.py"), *shape, "--shape", sizes.hybrid, "--modes", "r32"]
     sample = [str(HERE / "sample_throughput.py"), "--shapes", sizes.shape, "--dtype", sizes.dtype, "--variants"]
     sample += ["lora", "--repeats", "1", "--prompt", str(sizes.prompt), "--new-tokens", str(sizes.new_tokens)]
     tests = ["-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "-m", "parity or device", *TEST_DIRS]
@@ -81,7 +83,7 @@ def stages(sizes: Sizes, dry: bool) -> list[Stage]:
         Stage("train_full", [*train, "full"], 100, 40),
         # The three multi-adapter kernel forms side by side: the measurement `tx.tuning` waits for.
         Stage("lora_kernels", kernels, 60, 20),
-        Stage("qwen3.5", [], 0, 0, f"skipped: {QWEN35}"),
+        Stage("qwen3.5", hybrid, 150, 60),  # the 9B's layer width, one group of its 3 linear : 1 full pattern
     ]
 
 

@@ -3,7 +3,8 @@ peak memory a benchmark process reached.
 
 `tiny` and `small` match the presets of the side-by-side bench scripts; `qwen3-0.6b` is the real
 Qwen3-0.6B architecture. The `qwen3.5-*` shapes are the hybrid family (Gated DeltaNet + gated full
-attention, 3 linear : 1 full): `qwen3.5-small` is `small`'s width over 8 layers, `qwen3.5-9b-d4` the
+attention, 3 linear : 1 full): `qwen3.5-tiny` is `tiny`'s width over one group of the pattern (the device
+check's dry run), `qwen3.5-small` is `small`'s width over 8 layers, `qwen3.5-9b-d4` the
 published Qwen3.5-9B layer width over 4 layers (one group of the pattern). `qwen3-moe-small` and
 `gpt-oss-small` are mixture-of-experts models of `small`'s width and depth: 8 experts, 2 picked per token,
 each expert 768 wide, so a token's active MLP width (2 x 768) is `small`'s 1536; gpt-oss's layers alternate
@@ -56,6 +57,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_attention_heads=16,
         num_key_value_heads=8,
         head_dim=128,
+    ),
+    "qwen3.5-tiny": dict(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
     ),
     "qwen3.5-small": dict(
         vocab_size=8192,

@@ -120,19 +120,20 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
     stages = {stage["name"]: stage for stage in doc["stages"]}
     assert {name: s["status"] for name, s in stages.items()} == {
         "parity": "ok", "train_lora_r32": "ok", "sample": "ok", "train_full": "ok", "lora_kernels": "ok",
-        "qwen3.5": "skipped",
+        "qwen3.5": "ok",
     }  # fmt: skip
     assert {"train", "decode"} <= set(stages["lora_kernels"]["results"][-1]["summary"])
     assert stages["parity"]["results"][0]["collected"] > 0
-    assert [row["mode"] for row in stages["train_lora_r32"]["results"] + stages["train_full"]["results"]] == [
-        "r32", "full",
+    trained = [stages[name]["results"] for name in ("train_lora_r32", "train_full", "qwen3.5")]
+    assert [(row["mode"], row["shape"]) for rows in trained for row in rows] == [
+        ("r32", "tiny"), ("full", "tiny"), ("r32", "qwen3.5-tiny"),
     ]  # fmt: skip
     assert [row["batch"] for row in stages["sample"]["results"]] == [1, 4]
     for row in stages["train_full"]["results"] + stages["sample"]["results"]:
         assert row["tokens_per_s"] > 0 and row["dtype"] == "bfloat16" and row["peak_memory_gib"] > 0
     text = (tmp_path / "device_check.md").read_text()
     assert "| sample | ok |" in text and "surogate" in text and "## train_full" in text
-    assert "| qwen3.5 | skipped |" in proc.stdout  # the summary is printed last
+    assert "| qwen3.5 | ok |" in proc.stdout  # the summary is printed last
 
 
 def test_device_check_stops_at_its_time_limit(tmp_path: Path) -> None:
