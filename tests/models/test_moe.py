@@ -65,7 +65,7 @@ def ours(reference, form_max: int, block_rows: int = 128) -> SparseMoeBlock:
 @pytest.mark.parametrize("form_max, rows, form", [(0, 0, "ragged"), (X, 0, "dense"), (X, 2, "blocked")])
 def test_shared_expert_block_matches_transformers(reference, form_max, rows, form):
     block = ours(reference, form_max, rows)
-    assert block.form_for(10) == form
+    assert block.form_for(10)[0] == form
     x = np.random.RandomState(0).randn(2, 5, D).astype(np.float32)
     xt = torch.tensor(x, requires_grad=True)
     want = reference(xt)
@@ -121,7 +121,9 @@ def test_blocks_hold_each_experts_pairs_in_whole_blocks():
 
 
 def test_the_blocked_form_runs_where_it_computes_fewer_rows(reference):
-    """With blocks of 128 rows, 4 experts of top-2: decode-sized calls stay dense, long prefills go blocked."""
+    """With blocks of 128 rows, 4 experts of top-2: one token's 2 pairs (at most X/2) run in one-row blocks
+    (only the chosen experts read), decode-sized batches stay dense, long prefills go blocked."""
     block = ours(reference, X)
-    assert block.block == 128 and block.form_for(32) == "dense" and block.form_for(2048) == "blocked"
+    assert block.block == 128 and block.form_for(1) == ("blocked", 1) and block.form_for(2) == ("dense", 128)
+    assert block.form_for(32) == ("dense", 128) and block.form_for(2048) == ("blocked", 128)
     assert block_rows(2048 * K, X, 128) < 2048 * X and block_rows(32 * K, X, 128) >= 32 * X

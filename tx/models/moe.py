@@ -18,7 +18,8 @@ The grouped expert product has three exact forms, chosen per backend by measurem
   did not choose); X / k times the active FLOPs, but plain batched matmuls.
 - `blocked`: the pairs sorted by expert, each expert's rows padded to whole blocks, one plain matmul per
   block against its expert's weight (gathered per block): the active FLOPs plus at most X blocks' padding.
-  It runs per call where its blocks hold fewer rows than `dense` computes (`SparseMoeBlock.form_for`).
+  It runs per call where its blocks hold fewer rows than `dense` computes, and with one-row blocks where the
+  pairs are at most X/2 (decode: only the chosen experts' weights are read; `SparseMoeBlock.form_for`).
 """
 
 from __future__ import annotations
@@ -290,7 +291,7 @@ class Experts(nnx.Module):
         self.clamp = None if moe.gpt_oss is None else (moe.gpt_oss.alpha, moe.gpt_oss.limit)  # static floats
 
     def __call__(
-        self, x: jax.Array, routing: Routing, form: Form, mask: jax.Array | None = None, rows: int = 128
+        self, x: jax.Array, routing: Routing, form: Form, rows: int = 128, mask: jax.Array | None = None
     ) -> jax.Array:
         """x [N, D]; `mask` [N, G*R]: each token's adapter columns (`tx.lora.experts.token_columns`); `rows`:
         the block height of the blocked form."""
@@ -340,13 +341,17 @@ class SparseMoeBlock(nnx.Module):
         self.form: Form = "dense" if moe.experts <= tuning.moe_dense_max_experts else "ragged"
         self.block = tuning.moe_block_rows  # static: the blocked form runs where it computes fewer rows
 
-    def form_for(self, N: int) -> Form:
-        """The product for N tokens (shapes are static at trace time): blocked where its padded blocks hold
-        fewer rows than every expert on every token, else the block's standing form."""
+    def form_for(self, N: int) -> tuple[Form, int]:
+        """The product for N tokens and its block height (shapes are static at trace time). With blocks on:
+        at most X/2 pairs (decode), one-row blocks, which read just the experts the pairs chose (copied
+        out, then read: twice the bytes per pair that dense pays per expert); blocks of `block` rows where
+        those hold fewer rows than every expert on every token (training, prefill); else the standing form."""
         X = self.experts.down_proj.weight.shape[-3]
+        if self.block and 2 * N * self.top_k <= X:
+            return "blocked", 1
         if self.block and block_rows(N * self.top_k, X, self.block) < N * X:
-            return "blocked"
-        return self.form
+            return "blocked", self.block
+        return self.form, self.block
 
     def __call__(self, x: jax.Array, rows: LoRARows | None) -> jax.Array:
         """x [B, T, D] -> [B, T, D]."""
@@ -360,7 +365,7 @@ class SparseMoeBlock(nnx.Module):
         router = self.router if hasattr(self, "router") else self.gate
         routing = route(router(tokens), self.top_k, self.normalize, self.softmax_of_top)
         mask = None if rows is None else token_columns(rows, T, x.dtype)
-        out = self.experts(tokens, routing, self.form_for(B * T), mask, self.block).reshape(B, T, D)
+        out = self.experts(tokens, routing, *self.form_for(B * T), mask=mask).reshape(B, T, D)
         if hasattr(self, "shared_expert"):
             gate = jax.nn.sigmoid(self.shared_expert_gate(x, None))
             out = out + gate * self.shared_expert(x, rows)
