@@ -16,7 +16,7 @@ import pytest
 from tx.engine.loop import Completion
 from tx.engine.multihost import LeaderRunner, follow
 from tx.engine.plan_channel import Follower, Leader, send_frame
-from tx.protocol import SampleRequest, SamplingParams, WorkItem
+from tx.protocol import RequestError, SampleRequest, SamplingParams, WorkItem
 
 OWN = {"code": "abc", "engine flags": "EngineConfig(fsdp_size=2)"}
 
@@ -100,4 +100,52 @@ def test_a_silent_follower_is_reported_within_the_timeout() -> None:
         time.sleep(0.05)
     assert lost == ["engine process 1 of 2 stopped answering (no heartbeat for 0.5 s)"]
     assert time.monotonic() - start < 2
+    sock.close()
+
+
+class FailingStep(Recorder):
+    """A step whose collective fails: it first runs `before` (a follower dying), then fails item "1"."""
+
+    def __init__(self, before) -> None:  # noqa: ANN001
+        super().__init__()
+        self.before = before
+
+    def step(self) -> list[Completion]:
+        self.before()
+        return [Completion("1", RequestError("JaxRuntimeError: Gloo AllGather failed: reset by peer", "server"))]
+
+
+def silent_follower(leader: Leader) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", leader.port))
+    send_frame(sock, ("hello", 1, OWN))
+    leader.accept(OWN, timeout_s=10)
+    return sock
+
+
+def test_a_step_failed_by_a_dead_follower_leaves_its_work_to_the_watcher() -> None:
+    """The collective's error must not reach the work before the watcher's reason does (CI saw the race)."""
+    channel = Leader.listen(0, 1)
+    sock = silent_follower(channel)
+    lost: list[str] = []
+    channel.watch(30, lost.append)
+    leader = LeaderRunner(FailingStep(sock.close), channel, verdict_s=30)
+    returned: list[list[Completion]] = []
+    thread = threading.Thread(target=lambda: returned.append(leader.step()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.01)
+    thread.join(0.5)
+    assert lost and "engine process 1 of 2 is gone" in lost[0]
+    assert thread.is_alive() and not returned  # held until the watcher's exit
+
+
+def test_a_step_failed_with_every_follower_alive_returns_its_failures() -> None:
+    channel = Leader.listen(0, 1)
+    sock = silent_follower(channel)
+    lost: list[str] = []
+    channel.watch(30, lost.append)
+    leader = LeaderRunner(FailingStep(lambda: None), channel, verdict_s=0.2)
+    (failed,) = leader.step()
+    assert failed.future_id == "1" and isinstance(failed.result, RequestError) and not lost
     sock.close()

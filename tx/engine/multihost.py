@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,7 +35,7 @@ from tx.engine.loop import Completion, Runner
 from tx.engine.plan_channel import Follower, Leader, LeaderLost
 from tx.models.catalog import locate_model
 from tx.models.safetensors_io import shard_files
-from tx.protocol import SampleRequest, WorkItem
+from tx.protocol import RequestError, SampleRequest, WorkItem
 
 log = logging.getLogger("tx.engine")
 
@@ -94,8 +95,9 @@ def _model_digest(name: str) -> str:
 class LeaderRunner:
     """Process 0's runner: every state-changing call goes to the followers first, then to `runner`."""
 
-    def __init__(self, runner: Runner, channel: Leader) -> None:
+    def __init__(self, runner: Runner, channel: Leader, verdict_s: float = 5.0) -> None:
         self.runner, self.channel = runner, channel
+        self.verdict_s = verdict_s  # how long a failed step waits for the watchers' word on the followers
         self.broadcast_s = 0.0  # total seconds spent sending calls (benchmarks/multihost.py)
         self.broadcasts = 0
 
@@ -106,7 +108,24 @@ class LeaderRunner:
 
     def step(self) -> list[Completion]:
         self._send("step")
-        return self.runner.step()
+        try:
+            done = self.runner.step()
+        except Exception:
+            self._hold_if_a_follower_is_lost()
+            raise
+        if any(isinstance(c.result, RequestError) and c.result.category == "server" for c in done):
+            self._hold_if_a_follower_is_lost()
+        return done
+
+    def _hold_if_a_follower_is_lost(self) -> None:
+        """A step that failed work may have failed it in a collective on a follower that died ("Gloo
+        AllGather failed: connection reset"); the watcher sees the same dead process on its own connection
+        within moments and fails the in-flight work with the reason before the process exits. This thread
+        must not fail that work first with the transport's words, nor run the queued work into the same dead
+        peer: once a loss is reported it waits for the exit. With every follower alive it returns."""
+        if self.channel.wait_lost(self.verdict_s):
+            log.error("a step failed while a follower was lost; waiting for the leader to exit")
+            threading.Event().wait()
 
     def discard(self, future_ids: Sequence[str]) -> None:
         self._send("discard", list(future_ids))

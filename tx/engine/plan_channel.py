@@ -61,6 +61,7 @@ class Leader:
         self.server, self.expected = server, expected
         self.followers: dict[int, socket.socket] = {}
         self._send_lock = threading.Lock()
+        self._lost = threading.Event()  # set by a watcher just before it reports a lost follower
 
     @classmethod
     def listen(cls, port: int, expected: int) -> Leader:
@@ -104,15 +105,21 @@ class Leader:
             args = (process_id, sock, timeout_s, on_lost)
             threading.Thread(target=self._watch_one, args=args, name=f"tx-watch-{process_id}", daemon=True).start()
 
+    def wait_lost(self, timeout_s: float) -> bool:
+        """True once a watcher has found a follower lost (waiting up to `timeout_s` for that)."""
+        return self._lost.wait(timeout_s)
+
     def _watch_one(self, process_id: int, sock: socket.socket, timeout_s: float, on_lost: Callable) -> None:
         who = f"engine process {process_id} of {self.expected + 1}"
         try:
             while True:
                 recv_frame(sock)
         except TimeoutError:
-            on_lost(f"{who} stopped answering (no heartbeat for {timeout_s:g} s)")
+            reason = f"{who} stopped answering (no heartbeat for {timeout_s:g} s)"
         except (ConnectionError, OSError) as err:
-            on_lost(f"{who} is gone (its connection closed: {err})")
+            reason = f"{who} is gone (its connection closed: {err})"
+        self._lost.set()
+        on_lost(reason)
 
 
 class Follower:
