@@ -1,13 +1,15 @@
 """Counts XLA compilations and turns on JAX's persistent compilation cache.
 
-Every backend compile in the process bumps `compile_count()`; tests replay a workload and assert the
-count does not grow, and the server logs each compile so a slow first request is explained.
+Every program the process has to obtain, by a backend compile or from the persistent cache (JAX times
+both as one compile event), bumps `compile_count()`; tests replay a workload and assert the count does not
+grow, and the server logs each compile so a slow first request is explained.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -73,7 +75,9 @@ def compile_count() -> int:
 
 
 def enable_persistent_cache(directory: Path) -> None:
-    """Cache compiled programs on disk so a restarted server skips compiles it has paid for before."""
+    """Cache compiled programs on disk so a restarted server skips compiles it has paid for before: in
+    `directory`, or in the operator's `JAX_COMPILATION_CACHE_DIR` when set (one cache for several servers)."""
+    directory = Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or directory)
     directory.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
