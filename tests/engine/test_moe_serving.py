@@ -1,6 +1,7 @@
 """The engine serves a Qwen3-MoE checkpoint as it serves Qwen3: LoRA training through the real `JaxRunner`
-lowers the loss, forward_backward reports the router's balance as transformers' router logits give it, and
-greedy sampling of the base model equals transformers' `generate`; so does a Qwen3.5-MoE (hub class)."""
+lowers the loss, forward_backward reports the router's balance as transformers' router logits give it, a
+full run steps as torch's AdamW does, greedy sampling of the base model equals transformers' `generate` and
+sampled logprobs equal teacher forcing; the same for a Qwen3.5-MoE (hub class) where marked."""
 
 from __future__ import annotations
 
@@ -187,3 +188,45 @@ def test_an_expert_parallel_engine_computes_what_one_device_does(served, tmp_pat
         outs.append(run(runner, "forward", "ep", ForwardBackwardRequest([datum], "cross_entropy", forward_only=True)))
         run(runner, "unload_model", "ep", UnloadModelRequest())
     np.testing.assert_allclose(outs[1].outputs[0]["logprobs"], outs[0].outputs[0]["logprobs"], atol=1e-5)
+
+
+@pytest.mark.parametrize("fixture", ["served", "served_qwen3_5_moe"])
+def test_sampled_logprobs_equal_teacher_forcing(fixture, request) -> None:  # type: ignore[no-untyped-def]
+    """Two samples at temperature 1 from one prompt: each token's logprob is transformers' on the whole sequence."""
+    runner, ref = request.getfixturevalue(fixture)[:2]
+    prompt = [3, 14, 15, 92, 65, 35]
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=11, stop_at_eos=False)
+    result = run(runner, "sample", "s", SampleRequest(prompt=prompt, num_samples=2, params=params, base_model="m"))
+    assert result.sequences[0].tokens != result.sequences[1].tokens  # two draws, not one sequence twice
+    for seq in result.sequences:
+        with torch.no_grad():
+            logprobs = torch.log_softmax(ref(torch.tensor([prompt + seq.tokens])).logits[0, len(prompt) - 1 : -1], -1)
+        want = logprobs.gather(-1, torch.tensor(seq.tokens)[:, None])[:, 0].numpy()
+        np.testing.assert_allclose(seq.logprobs, want, atol=1e-4)
+
+
+def test_full_fine_tuning_steps_as_torch_adamw(served) -> None:  # type: ignore[no-untyped-def]
+    """A full run trains every weight (router and experts too): after one forward_backward and optim_step its
+    logprobs are those of the transformers model after torch's AdamW step on the same cross-entropy sum."""
+    import copy
+
+    runner, ref = served
+    run(runner, "create_model", "full", CreateModelRequest("m", None))
+    tokens = list(range(5, 25))
+    targets = torch.tensor(tokens[1:] + [0])[:, None]
+    datum = Datum(tokens, {"target_tokens": targets[:, 0].numpy().astype(np.int64)})
+    adam = AdamParams(learning_rate=1e-2, eps=1e-3, weight_decay=0.1)
+    first = run(runner, "forward_backward", "full", ForwardBackwardRequest([datum], "cross_entropy"))
+    run(runner, "optim_step", "full", OptimStepRequest(adam))
+    after = run(runner, "forward", "full", ForwardBackwardRequest([datum], "cross_entropy", forward_only=True))
+    run(runner, "unload_model", "full", UnloadModelRequest())
+    model = copy.deepcopy(ref)
+    logprobs = torch.log_softmax(model(torch.tensor([tokens])).logits[0], -1).gather(-1, targets)[:, 0]
+    np.testing.assert_allclose(first.outputs[0]["logprobs"], logprobs.detach().numpy(), atol=1e-4)
+    (-logprobs.sum()).backward()
+    betas = (adam.beta1, adam.beta2)
+    torch.optim.AdamW(model.parameters(), adam.learning_rate, betas, adam.eps, adam.weight_decay).step()
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([tokens])).logits[0], -1).gather(-1, targets)[:, 0]
+    assert np.abs(want.numpy() - logprobs.detach().numpy()).max() > 1e-2  # the step moved the model
+    np.testing.assert_allclose(after.outputs[0]["logprobs"], want.numpy(), atol=1e-4)
