@@ -104,7 +104,11 @@ class LeaderRunner:
     def submit(self, items: Sequence[WorkItem]) -> None:
         items = [pin_seed(item) for item in items]
         self._send("submit", items)
-        self.runner.submit(items)
+        try:
+            self.runner.submit(items)
+        except Exception:
+            self._hold_if_a_follower_is_lost()
+            raise
 
     def step(self) -> list[Completion]:
         self._send("step")
