@@ -206,7 +206,7 @@ def main() -> None:
         batches, args.prompt, args.new_tokens, args.repeats = [4], 32, 16, 1
     shapes = args.shapes or ["small"] + (["qwen3-0.6b"] if args.qwen else [])
     results = [row for shape in shapes for row in measure(args, shape, batches, args.variants)]
-    bandwidth = read_bandwidth(64 if args.quick else 512)
+    bandwidth = read_bandwidth(64 if args.quick else None)
     add_ceiling(results, bandwidth)
     if args.vs_transformers:
         add_transformers(results, args)

@@ -116,7 +116,7 @@ def main() -> None:
     torch.set_num_threads(torch.get_num_threads())  # all cores, as XLA uses them
     cfg = model_config(args.shape)
     n = active_param_count(cfg)  # a MoE model's decode reads only the picked experts, on average
-    peak, bandwidth = matmul_peak(256 if args.quick else 2048), read_bandwidth(64 if args.quick else 512)
+    peak, bandwidth = matmul_peak(256 if args.quick else None), read_bandwidth(64 if args.quick else None)
     rows = []
     for mode in args.modes.split(","):
         rows.append(train_point(args.shape, mode, args.batch, args.length, args.steps, peak))

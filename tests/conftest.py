@@ -167,7 +167,10 @@ def _sdk_heartbeats_end_with_the_suite():
     (local cleanup only, no request to a server that may be gone)."""
     yield
     import gc
+    import sys
 
+    if "tinker" not in sys.modules:  # no SDK client was made (or the SDK is not installed: the device check)
+        return
     from tinker.lib.internal_client_holder import InternalClientHolder
 
     for holder in [obj for obj in gc.get_objects() if isinstance(obj, InternalClientHolder)]:

@@ -161,3 +161,12 @@ def test_parity_counts_from_the_summary_or_from_a_run_cut_short() -> None:
     ]
     collected = "<Module a>\n\n60/176 tests collected (116 deselected) in 9.1s\n"
     assert check.pytest_results(collected) == [{"deselected": 116, "collected": 60, "failed_tests": []}]
+
+
+def test_the_stages_name_the_accelerator_jax_can_start() -> None:
+    """jax 0.11 reads JAX_PLATFORMS=gpu as CUDA or ROCm and fails without ROCm: the first H200 run failed
+    every stage so. The stages name CUDA; a dry run stays on the CPU."""
+    check = load_device_check()
+    assert check.child_env(False, "gpu", False)["JAX_PLATFORMS"] == "cuda"
+    assert check.child_env(False, "tpu", False)["JAX_PLATFORMS"] == "tpu"
+    assert check.child_env(True, "gpu", False)["JAX_PLATFORMS"] == "cpu"
