@@ -202,3 +202,40 @@ def test_a_small_request_finishes_long_before_another_tenants_large_one(runner: 
         assert isinstance(result, ForwardBackwardResult) and result.metrics["queue_wait_s:max"] >= 0
     assert len(large_result.outputs) == 48
     _unload(runner, "big", "small")
+
+
+def test_a_snapshot_coming_back_never_pages_out_a_run_mid_request(runner: JaxRunner) -> None:
+    """A sample of a snapshot in host memory needs a slot while another tenant's long forward_backward is
+    between micro-batches and is the least recently used owner: the slot comes from an idle run, and the
+    long request's logprobs equal a forward pass of the same data afterwards (same weights, same slot)."""
+    saved, runner.trainer.micro_batch_tokens = runner.trainer.micro_batch_tokens, 64
+    try:
+        _create(runner, "r1")
+        _ok(runner, _item("save_weights_for_sampler", "r1", SaveSamplerRequest("snap-back")))
+        _create(runner, "big")
+        _touch(runner, "big")
+        _create(runner, "r2")  # the least recently used owner, the snapshot, goes to host memory
+        assert "snap-back" in runner.bank.host_snapshots
+        rng = np.random.RandomState(1)
+        data = [Datum(rng.randint(1, 200, 60).tolist(), {"target_tokens": rng.randint(1, 200, 60)}) for _ in range(6)]
+        large = _item("forward_backward", "big", ForwardBackwardRequest(data, "cross_entropy"))
+        runner.submit([large])
+        done = {c.future_id: c.result for c in runner.step()}  # the long item starts: one micro-batch
+        assert runner.long.runs() == {"big"}
+        runner.submit([_item("forward", "r2", _fb([1, 2, 3], forward_only=True))])
+        done.update({c.future_id: c.result for c in runner.step()})  # r2 is now used later than "big"
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        sample = _item("sample", "s", SampleRequest([1, 2, 3], 1, params, "m", weights=WeightsRef("snap-back")))
+        done.update({future_id: result for future_id, (_, _, result) in _race(runner, sample).items()})
+        assert isinstance(done[sample.future_id], SampleResult)
+        result = done[large.future_id]
+        assert isinstance(result, ForwardBackwardResult), result
+        again = _ok(runner, _item("forward", "big", ForwardBackwardRequest(data, "cross_entropy", forward_only=True)))
+        for got, want in zip(result.outputs, again[0].outputs, strict=True):
+            np.testing.assert_array_equal(got["logprobs"], want["logprobs"])
+    finally:
+        runner.trainer.micro_batch_tokens = saved
+    _unload(runner, "r1", "big", "r2")
+    runner.bank.host_snapshots.clear()
+    for info in list(runner.slots):
+        runner.bank.clear(runner.bank.release(info.owner).slot)

@@ -91,14 +91,15 @@ class Pager:
         total = sum(h.nbytes for h in runs.values()) + sum(h.nbytes for h in snaps.values())
         return f"{len(runs)} runs, {len(snaps)} snapshots, {total / 2**20:.1f} MiB in all; latest runs: {per_run}"
 
-    def restore_snapshot(self, snapshot_id: str) -> int | None:
-        """Bring a stashed snapshot back onto the device; None if it is not in host memory."""
+    def restore_snapshot(self, snapshot_id: str, protect: frozenset[str]) -> int | None:
+        """Bring a stashed snapshot back onto the device, never moving a `protect`ed run (one between the
+        micro-batches of a long request); None if it is not in host memory."""
         host = self.bank.host_snapshots.get(snapshot_id)
         if host is None:
             return None
         start = time.perf_counter()
         info = host.info
-        self._make_room(frozenset({snapshot_id}))
+        self._make_room(protect | {snapshot_id})
         slot = self.bank.allocate(snapshot_id, "sampler", info.rank, info.alpha, info.targets).slot
         self.bank.restore_snapshot(snapshot_id, slot)
         self.stats.page_ins += 1

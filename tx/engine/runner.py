@@ -386,7 +386,7 @@ class JaxRunner:
         if info is not None:
             self.slots.touch(ref.snapshot_id)
             return info.slot
-        restored = self.pager.restore_snapshot(ref.snapshot_id)
+        restored = self.pager.restore_snapshot(ref.snapshot_id, self._protect)
         if restored is not None:
             return restored
         directory = self._path(ref.checkpoint_dir) if ref.checkpoint_dir else None
