@@ -204,6 +204,24 @@ def test_a_small_request_finishes_long_before_another_tenants_large_one(runner: 
     _unload(runner, "big", "small")
 
 
+def test_a_deep_queue_of_near_budget_requests_does_not_hold_another_tenant_back(runner: JaxRunner) -> None:
+    """Tenant "deep" queues four requests of 45 tokens on a 64-token round; "late" one of 40 after them.
+    Two never fit one round together: "late" runs in the second round, as the run served least recently,
+    not after the whole queue."""
+    _create(runner, "deep")
+    _create(runner, "late")
+    saved, runner.trainer.micro_batch_tokens = runner.trainer.micro_batch_tokens, 64
+    try:
+        queue = [_item("forward_backward", "deep", _fb(list(range(1, 46)))) for _ in range(4)]
+        late = _item("forward_backward", "late", _fb(list(range(1, 41))))
+        finished = _race(runner, *queue, late)
+    finally:
+        runner.trainer.micro_batch_tokens = saved
+    assert [finished[i.future_id][0] for i in queue] == [0, 2, 3, 4] and finished[late.future_id][0] == 1
+    assert all(isinstance(result, ForwardBackwardResult) for _, _, result in finished.values())
+    _unload(runner, "deep", "late")
+
+
 def test_a_snapshot_coming_back_never_pages_out_a_run_mid_request(runner: JaxRunner) -> None:
     """A sample of a snapshot in host memory needs a slot while another tenant's long forward_backward is
     between micro-batches and is the least recently used owner: the slot comes from an idle run, and the

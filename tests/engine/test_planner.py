@@ -95,3 +95,20 @@ def test_the_default_limits_shared_by_every_call_cannot_be_changed() -> None:
     it would change the limits of every later round planned without explicit ones."""
     with pytest.raises(dataclasses.FrozenInstanceError):
         RoundLimits().tokens = 5  # type: ignore[misc]
+
+
+def test_the_run_served_least_recently_leads_the_next_round() -> None:
+    """A tenant with a deep queue of near-budget requests cannot hold another's small request back: the run
+    the budget left out of a round leads the next one. Rounds are replayed as the runner plays them."""
+    a = [_fb("a", 15) for _ in range(5)]
+    b = _fb("b", 10)
+    pending, served, rounds_of_b = [*a, b], {}, None
+    for round_ in range(1, 10):
+        plan = plan_round(pending, set(), RoundLimits(tokens=20, served=dict(served)))
+        served.update({str(i.model_id): round_ for i in plan.items})
+        if b in plan.items:
+            rounds_of_b = round_
+        pending = [i for i in pending if i not in plan.items]
+    assert rounds_of_b == 2 and not pending  # round 1: a's first request alone (b would pass the budget)
+    assert _ids_of(plan_round([*a, b], set(), RoundLimits(tokens=20, served={"a": 3})).fused) == _ids_of([b])
+    assert _ids_of(plan_round([*a, b], set(), RoundLimits(tokens=20, served={"b": 3})).fused) == _ids_of(a[:1])

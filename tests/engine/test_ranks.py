@@ -17,7 +17,8 @@ import pytest
 from test_paging import _fb, _item, _ok, _run, _state, _touch
 
 from tx.engine.compiles import compile_count
-from tx.engine.runner import PAGED_IN, JaxRunner
+from tx.engine.round_notes import PAGED_IN
+from tx.engine.runner import JaxRunner
 from tx.protocol import (
     AdamParams,
     CreateModelRequest,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from tx.engine.long_work import LongItem
 from tx.engine.loop import Completion
 from tx.engine.paging import Pager
 from tx.engine.planner import Plan, RoundLimits, plan_round
+from tx.engine.round_notes import RoundNotes
 from tx.engine.sampler import Sampler
 from tx.engine.snapshots import FullSnapshots, HeldSnapshots, SamplerFactory
 from tx.engine.trainer import Run, Trainer
@@ -56,8 +56,6 @@ from tx.protocol import (
 )
 
 log = logging.getLogger("tx.engine")
-QUEUE_WAIT = "queue_wait_s:max"  # seconds from submission to the start of execution, per request
-PAGED_IN = "paged_in_bytes:max"  # host memory the request's run was paged in from before it ran (if it was)
 
 
 class JaxRunner:
@@ -91,8 +89,7 @@ class JaxRunner:
         data_dirs = [checkpoint_root.parent] if checkpoint_root is not None else []
         # a request over one round's tokens, a micro-batch per round
         self.long = LongItem(trainer, functools.partial(as_request_error, roots=data_dirs))
-        self.waits: dict[str, float] = {}  # future id -> seconds it waited in the queue
-        self.paged_in: dict[str, int] = {}  # future id -> host bytes its run was paged in from this round
+        self.notes = RoundNotes()  # queue waits, page-ins and the runs' turns
 
     # ---- Runner protocol ----------------------------------------------------------------------------
 
@@ -110,8 +107,7 @@ class JaxRunner:
         self.outbox = [c for c in self.outbox if c.future_id not in gone]
         self.slot_waiting = [i for i in self.slot_waiting if i.future_id not in gone]
         self.long.discard(gone)
-        for future_id in gone:
-            self.paged_in.pop(future_id, None)
+        self.notes.forget(gone)
 
     def idle(self) -> bool:
         samplers_idle = all(s.idle() for s in self._samplers())
@@ -150,7 +146,7 @@ class JaxRunner:
         self.submit(waiting)
         done, self.outbox = self.outbox, []
         plan = self._resident(plan_round(self.pending, self._full_runs(), self._limits()))
-        self._note_waits(plan.items)
+        self.notes.planned(plan, self.trainer.runs)
         if plan.fused:
             done += self._forward_backward(plan.fused)
         if plan.long is not None:
@@ -162,7 +158,7 @@ class JaxRunner:
         # Every planned item has a completion (each one's failure is caught), so none is re-run; a long item's
         # comes in the round that finishes it, and a control item that waits for a slot has none yet.
         self.pending = [i for i in self.pending if i.future_id not in finished]
-        done = [self._with_wait(c) for c in done]
+        done = [self.notes.report(c) for c in done]
         for sampler in self._samplers():
             if not sampler.idle():
                 done += [Completion(rid, out) for rid, out in sampler.step()]
@@ -174,7 +170,7 @@ class JaxRunner:
     def _limits(self) -> RoundLimits:
         """A round's bounds: the slots the sampler is not reading, one micro-batch of tokens, the long item."""
         free = self.slots.max_adapters - len(self.sampler.slots_in_use() - {0})
-        return RoundLimits(free, self.trainer.micro_batch_tokens, self.long.runs())
+        return RoundLimits(free, self.trainer.micro_batch_tokens, self.long.runs(), self.notes.served)
 
     def _resident(self, plan: Plan) -> Plan:
         """Page in the planned runs that are in host memory; a run that finds no slot (every one held by
@@ -188,30 +184,11 @@ class JaxRunner:
                 waiting.add(run_id)
                 continue
             if nbytes:
-                self.paged_in.update({i.future_id: nbytes for i in plan.items if i.model_id == run_id})
+                self.notes.paged([i for i in plan.items if i.model_id == run_id], nbytes)
         fused = [i for i in plan.fused if i.model_id not in waiting]
         control = [i for i in plan.control if i.model_id not in waiting]
         long = plan.long if plan.long is not None and plan.long.model_id not in waiting else None
         return Plan(fused, control, long)
-
-    def _note_waits(self, items: list[WorkItem]) -> None:
-        """Each planned request's queue wait: logged (INFO from a second on) and kept for its metrics."""
-        now = time.time()
-        for item in items:
-            wait = self.waits[item.future_id] = max(now - item.created_at, 0.0)
-            log.log(logging.INFO if wait >= 1.0 else logging.DEBUG, "%s %s of %s waited %.3f s in the queue",
-                    item.kind, item.future_id, item.model_id, wait)  # fmt: skip
-
-    def _with_wait(self, completion: Completion) -> Completion:
-        """The request's queue wait, and the host bytes its run was paged in from, in its metrics."""
-        wait = self.waits.pop(completion.future_id, None)
-        paged = self.paged_in.pop(completion.future_id, None)
-        metrics = getattr(completion.result, "metrics", None)
-        if wait is not None and isinstance(metrics, dict):
-            metrics[QUEUE_WAIT] = wait
-        if paged is not None and isinstance(metrics, dict):
-            metrics[PAGED_IN] = float(paged)
-        return completion
 
     def _error(self, err: BaseException) -> RequestError:
         data_dir = [self.checkpoint_root.parent] if self.checkpoint_root is not None else []
