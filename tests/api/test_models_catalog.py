@@ -67,6 +67,23 @@ def test_uploads_are_private_to_their_owner_even_once_loaded(tmp_path: Path) -> 
     assert catalog.usable("bob") == [] and catalog.usable(None) == []
 
 
+def test_clients_get_a_tokenizer_name_they_can_resolve_never_an_uploads_server_path(tmp_path: Path) -> None:
+    """`get_info().tokenizer_id` goes to the SDK's `AutoTokenizer.from_pretrained` on the client's machine:
+    an upload gives the hub name its files record, else its own model string; a local directory its path."""
+    recorded = _model_dir(tmp_path, "store/alice/tuned", {**QWEN3, "_name_or_path": "Qwen/Qwen3-8B"})
+    (recorded / "tokenizer_config.json").write_text(json.dumps({"name_or_path": "Qwen/Qwen3-8B-Base"}))
+    bare = _model_dir(tmp_path, "store/alice/bare", {**QWEN3, "_name_or_path": "/home/alice/ckpt"})
+    local = _model_dir(tmp_path, "local", QWEN3)
+    uploads = {("alice", "upload:tuned"): recorded, ("alice", "upload:bare"): bare}
+    catalog = ModelCatalog(ModelRules(), find_upload=lambda owner, name: uploads.get((owner, name)))
+    assert catalog.get("alice", "upload:tuned").info.tokenizer_id == "Qwen/Qwen3-8B-Base"
+    assert catalog.get("alice", "upload:bare").info.tokenizer_id == "upload:bare"
+    assert catalog.get("alice", str(local)).info.tokenizer_id == str(local)
+    (recorded / "tokenizer_config.json").unlink()
+    catalog.forget_upload("alice", "upload:tuned")
+    assert catalog.get("alice", "upload:tuned").info.tokenizer_id == "Qwen/Qwen3-8B"
+
+
 def test_loaded_models_are_listed_with_their_context_length(tmp_path: Path) -> None:
     pre, extra = _model_dir(tmp_path, "pre", QWEN3), _model_dir(tmp_path, "extra", QWEN3)
     loaded: dict[str, ModelInfo] = {}

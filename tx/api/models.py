@@ -143,7 +143,8 @@ class ModelCatalog:
     def _describe(self, owner: str | None, name: str, model_dir: Path) -> ServedModel:
         r = self.rules
         try:
-            info = describe_model(name, model_dir, r.max_seq_len, r.max_lora_rank, r.max_lora_adapters)
+            private = owner is not None  # an upload: its directory is the server's own
+            info = describe_model(name, model_dir, r.max_seq_len, r.max_lora_rank, r.max_lora_adapters, private)
         except FileNotFoundError as err:
             _not_found(f"base_model {name!r} has no usable model files: {err}")
         except (ValueError, KeyError) as err:  # unsupported architecture (with the list) or a broken config

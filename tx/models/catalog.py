@@ -12,6 +12,7 @@ answer a request) and the engine both read models through these functions, so th
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -80,21 +81,44 @@ def has_weights(model_dir: Path) -> bool:
 
 
 def describe_model(
-    name: str, model_dir: Path, max_seq_len: int, max_lora_rank: int = 128, max_lora_adapters: int = 8
+    name: str,
+    model_dir: Path,
+    max_seq_len: int,
+    max_lora_rank: int = 128,
+    max_lora_adapters: int = 8,
+    private_dir: bool = False,
 ) -> ModelInfo:
-    """The `ModelInfo` of the model in `model_dir`, served under `name`. A hub name lets a client on another
-    machine resolve the tokenizer itself; a local directory is only meaningful to clients that share this
-    filesystem, so it is returned as a path."""
+    """The `ModelInfo` of the model in `model_dir`, served under `name` (`tokenizer_id_for` says which
+    tokenizer name clients are given; `private_dir`: the directory is the server's own, an upload's)."""
     cfg = load_hf_config(model_dir)
     return ModelInfo(
         base_model=name,
         vocab_size=cfg.vocab_size,
         max_seq_len=min(max_seq_len, cfg.max_position_embeddings),
-        tokenizer_id=name if is_hub_name(name) and not Path(name).expanduser().is_dir() else str(model_dir),
+        tokenizer_id=tokenizer_id_for(name, model_dir, private_dir),
         max_lora_rank=max_lora_rank,
         max_lora_adapters=max_lora_adapters,
         arch=cfg.family,
     )
+
+
+def tokenizer_id_for(name: str, model_dir: Path, private_dir: bool) -> str:
+    """What a client passes to `AutoTokenizer.from_pretrained`: a hub name as is (a client on another machine
+    resolves it itself); a local directory as its path (meaningful to clients on this filesystem). A private
+    directory (an upload) is never named: the hub name its files record (`tokenizer_config.json`'s
+    `name_or_path`, `config.json`'s `_name_or_path`), else the model string itself."""
+    if is_hub_name(name) and not Path(name).expanduser().is_dir():
+        return name
+    if not private_dir:
+        return str(model_dir)
+    for file, key in (("tokenizer_config.json", "name_or_path"), ("config.json", "_name_or_path")):
+        try:
+            recorded = json.loads((model_dir / file).read_text()).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(recorded, str) and is_hub_name(recorded):
+            return recorded
+    return name
 
 
 def weight_bytes(model_dir: Path, dtype: str | None) -> int:
