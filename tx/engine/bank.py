@@ -215,6 +215,23 @@ class AdapterBank:
         self._trim_snapshots()
         return host
 
+    def keep_run(self, run_id: str, host: HostRun) -> HostRun:
+        """Hold a paged-out run's copies (the trainer made them and releases its slot)."""
+        self.host[run_id] = host
+        return host
+
+    def take_run(self, run_id: str) -> HostRun:
+        """A paged-out run's copies, removed from the store (the trainer is paging it back in)."""
+        return self.host.pop(run_id)
+
+    def forget_run(self, run_id: str) -> None:
+        """Drop a paged-out run's copies (the run is unloaded)."""
+        self.host.pop(run_id, None)
+
+    def forget_snapshot(self, owner: str) -> None:
+        """Drop a stashed snapshot (new weights replace it)."""
+        self.host_snapshots.pop(owner, None)
+
     def _host_copy(self, info: SlotInfo) -> HostSnapshot:
         """The slot's arrays at the owner's own rank (restorable at any stack width), scale row and entry."""
         cut = {p: slot_slice(v, info.slot, info.rank, self.roles.is_a(p)) for p, v in self._arrays.items()}

@@ -334,7 +334,7 @@ class JaxRunner:
                     f"sampler weights {snapshot_id!r} are being sampled; save under another name", "user"
                 )
             self.bank.clear(self.bank.release(snapshot_id).slot)
-        self.bank.host_snapshots.pop(snapshot_id, None)  # replaced by the new weights
+        self.bank.forget_snapshot(snapshot_id)  # a stashed copy is replaced by the new weights
         # Idle runs are paged out (LRU) before a snapshot is refused; this round's runs stay.
         slot = self.pager.claim(snapshot_id, "sampler", lora, self._protect)
         self.bank.clear(slot)

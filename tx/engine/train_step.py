@@ -22,7 +22,7 @@ from flax import nnx
 from tx.engine.compiles import train_jit
 from tx.engine.losses import LossInputs, token_losses
 from tx.lora.params import AdapterRoles
-from tx.lora.select import Selection, slot_slice, take_adapters
+from tx.lora.select import Selection, slot_put, slot_slice, take_adapters
 
 Flat = dict[tuple[str, ...], jax.Array]
 _jit = train_jit
@@ -130,24 +130,11 @@ class StepFunctions:
 # ---- per-run slices of the stacked adapter slots -------------------------------------------------
 
 
-def take_slot(x: jax.Array, slot: jax.Array, rank: int, a: bool) -> jax.Array:
-    """[..., S, I, R] -> the slot's [..., I, rank] (A), or [..., S, R, O] -> [..., rank, O] (B)."""
-    return slot_slice(x, slot, rank, a)
-
-
-def put_slot(x: jax.Array, slot: jax.Array, value: jax.Array, a: bool) -> jax.Array:
-    pad = x.shape[-1] - value.shape[-1] if a else x.shape[-2] - value.shape[-2]
-    widths = [(0, 0)] * value.ndim
-    widths[-1 if a else -2] = (0, pad)
-    full = jnp.pad(value.astype(x.dtype), widths)
-    return jax.lax.dynamic_update_index_in_dim(x, full, slot, x.ndim - 3)
-
-
 @functools.partial(_jit, static_argnames=("roles",), donate_argnums=0)
 def accumulate_slot(acc: Flat, grads: Flat, slot: jax.Array, roles: AdapterRoles) -> Flat:
     """acc[path] += slice `slot` of grads[path], at the accumulator's rank (LoRA runs: the run's index in the
     compact stack the gradient was taken over)."""
-    return {p: acc[p] + take_slot(grads[p], slot, roles.rank_of(p, acc[p]), roles.is_a(p)) for p in acc}
+    return {p: acc[p] + slot_slice(grads[p], slot, roles.rank_of(p, acc[p]), roles.is_a(p)) for p in acc}
 
 
 @functools.partial(_jit, donate_argnums=0)
@@ -158,13 +145,13 @@ def accumulate_full(acc: Flat, grads: Flat) -> Flat:
 @functools.partial(_jit, static_argnames=("roles",))
 def read_slot_params(lora: Flat, slot: jax.Array, like: Flat, roles: AdapterRoles) -> Flat:
     """Slot `slot` of every stacked adapter in `like`, cut to the rank `like` has there."""
-    return {p: take_slot(lora[p], slot, roles.rank_of(p, like[p]), roles.is_a(p)) for p in like}
+    return {p: slot_slice(lora[p], slot, roles.rank_of(p, like[p]), roles.is_a(p)) for p in like}
 
 
 @functools.partial(_jit, static_argnames=("roles",), donate_argnums=0)
 def write_slot_params(lora: Flat, slot: jax.Array, params: Flat, roles: AdapterRoles) -> Flat:
     """`params` (one run's adapter) into slot `slot` of the stacks, zero-padded to their rank."""
-    return {p: put_slot(v, slot, params[p], roles.is_a(p)) if p in params else v for p, v in lora.items()}
+    return {p: slot_put(v, slot, params[p], roles.is_a(p)) if p in params else v for p, v in lora.items()}
 
 
 @functools.partial(_jit, static_argnames=("width", "roles"))

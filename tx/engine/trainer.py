@@ -35,7 +35,7 @@ from tx.engine.train_batch import (
 )
 from tx.gather import to_host, tree_to_host
 from tx.lora.params import LoRAParam
-from tx.lora.select import select, take_adapters
+from tx.lora.select import select, slot_slice, take_adapters
 from tx.lora.slots import targets_from_flags
 from tx.models.causal_lm import CausalLM
 from tx.models.qwen3_5 import Qwen3_5CausalLM
@@ -109,7 +109,7 @@ class Trainer:
         self.bank.init(slot, cfg.rank, cfg.alpha, targets, seed if cfg.seed is None else cfg.seed)
         slot_, roles = jnp.int32(slot), self.bank.roles
         params = {
-            p: ts.take_slot(v, slot_, cfg.rank, roles.is_a(p)) for p, v in self.bank.arrays.items() if p[-2] in targets
+            p: slot_slice(v, slot_, cfg.rank, roles.is_a(p)) for p, v in self.bank.arrays.items() if p[-2] in targets
         }
         # Placed as `adam_step` returns them (replicated over the mesh), or the second step recompiles
         # `accumulate_slot` and `adam_step` for the new placement (+0.6 s on `small`).
@@ -187,7 +187,7 @@ class Trainer:
 
     def drop_run(self, run_id: str) -> Run:
         run = self.runs.pop(run_id)
-        self.bank.host.pop(run_id, None)
+        self.bank.forget_run(run_id)
         if run.lora is not None and run.resident:
             self.bank.clear(run.slot)
         return run
@@ -198,7 +198,7 @@ class Trainer:
         run = self.runs[run_id]
         self.await_warm_up()
         params, grads, opt_state = tree_to_host((self.run_params(run), run.grads, run.opt_state))
-        host = self.bank.host[run_id] = HostRun(params, grads, opt_state)
+        host = self.bank.keep_run(run_id, HostRun(params, grads, opt_state))
         self.bank.clear(run.slot)
         self.bank.release(run_id)
         run.slot, run.grads, run.opt_state = 0, {}, None
@@ -208,7 +208,7 @@ class Trainer:
         """Bring a paged-out run back into `slot` (allocated to it in the bank's table), placed as before."""
         run = self.runs[run_id]
         assert run.lora is not None
-        host = self.bank.host.pop(run_id)
+        host = self.bank.take_run(run_id)
         params, run.grads, run.opt_state = self._placed_like((host.params, host.grads, host.opt_state), {})
         run.slot = slot
         self.bank.clear(slot)

@@ -78,6 +78,16 @@ def slot_slice(x: jax.Array, slots: jax.Array | int, rank: int, a: bool) -> jax.
     return picked[..., :rank] if a else picked[..., :rank, :]
 
 
+def slot_put(x: jax.Array, slot: jax.Array, value: jax.Array, a: bool) -> jax.Array:
+    """The one write of a stacked adapter: `x` with slot `slot` set to `value` (A [..., in, r] or B
+    [..., r, out], r <= the stack's rank: the columns past r are zero)."""
+    pad = x.shape[-1] - value.shape[-1] if a else x.shape[-2] - value.shape[-2]
+    widths = [(0, 0)] * value.ndim
+    widths[-1 if a else -2] = (0, pad)
+    full = jnp.pad(value.astype(x.dtype), widths)
+    return jax.lax.dynamic_update_index_in_dim(x, full, slot, x.ndim - 3)
+
+
 def take_adapters(
     weights: Mapping[tuple, jax.Array], selection: Selection, roles: AdapterRoles
 ) -> dict[tuple, jax.Array]:
