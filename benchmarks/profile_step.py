@@ -1,0 +1,145 @@
+"""Where a training step's time goes: the engine's Trainer on a random-weight model under `jax.profiler`,
+the trace's XLA ops summed by kind, as JSON.
+
+A step (forward_backward + optim_step, as `train_throughput.py` runs it) is traced after `--warmup` steps;
+the perfetto trace's per-op events are joined with the optimised HLO (`--xla_dump_to`, read back from a
+temporary directory) to name each op's kind: `dot` (matrix products, alone or fused), `convolution`,
+`ynn fusion` (XLA:CPU's YNNPACK matrix kernels with what is fused into them), `loop`/`input`/`output`
+fusions (elementwise, reductions), `copy`/`transpose`, collectives, the rest. The
+result: total traced op time per kind, its share of the step, and the `--top` costliest ops with their
+kind and the HLO instruction's first line (shapes), so a change can be aimed at what the step spends on.
+
+    python benchmarks/profile_step.py --shape qwen3.5-small --mode r8
+    python benchmarks/profile_step.py --shape small --mode full --top 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DUMP = tempfile.mkdtemp(prefix="smolgym-hlo-")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"
+).strip()
+
+import jax  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import SHAPES  # noqa: E402
+from train_throughput import workload  # noqa: E402
+
+from tx.engine.bank import AdapterBank  # noqa: E402
+from tx.engine.trainer import Trainer  # noqa: E402
+from tx.lora.layers import LoRASpec  # noqa: E402
+from tx.protocol import AdamParams, LoraConfig  # noqa: E402
+from tx.tuning import for_backend  # noqa: E402
+
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
+
+
+def hlo_kinds(dump: str) -> dict[str, tuple[str, str]]:
+    """{instruction name: (kind, its line)} over every optimised module in the dump."""
+    kinds: dict[str, tuple[str, str]] = {}
+    for path in Path(dump).glob("*after_optimizations.txt"):
+        for line in path.read_text().splitlines():
+            m = INSTRUCTION.match(line)
+            if m:
+                kind = "ynn fusion" if m.group(1).startswith("ynn_fusion") else kind_of(m.group(2))
+                kinds[m.group(1)] = (kind, line.strip()[:160])
+    return kinds
+
+
+def kind_of(rhs: str) -> str:
+    """The op's kind from the right-hand side of its HLO line."""
+    op = re.search(r"\b([a-z][\w\-]*)\(", rhs)
+    name = op.group(1) if op else "?"
+    if name == "fusion":
+        if "ynn_fusion" in rhs or "calls=%ynn" in rhs:
+            return "ynn fusion"  # XLA:CPU's YNNPACK kernels: matrix products with what is fused around them
+        fused = re.search(r"kind=k(\w+)", rhs)
+        calls = re.search(r"calls=%?([\w.\-]+)", rhs)
+        label = (fused.group(1) if fused else "?").lower()
+        if calls and ("dot" in calls.group(1) or "gemm" in calls.group(1)):
+            return "dot"
+        return f"{label} fusion"
+    return name
+
+
+def trace_events(trace_dir: Path) -> list[dict[str, Any]]:
+    files = sorted(trace_dir.rglob("*.trace.json.gz")) or sorted(trace_dir.rglob("perfetto_trace.json.gz"))
+    with gzip.open(files[-1]) as f:
+        doc = json.load(f)
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+
+def summarize(events: list[dict[str, Any]], kinds: dict[str, tuple[str, str]], top: int) -> dict[str, Any]:
+    per_op: collections.Counter[str] = collections.Counter()
+    for e in events:
+        name = e["name"]
+        if name in kinds:
+            per_op[name] += e["dur"] / 1e3
+    per_kind: collections.Counter[str] = collections.Counter()
+    for name, ms in per_op.items():
+        per_kind[kinds[name][0]] += ms
+    total = sum(per_kind.values())
+    return {
+        "traced_op_ms": round(total, 2),
+        "by_kind": {k: {"ms": round(v, 2), "share": round(v / total, 3)} for k, v in per_kind.most_common()},
+        "top_ops": [
+            {"op": n, "ms": round(ms, 2), "kind": kinds[n][0], "hlo": kinds[n][1]} for n, ms in per_op.most_common(top)
+        ],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="small", choices=list(SHAPES))
+    p.add_argument("--mode", default="r8", help="rN (LoRA rank N) or full")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--length", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--top", type=int, default=15)
+    args = p.parse_args()
+    from shapes import random_model
+
+    rank = None if args.mode == "full" else int(args.mode[1:])
+    model = random_model(
+        args.shape, LoRASpec(slots=2, max_rank=rank or 1, kernel=for_backend().lora_kernel), args.dtype
+    )
+    trainer = Trainer(model, AdapterBank.of(model), micro_batch_tokens=max(args.batch * args.length, 2048))
+    if rank is None:
+        trainer.create_full_run("run")
+    else:
+        trainer.create_lora_run("run", LoraConfig(rank=rank), slot=1)
+    request = workload(model.config.vocab_size, args.batch, args.length)
+
+    def step() -> float:
+        start = time.perf_counter()
+        trainer.forward_backward([("run", request)])
+        trainer.optim_step("run", AdamParams(learning_rate=1e-5))
+        jax.block_until_ready((trainer.bank.arrays, trainer.runs["run"].params))
+        return time.perf_counter() - start
+
+    for _ in range(args.warmup):
+        step()
+    trace_dir = Path(tempfile.mkdtemp(prefix="smolgym-trace-"))
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        step_s = step()
+    out = summarize(trace_events(trace_dir), hlo_kinds(DUMP), args.top)
+    print(json.dumps({"benchmark": "profile_step", **vars(args), "step_ms": round(step_s * 1e3, 1), **out}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
