@@ -47,15 +47,16 @@ from tx.tuning import for_backend  # noqa: E402
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
 
 
-def hlo_kinds(dump: str) -> dict[str, tuple[str, str]]:
-    """{instruction name: (kind, its line)} over every optimised module in the dump."""
-    kinds: dict[str, tuple[str, str]] = {}
+def hlo_kinds(dump: str) -> dict[tuple[str, str], tuple[str, str]]:
+    """{(module, instruction name): (kind, its line)} over every optimised module in the dump."""
+    kinds: dict[tuple[str, str], tuple[str, str]] = {}
     for path in Path(dump).glob("*after_optimizations.txt"):
+        module = path.name.split(".", 1)[1].rsplit(".cpu_after", 1)[0].rsplit("_after", 1)[0]
         for line in path.read_text().splitlines():
             m = INSTRUCTION.match(line)
             if m:
                 kind = "ynn fusion" if m.group(1).startswith("ynn_fusion") else kind_of(m.group(2))
-                kinds[m.group(1)] = (kind, line.strip()[:160])
+                kinds[(module, m.group(1))] = (kind, line.strip()[:160])
     return kinds
 
 
@@ -83,21 +84,27 @@ def trace_events(trace_dir: Path) -> list[dict[str, Any]]:
     return [e for e in events if e.get("ph") == "X" and "dur" in e]
 
 
-def summarize(events: list[dict[str, Any]], kinds: dict[str, tuple[str, str]], top: int) -> dict[str, Any]:
-    per_op: collections.Counter[str] = collections.Counter()
+def summarize(events: list[dict[str, Any]], kinds: dict[tuple[str, str], tuple[str, str]], top: int) -> dict:
+    """Op time by kind and by program (the events that name their HLO module), and the costliest ops."""
+    per_op: collections.Counter[tuple[str, str]] = collections.Counter()
     for e in events:
-        name = e["name"]
-        if name in kinds:
-            per_op[name] += e["dur"] / 1e3
+        args = e.get("args") or {}
+        key = (str(args.get("hlo_module", "")), e["name"])
+        if key in kinds:
+            per_op[key] += e["dur"] / 1e3
     per_kind: collections.Counter[str] = collections.Counter()
-    for name, ms in per_op.items():
-        per_kind[kinds[name][0]] += ms
+    per_module: collections.Counter[str] = collections.Counter()
+    for key, ms in per_op.items():
+        per_kind[kinds[key][0]] += ms
+        per_module[key[0]] += ms
     total = sum(per_kind.values())
     return {
         "traced_op_ms": round(total, 2),
+        "by_program_ms": {k: round(v, 2) for k, v in per_module.most_common()},
         "by_kind": {k: {"ms": round(v, 2), "share": round(v / total, 3)} for k, v in per_kind.most_common()},
         "top_ops": [
-            {"op": n, "ms": round(ms, 2), "kind": kinds[n][0], "hlo": kinds[n][1]} for n, ms in per_op.most_common(top)
+            {"program": m, "op": n, "ms": round(ms, 2), "kind": kinds[(m, n)][0], "hlo": kinds[(m, n)][1]}
+            for (m, n), ms in per_op.most_common(top)
         ],
     }
 

@@ -137,6 +137,22 @@ def test_budget_unloads_the_idle_model_and_reloads_it_with_its_snapshots(dirs, t
     assert set(pool.models) == {str(qwen)}
 
 
+def test_a_model_no_sampling_client_reads_is_unloaded_before_one_holding_snapshots(dirs, hf_models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Two models fit the budget, a third needs one gone. Both loaded ones are idle; the least recently used
+    holds a sampler snapshot (a sampling client made by `save_weights_and_get_sampling_client`), the other
+    holds none: that one is unloaded, and the snapshot's model stays."""
+    third, _ = hf_models("qwen3", 1, True)
+    pool = _pool(tmp_path, int(2.2 * MB))  # qwen 0.84 + llama 0.97 MB fit; with the third (0.8 MB) they do not
+    qwen, llama = dirs["qwen"], dirs["llama"]
+    _all_ok(_drain(pool, [_create(qwen, "run-k"), *_step_and_save("run-k", "kept-snap")]))
+    _all_ok(_drain(pool, [_item("unload_model", "run-k", UnloadModelRequest())]))
+    _only(_drain(pool, [_sample(qwen, snapshot="kept-snap")]))
+    _only(_drain(pool, [_sample(llama)]))  # used after qwen: plain LRU would unload qwen
+    assert set(pool.models) == {str(qwen), str(llama)}
+    _only(_drain(pool, [_sample(third)]))
+    assert set(pool.models) == {str(qwen), str(third)}
+
+
 def test_a_model_with_a_live_run_is_never_unloaded_and_the_refusal_names_sizes(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     pool = _pool(tmp_path, int(1.5 * MB))
     _only(_drain(pool, [_create(dirs["qwen"], "run-q")]))

@@ -11,8 +11,9 @@ run was created. Work for a model that is not loaded waits while a loader thread
 thread keeps stepping the other models meanwhile), then runs in arrival order; a model known only by its
 hub name is first downloaded by a fetcher thread, so a download blocks neither the engine nor the API.
 Before a load the pool makes room within the memory budget by unloading idle models (no live runs,
-nothing queued or running), least recently used first; if that is not enough the waiting requests fail
-with the sizes. A model with live runs is never unloaded. An unloaded model's sampler snapshots (the
+nothing queued or running), least recently used first, those holding no sampler snapshot before those
+that do (their sampling clients are likely live); if that is not enough the waiting requests fail with
+the sizes. A model with live runs is never unloaded. An unloaded model's sampler snapshots (the
 ephemeral ones of `save_weights_and_get_sampling_client` included) are kept in host memory and handed to its
 next load, so a sampling client outlives an unload: its next sample reloads the model and finds its weights
 (a base-model sampling client needs nothing kept). Scheduling is fair: each `step` gives every
@@ -51,6 +52,8 @@ class ModelRunner(Runner, Protocol):
     def resident_bytes(self) -> int: ...
 
     def discard(self, future_ids: Sequence[str]) -> None: ...
+
+    def snapshot_count(self) -> int: ...
 
     def snapshots_to_host(self) -> HeldSnapshots: ...
 
@@ -154,7 +157,8 @@ class ModelPool:
             for m in self.models.values()
             if m.key != keep and m.key not in self.waiting and m.runner.idle() and not m.runner.live_runs()
         ]
-        return sorted(idle, key=lambda m: m.last_used)
+        # Models no sampling client reads go first; a model holding sampler snapshots only if that is not enough.
+        return sorted(idle, key=lambda m: (m.runner.snapshot_count() > 0, m.last_used))
 
     def _make_room(self, key: str, needed: int) -> None:
         """Unload idle models, least recently used first, until `needed` more bytes fit; else a user error."""

@@ -128,6 +128,11 @@ class JaxRunner:
     def _samplers(self) -> list[Sampler]:
         return [self.sampler, *self.full.samplers()]
 
+    def snapshot_count(self) -> int:
+        """Sampler snapshots this model holds (on the device or in host memory): live sampling clients, likely."""
+        on_device = sum(info.kind == "sampler" for info in self.slots)
+        return on_device + len(self.bank.host_snapshots) + len(self.full)
+
     def snapshots_to_host(self) -> HeldSnapshots:
         """Host copies of every sampler snapshot: the pool is unloading this model, and its next load takes
         them back (`adopt_snapshots`), so a sampling client made from one keeps working."""

@@ -92,6 +92,9 @@ class FullSnapshots:
         for sid in idle[: max(len(self._device) - self.max_kept, 0)]:
             del self._device[sid]
 
+    def __len__(self) -> int:
+        return len(self._device) + len(self._host)
+
     def to_host(self) -> dict[str, HostWeights]:
         """Host copies of every snapshot, for the model's next load (the pool is unloading this one)."""
         return {**self._host, **{sid: HostWeights.of(weights) for sid, (_, weights) in self._device.items()}}
