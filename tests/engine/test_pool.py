@@ -137,7 +137,7 @@ def test_budget_unloads_the_idle_model_and_reloads_it_with_its_snapshots(dirs, t
     assert set(pool.models) == {str(qwen)}
 
 
-def test_a_model_no_sampling_client_reads_is_unloaded_before_one_holding_snapshots(dirs, hf_models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_model_no_sampling_client_reads_goes_before_one_holding_snapshots(dirs, hf_models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Two models fit the budget, a third needs one gone. Both loaded ones are idle; the least recently used
     holds a sampler snapshot (a sampling client made by `save_weights_and_get_sampling_client`), the other
     holds none: that one is unloaded, and the snapshot's model stays."""
