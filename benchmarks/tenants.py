@@ -3,14 +3,16 @@ object per N on stdout.
 
 One RL step of a run: save sampler weights (an ephemeral snapshot), sample `--samples` continuations of
 one prompt, forward_backward (importance_sampling) on them, optim_step: each request waits for the previous
-one of its run, and every run keeps one request in flight, as N concurrent RL scripts would. The runner is
-the real `JaxRunner` (built by `build_runner`), driven as the engine thread drives it, so runs beyond the
+one of its run, and every run keeps one request in flight, as N concurrent RL scripts would. Each N runs
+twice, the first time unreported: it compiles the batch shapes (adapter count, rows, widths) N tenants
+make. The runner is the real `JaxRunner` (built by `build_runner`), driven as the engine thread drives it,
+so runs beyond the
 slots are paged to host memory and back. Reported per N: steps/s in total and per run (steady state, after
 each run's first step), page-in and page-out counts and seconds, p99 queue wait of the training requests
 after each run's first step,
 and `vs_fewest`: total steps/s relative to the smallest N (target: 16 runs on 4 slots >= 0.8 of 4 on 4).
 
-    python benchmarks/tenants.py                       # tiny model, N = 4 16 64, 3 steps each
+    python benchmarks/tenants.py                       # tiny model, N = 4 16 64: 24, 6 and 4 steps each
     python benchmarks/tenants.py --base-model /tmp/models/small --runs 4 16
     python benchmarks/tenants.py --quick               # CI smoke: N = 2 4 on 2 slots, 2 steps
 """
@@ -169,22 +171,25 @@ def main() -> None:
     p.add_argument("--base-model", default=None, help="model directory (default: the tiny offline Qwen3)")
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--runs", type=int, nargs="+", default=[4, 16, 64])
-    p.add_argument("--steps", type=int, default=3, help="RL steps per run (the first is not timed)")
+    p.add_argument("--steps", type=int, default=4, help="RL steps per run at least (the first is not timed)")
+    p.add_argument("--total-steps", type=int, default=96, help="RL steps of all runs together at least (a few runs "
+                   "take more steps each, so every N is timed over a window of similar length)")  # fmt: skip
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="CI smoke: N = 2 4 on 2 slots, 2 steps")
     args = p.parse_args()
     if args.quick:
-        args.slots, args.runs, args.steps, args.samples, args.max_tokens = 2, [2, 4], 2, 2, 4
+        args.slots, args.runs, args.steps, args.total_steps, args.samples, args.max_tokens = 2, [2, 4], 2, 0, 2, 4
     import jax
 
     with tempfile.TemporaryDirectory() as tmp:
         runner = _build(args.base_model, args.slots, Path(tmp))
-        measure(runner, min(args.runs), 2, args.samples, args.max_tokens)  # compiles, not reported
-        unload(runner, min(args.runs))
         fewest = None
         for runs in args.runs:
-            row = measure(runner, runs, args.steps, args.samples, args.max_tokens)
+            steps = max(args.steps, -(-args.total_steps // runs))
+            measure(runner, runs, steps, args.samples, args.max_tokens)  # compiles this N's batch shapes: unreported
+            unload(runner, runs)
+            row = measure(runner, runs, steps, args.samples, args.max_tokens)
             unload(runner, runs)
             fewest = fewest or row["steps_per_s_total"]
             total = row["steps_per_s_total"]

@@ -104,11 +104,36 @@ def test_the_run_served_least_recently_leads_the_next_round() -> None:
     b = _fb("b", 10)
     pending, served, rounds_of_b = [*a, b], {}, None
     for round_ in range(1, 10):
-        plan = plan_round(pending, set(), RoundLimits(tokens=20, served=dict(served)))
+        plan = plan_round(pending, set(), RoundLimits(tokens=20, turns=dict(served)))
         served.update({str(i.model_id): round_ for i in plan.items})
         if b in plan.items:
             rounds_of_b = round_
         pending = [i for i in pending if i not in plan.items]
     assert rounds_of_b == 2 and not pending  # round 1: a's first request alone (b would pass the budget)
-    assert _ids_of(plan_round([*a, b], set(), RoundLimits(tokens=20, served={"a": 3})).fused) == _ids_of([b])
-    assert _ids_of(plan_round([*a, b], set(), RoundLimits(tokens=20, served={"b": 3})).fused) == _ids_of(a[:1])
+    assert _ids_of(plan_round([*a, b], set(), RoundLimits(tokens=20, turns={"a": 3})).fused) == _ids_of([b])
+    assert _ids_of(plan_round([*a, b], set(), RoundLimits(tokens=20, turns={"b": 3})).fused) == _ids_of(a[:1])
+
+
+def test_a_run_in_host_memory_takes_its_turn_after_the_device_runs_within_a_bound() -> None:
+    """Round-robin over more runs than slots would page a run in and out every turn: a paged-out run's turn
+    key is later by PAGE_PATIENCE rounds, so device runs go first until it has waited that much longer."""
+    from tx.engine.planner import Plan
+    from tx.engine.round_notes import PAGE_PATIENCE, RoundNotes
+
+    notes = RoundNotes()
+    notes.planned(Plan(fused=[_fb("away", 5)]), {"away", "here"})  # round 1
+    for _ in range(PAGE_PATIENCE):
+        notes.planned(Plan(fused=[_fb("here", 5)]), {"away", "here"})
+    turns = notes.turns(in_host_memory={"away"})
+    assert turns == {"away": 1 + PAGE_PATIENCE, "here": 1 + PAGE_PATIENCE}  # a tie: arrival order decides
+    notes.planned(Plan(fused=[_fb("here", 5)]), {"away", "here"})
+    assert notes.turns({"away"})["away"] < notes.turns({"away"})["here"]  # now it goes first
+    assert (
+        notes.turns(set())["away"] == 1
+        and notes.turns(
+            {"away"},
+        )["away"]
+        == 1 + PAGE_PATIENCE
+    )
+    notes.planned(Plan(), {"here"})  # an unloaded run is forgotten
+    assert set(notes.turns(set())) == {"here"}

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tx.lora.adapters import clear_slot, copy_slot, init_slot, read_slot, write_slot
+from tx.engine.train_step import clear_slot_params, flat
+from tx.lora.adapters import copy_slot, init_slot, read_slot, write_slot
 from tx.lora.layers import LoRALinear, LoRASpec
 from tx.lora.params import LoRAParam
 from tx.lora.peft import AdapterConfig
@@ -160,6 +161,13 @@ def test_write_errors(lora):
         write_slot(lora, 0, config(2), random_weights(2))
 
 
+def clear_slot(lora: nnx.State, slot: int) -> nnx.State:
+    cleared = clear_slot_params(flat(lora), jnp.int32(slot))
+    return nnx.from_flat_state(
+        [(path, var.replace(cleared[tuple(str(k) for k in path)])) for path, var in nnx.to_flat_state(lora)]
+    )
+
+
 def test_copy_and_clear(lora):
     lora = write_slot(lora, 1, config(3), random_weights(3))
     lora = copy_slot(lora, 1, 3)
@@ -168,7 +176,7 @@ def test_copy_and_clear(lora):
     for name, (a, b) in read_slot(lora, 1, 4, targets).items():
         np.testing.assert_array_equal(copied[name][0], a)
         np.testing.assert_array_equal(copied[name][1], b)
-    lora = clear_slot(lora, 1)
+    lora = clear_slot(lora, 1)  # the bank's one program over every stacked adapter
     assert not any(a.any() or b.any() for a, b in read_slot(lora, 1, 4, targets).values())
     assert any(a.any() for a, _ in read_slot(lora, 3, 4, targets).values())
 
@@ -197,7 +205,9 @@ def test_writes_keep_sharding():
     lora = nnx.state(model, LoRAParam)
     before = {p: v.get_value().sharding for p, v in nnx.to_flat_state(lora)}
     lora = init_slot(write_slot(lora, 1, config(2), random_weights(2)), 2, 2, ALL_TARGETS, seed=0)
-    lora = clear_slot(copy_slot(lora, 1, 3), 2)
+    lora = copy_slot(lora, 1, 3)
     after = {p: v.get_value().sharding for p, v in nnx.to_flat_state(lora)}
     assert after == before and len(after[("lm_head", "lora_b")].device_set) == 8
     np.testing.assert_array_equal(read_slot(lora, 3, 2, ALL_TARGETS)["lm_head"][1], random_weights(2)["lm_head"][1])
+    for path, var in nnx.to_flat_state(clear_slot(lora, 2)):  # the engine's program: an equivalent layout
+        assert var.get_value().sharding.is_equivalent_to(before[path], var.get_value().ndim)

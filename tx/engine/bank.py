@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from tx.engine import train_step as ts
-from tx.gather import to_host
+from tx.gather import packed_to_host
 from tx.lora import adapters
 from tx.lora.params import AdapterRoles, LoRAParam
 from tx.lora.peft import AdapterConfig, AdapterWeights
@@ -180,7 +180,10 @@ class AdapterBank:
 
     def clear(self, slot: int) -> None:
         """Zero `slot` (weights and scale), so a reused slot starts as the base model."""
-        self._adopt(adapters.clear_slot(self.view(), slot))
+        S = next(iter(self._arrays.values())).shape[-3]
+        if not 0 < slot < S:
+            raise ValueError(f"LoRA slot {slot} is out of range: slots 1..{S - 1} hold adapters (0 is the base model)")
+        self._replace(ts.clear_slot_params(self._arrays, jnp.int32(slot)))
         self.scale[slot] = 0.0
 
     def read(self, slot: int, like: Flat) -> Flat:
@@ -235,7 +238,7 @@ class AdapterBank:
     def _host_copy(self, info: SlotInfo) -> HostSnapshot:
         """The slot's arrays at the owner's own rank (restorable at any stack width), scale row and entry."""
         cut = {p: slot_slice(v, info.slot, info.rank, self.roles.is_a(p)) for p, v in self._arrays.items()}
-        return HostSnapshot(info, {p: to_host(a) for p, a in cut.items()}, self.scale[info.slot].copy())
+        return HostSnapshot(info, packed_to_host(cut), self.scale[info.slot].copy())
 
     def _trim_snapshots(self) -> None:
         while len(self.host_snapshots) > self.max_runs:

@@ -1,8 +1,9 @@
 """The pure planner: which queued training-side items run in this round.
 
-Runs take turns (round-robin: every run's first item, then every run's second, ...), the run served least
-recently first (a run the budget left out of the last round leads the next one, so a tenant with a deep
-queue cannot hold another's request back round after round), and each run's items stay in arrival order:
+Runs take turns (round-robin: every run's first item, then every run's second, ...), in the order of their
+turn keys (`RoundLimits.turns`: the runner gives the run served least recently the lowest, so a run the
+budget left out of one round leads the next and a tenant with a deep queue cannot hold another's request
+back round after round), and each run's items stay in arrival order:
 a run whose next item cannot join the round contributes nothing more to it. A run adds its leading
 forward/forward_backward items to one fused batch, then at most one control item (optim_step, save, load,
 create, unload). The fused batch takes at most `RoundLimits.tokens` tokens, so a
@@ -27,7 +28,7 @@ class RoundLimits:
     max_slots: int | None = None  # adapter slots the round may hold (the device slots the sampler leaves)
     tokens: int | None = None  # tokens of the fused batch; a larger single request runs as the long item
     busy: frozenset[str] = frozenset()  # runs with a long item in progress: none of their items now
-    served: Mapping[str, int] = dataclasses.field(default_factory=dict)  # run -> the last round it ran in
+    turns: Mapping[str, int] = dataclasses.field(default_factory=dict)  # run -> its turn key: lower goes first
 
 
 @dataclasses.dataclass
@@ -98,7 +99,7 @@ def plan_round(pending: Sequence[WorkItem], full_runs: set[str], limits: RoundLi
     queues: dict[str, list[WorkItem]] = {}
     for item in pending:
         queues.setdefault(str(item.model_id), []).append(item)
-    turns = sorted(queues, key=lambda run: limits.served.get(run, -1))  # stable: ties keep arrival order
+    turns = sorted(queues, key=lambda run: limits.turns.get(run, -1))  # stable: ties keep arrival order
     round_ = _Round(full_runs, limits)
     depth = max((len(q) for q in queues.values()), default=0)
     for k in range(depth):

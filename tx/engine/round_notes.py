@@ -2,8 +2,9 @@
 
 Per request: its queue wait (logged when planned, INFO from a second on) and the host bytes its run was
 paged in from; both go into the request's metrics when it completes, and are forgotten then or when the
-request is discarded. Per run: the last round it had items in, which the planner reads to give the run
-served least recently the first turn (`RoundLimits.served`).
+request is discarded. Per run: the last round it had items in, from which come the planner's turn keys
+(`RoundLimits.turns`): the run served least recently goes first, a paged-out run only after waiting a few
+rounds longer (paging is costly: round-robin over more runs than slots would move one in and out each turn).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ log = logging.getLogger("tx.engine")
 
 QUEUE_WAIT = "queue_wait_s:max"  # seconds from submission to the start of execution, per request
 PAGED_IN = "paged_in_bytes:max"  # host memory the request's run was paged in from before it ran (if it was)
+PAGE_PATIENCE = 64  # rounds a run in host memory waits beyond the device's runs before it is paged back in
 
 
 class RoundNotes:
@@ -39,6 +41,12 @@ class RoundNotes:
             wait = self.waits[item.future_id] = max(now - item.created_at, 0.0)
             log.log(logging.INFO if wait >= 1.0 else logging.DEBUG, "%s %s of %s waited %.3f s in the queue",
                     item.kind, item.future_id, item.model_id, wait)  # fmt: skip
+
+    def turns(self, in_host_memory: Collection[str]) -> dict[str, int]:
+        """The planner's turn keys: the last round each run was served in, later by `PAGE_PATIENCE` rounds for
+        a run in host memory, so runs on the device take turns among themselves and a paged-out run takes a
+        slot (a page move each way) only once it has waited that much longer than them."""
+        return {run: n + PAGE_PATIENCE * (run in in_host_memory) for run, n in self.served.items()}
 
     def paged(self, items: Iterable[WorkItem], nbytes: int) -> None:
         """`items`' run was paged in from `nbytes` of host memory for them."""

@@ -175,7 +175,8 @@ class JaxRunner:
     def _limits(self) -> RoundLimits:
         """A round's bounds: the slots the sampler is not reading, one micro-batch of tokens, the long item."""
         free = self.slots.max_adapters - len(self.sampler.slots_in_use() - {0})
-        return RoundLimits(free, self.trainer.micro_batch_tokens, self.long.runs(), self.notes.served)
+        paged_out = {r for r, run in self.trainer.runs.items() if not run.resident}
+        return RoundLimits(free, self.trainer.micro_batch_tokens, self.long.runs(), self.notes.turns(paged_out))
 
     def _resident(self, plan: Plan) -> Plan:
         """Page in the planned runs that are in host memory; a run that finds no slot (every one held by

@@ -154,6 +154,12 @@ def write_slot_params(lora: Flat, slot: jax.Array, params: Flat, roles: AdapterR
     return {p: slot_put(v, slot, params[p], roles.is_a(p)) if p in params else v for p, v in lora.items()}
 
 
+@functools.partial(_jit, donate_argnums=0)
+def clear_slot_params(lora: Flat, slot: jax.Array) -> Flat:
+    """Slot `slot` of every stacked adapter set to zero (one program for the whole bank)."""
+    return {p: slot_put(v, slot, jnp.zeros(v.shape[:-3] + v.shape[-2:], v.dtype), True) for p, v in lora.items()}
+
+
 @functools.partial(_jit, static_argnames=("width", "roles"))
 def resize_stacks(lora: Flat, width: int, roles: AdapterRoles) -> Flat:
     """Every stacked adapter cut or zero-padded to `width` rank columns (the bank's rank bucket)."""

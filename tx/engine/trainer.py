@@ -33,7 +33,7 @@ from tx.engine.train_batch import (
     plan_rows,
     scatter_outputs,
 )
-from tx.gather import to_host, tree_to_host
+from tx.gather import packed_to_device, packed_to_host, to_host
 from tx.lora.params import LoRAParam
 from tx.lora.select import select, slot_slice, take_adapters
 from tx.lora.slots import targets_from_flags
@@ -179,11 +179,13 @@ class Trainer:
         (measured +0.6 s on `small`)."""
         shardings = {p: v.sharding for p, v in params.items()}
 
-        def put(path: tuple, leaf: jax.Array) -> jax.Array:
+        def placement(path: tuple, _: Any) -> jax.sharding.Sharding:
             keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and k.key in shardings]
-            return jax.device_put(leaf, shardings[keys[-1]] if keys else self._replicated)
+            return shardings[keys[-1]] if keys else self._replicated
 
-        return jax.tree_util.tree_map_with_path(put, state)
+        # One transfer call for the whole tree: a page-in moves a run's every leaf (per-leaf calls were
+        # 6.5 ms of a tiny run's 11.7 ms page move).
+        return jax.device_put(state, jax.tree_util.tree_map_with_path(placement, state))
 
     def drop_run(self, run_id: str) -> Run:
         run = self.runs.pop(run_id)
@@ -197,7 +199,7 @@ class Trainer:
         and give its slot back to the bank's table."""
         run = self.runs[run_id]
         self.await_warm_up()
-        params, grads, opt_state = tree_to_host((self.run_params(run), run.grads, run.opt_state))
+        params, grads, opt_state = packed_to_host((self.run_params(run), run.grads, run.opt_state))
         host = self.bank.keep_run(run_id, HostRun(params, grads, opt_state))
         self.bank.clear(run.slot)
         self.bank.release(run_id)
@@ -209,7 +211,8 @@ class Trainer:
         run = self.runs[run_id]
         assert run.lora is not None
         host = self.bank.take_run(run_id)
-        params, run.grads, run.opt_state = self._placed_like((host.params, host.grads, host.opt_state), {})
+        # As `_placed_like` places a LoRA run's state: every leaf replicated (one transfer for all of them).
+        params, run.grads, run.opt_state = packed_to_device((host.params, host.grads, host.opt_state), self._replicated)
         run.slot = slot
         self.bank.clear(slot)
         self.bank.set_scale(slot, run.lora.rank, run.lora.alpha / run.lora.rank)

@@ -217,17 +217,6 @@ def copy_slot(lora_state: nnx.State, src: int, dst: int) -> nnx.State:
     return _with_values(lora_state, values)
 
 
-def clear_slot(lora_state: nnx.State, slot: int) -> nnx.State:
-    """Zero every adapter array of `slot`, so a reused slot starts as the base model."""
-    flat = _lora_flat(lora_state)
-    values = {}
-    for module in _modules(flat).values():
-        for path in (module.a, module.b):
-            _check_slot(slot, flat[path], module.slot_axis, writing=True)
-            values[path] = _run("zero", flat[path], module.slot_axis, slot)
-    return _with_values(lora_state, values)
-
-
 def init_slot(lora_state: nnx.State, slot: int, rank: int, targets: frozenset[str], seed: int) -> nnx.State:
     """A fresh adapter as PEFT starts one: A uniform in ±1/sqrt(in) on the first `rank` columns, B zero.
 
