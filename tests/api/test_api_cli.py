@@ -20,7 +20,8 @@ def test_help_lists_every_option() -> None:
     for flag in ("--base-model", "--host", "--port", "--data-dir", "--database-url", "--max-lora-adapters",
                  "--max-lora-rank", "--tensor-parallel-size", "--fsdp-size", "--expert-parallel-size", "--dtype",
                  "--train-micro-batch-tokens",
-                 "--api-key", "--api-keys-file", "--prompt-cache-mb", "--role"):  # fmt: skip
+                 "--api-key", "--api-keys-file", "--prompt-cache-mb", "--role", "--allow-models",
+                 "--memory-budget-gb", "--max-upload-gb", "--max-runs"):  # fmt: skip
         assert flag in out
 
 
@@ -112,3 +113,21 @@ def test_cluster_flags_from_the_environment(monkeypatch: pytest.MonkeyPatch, cap
         with pytest.raises(SystemExit):
             cli.parse_args(refused)
         assert why in capsys.readouterr().err
+
+
+def test_who_may_load_what_follows_the_listening_address(tmp_path: Path) -> None:
+    """No --allow-models: any model on loopback, only the --base-model list (and uploads) on another address;
+    given globs, exactly those."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(
+        '{"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, '
+        '"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}'
+    )
+
+    def allowed(*flags: str) -> tuple[str, ...] | None:
+        return cli.build_catalog(cli.parse_args(["--base-model", str(model), *flags]), None).rules.allow
+
+    assert allowed() is None and allowed("--host", "127.0.0.1") is None
+    assert allowed("--host", "0.0.0.0") == (str(model),)
+    assert allowed("--host", "0.0.0.0", "--allow-models", "Qwen/*", "meta-llama/*") == ("Qwen/*", "meta-llama/*")
