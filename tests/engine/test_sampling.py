@@ -346,3 +346,21 @@ def test_the_noise_and_row_seeds_are_the_documented_hashes_on_any_platform() -> 
 def test_a_drawn_seed_is_a_64_bit_value() -> None:
     drawn = [resolve_seed(None, i) for i in range(200)]
     assert all(0 <= s < 2**64 for s in drawn) and max(drawn) >= 2**62  # and not a narrower one
+
+
+def test_which_rows_filter_and_when_the_candidates_cover_them() -> None:
+    """The path decision, whose two outcomes draw alike by design (so no draw can tell them apart): a top-k
+    equal to the vocabulary or a top-p of 1 and above filters nothing; the top-k_cap candidates serve a row
+    whose top-k is within the cap, or whose nucleus ends at least the margin inside their mass."""
+    from tx.engine.sampling import _MASS_MARGIN, _capped_covers, _filters
+
+    filters = _filters(jnp.array([0, 5, 16, 17, 0, 0, 0]), jnp.array([1.0, 1.0, 1.0, 1.0, 0.999, 1.5, 2.0]), 16)
+    assert np.asarray(filters.k_on).tolist() == [False, True, False, False, False, False, False]
+    assert np.asarray(filters.top_k).tolist() == [16, 5, 16, 16, 16, 16, 16]
+    assert np.asarray(filters.p_on).tolist() == [False, False, False, False, True, False, False]
+    top_p = jnp.array([0.5, 0.5, 0.5, 0.9], jnp.float32)
+    nucleus = _filters(jnp.zeros(4, jnp.int32), top_p, 300)
+    cap_mass = jnp.array([0.5, 0.5 + 1e-5, 0.5, 0.99], jnp.float32).at[2].set(top_p[2] + _MASS_MARGIN)
+    assert np.asarray(_capped_covers(cap_mass, nucleus, 64)).tolist() == [False, False, True, True]
+    by_k = _filters(jnp.array([64, 65, 0]), jnp.array([0.1, 0.1, 1.0]), 300)
+    assert np.asarray(_capped_covers(jnp.full(3, 0.01), by_k, 64)).tolist() == [True, False, False]

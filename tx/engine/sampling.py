@@ -61,10 +61,8 @@ def select_tokens(
     greedy = temperature <= 0
     scaled_BV = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     gumbel_BV = _gumbel(keys, V)
-    k_on = (top_k > 0) & (top_k < V)
-    p_on = top_p < 1
-    filtered = (k_on | p_on) & ~greedy
-    filters = _Filters(jnp.where(k_on, top_k, V), k_on, top_p, p_on)
+    filters = _filters(top_k, top_p, V)
+    filtered = (filters.k_on | filters.p_on) & ~greedy
 
     # One argmax serves greedy rows (their logits) and unfiltered sampled rows (Gumbel-perturbed).
     noisy_BV = jnp.where(greedy[:, None], logits, scaled_BV + gumbel_BV)
@@ -112,6 +110,21 @@ class _Filters:
     p_on: jax.Array  # [B] bool
 
 
+def _filters(top_k: jax.Array, top_p: jax.Array, V: int) -> _Filters:
+    """Which rows filter: top-k when 0 < k < V (k = V keeps every token), top-p when p < 1."""
+    k_on = (top_k > 0) & (top_k < V)
+    return _Filters(jnp.where(k_on, top_k, V), k_on, top_p, top_p < 1)
+
+
+def _capped_covers(cap_mass_B: jax.Array, filters: _Filters, k_cap: int) -> jax.Array:
+    """[B] bool: the top-`k_cap` candidates (holding `cap_mass_B` of each row's probability) are all a row's
+    filters can keep, so it may draw from them instead of a full sort: its top-k is within the cap, or (no
+    top-k) its nucleus ends at least `_MASS_MARGIN` inside the candidates' mass (a nucleus that ends within
+    rounding of the cap takes the sort path, where it is exact)."""
+    nucleus_fits = filters.p_on & (cap_mass_B >= filters.top_p + _MASS_MARGIN)
+    return jnp.where(filters.k_on, filters.top_k <= k_cap, nucleus_fits)
+
+
 def _filtered_draw(
     scaled_BV: jax.Array, gumbel_BV: jax.Array, filters: _Filters, filtered: jax.Array, k_cap: int
 ) -> jax.Array:
@@ -128,9 +141,7 @@ def _filtered_draw(
         return full_sort()
     cand_BK, cand_ids_BK = lax.top_k(scaled_BV, k_cap)
     cap_mass_B = jnp.exp(jax.nn.logsumexp(cand_BK, axis=-1) - log_z_B)
-    # The margin keeps a nucleus that ends within rounding of the cap on the sort path, where it is exact.
-    nucleus_fits = filters.p_on & (cap_mass_B >= filters.top_p + _MASS_MARGIN)
-    covered = jnp.where(filters.k_on, filters.top_k <= k_cap, nucleus_fits)
+    covered = _capped_covers(cap_mass_B, filters, k_cap)
 
     def capped() -> jax.Array:
         return _draw_ranked(cand_BK, cand_ids_BK, gumbel_BV, filters, log_z_B)
