@@ -48,6 +48,7 @@ TARGETS: dict[str, list[str]] = {
         "tests/engine/test_target_logprobs.py",
         "tests/engine/test_optim_reference.py",
         "tests/engine/test_trainer.py",
+        "tests/lora/test_slots.py",  # the bank's one-program slot clear (clear_slot_params)
     ],
     "tx/engine/losses.py": ["tests/engine/test_losses.py"],
     "tx/engine/sampling.py": ["tests/engine/test_sampling.py"],
