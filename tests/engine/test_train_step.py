@@ -127,3 +127,19 @@ def test_stacks_with_a_layer_axis_are_resized_and_written_along_their_rank_axis_
     assert (got_b[:, 2, :3] == 9).all() and not got_b[:, 2, 3:].any()
     np.testing.assert_array_equal(got_a[:, :2], a[:, :2])
     np.testing.assert_array_equal(got_b[:, :2], b[:, :2])
+
+
+def test_a_slot_clear_zeroes_that_slot_alone_and_replaces_the_stacks_in_place() -> None:
+    """The bank's slot clear is one program over every stacked adapter, and it donates them: the bank never
+    holds two copies of its stacks (a leaked copy per clear is the whole bank's memory again)."""
+    from tx.engine.train_step import clear_slot_params
+
+    rng = np.random.RandomState(0)
+    stacks = {("m", "lora_a"): jnp.asarray(rng.randn(2, 3, 5, 4), jnp.float32),
+              ("m", "lora_b"): jnp.asarray(rng.randn(3, 4, 6), jnp.float32)}  # fmt: skip
+    before = {p: np.array(v, copy=True) for p, v in stacks.items()}  # no view left on the donated buffers
+    cleared = clear_slot_params(stacks, jnp.int32(1))
+    assert all(v.is_deleted() for v in stacks.values())
+    for path, want in before.items():
+        want[..., 1, :, :] = 0.0
+        np.testing.assert_array_equal(np.asarray(cleared[path]), want)

@@ -23,6 +23,7 @@ from tx.engine.compiles import train_jit
 from tx.engine.losses import LossInputs, token_losses
 from tx.lora.params import AdapterRoles
 from tx.lora.select import Selection, slot_put, slot_slice, take_adapters
+from tx.protocol import AdamParams
 
 Flat = dict[tuple[str, ...], jax.Array]
 _jit = train_jit
@@ -179,8 +180,10 @@ def _to_width(x: jax.Array, width: int, a: bool) -> jax.Array:
 
 
 def make_optimizer() -> optax.GradientTransformation:
-    """AdamW (torch semantics: decoupled decay p -= lr*wd*p) with per-step hyper-parameters as inputs."""
-    return optax.inject_hyperparams(optax.adamw)(learning_rate=1e-4, b1=0.9, b2=0.95, eps=1e-12, weight_decay=0.0)
+    """AdamW (torch semantics: decoupled decay p -= lr*wd*p) with per-step hyper-parameters as inputs (every
+    step sets them; the state starts from the API's defaults, which no step reads)."""
+    d = AdamParams()
+    return optax.inject_hyperparams(optax.adamw)(d.learning_rate, d.beta1, d.beta2, d.eps, weight_decay=d.weight_decay)
 
 
 @_jit
