@@ -143,3 +143,23 @@ def test_a_slot_clear_zeroes_that_slot_alone_and_replaces_the_stacks_in_place() 
     for path, want in before.items():
         want[..., 1, :, :] = 0.0
         np.testing.assert_array_equal(np.asarray(cleared[path]), want)
+
+
+def test_a_slot_write_leaves_that_adapter_alone_in_the_slot() -> None:
+    """Writing a run's adapter (here over one module of two) sets the slot whole: the module it does not train
+    reads zero there, whatever the slot held before, and the other slots keep theirs."""
+    roles = AdapterRoles(
+        a=frozenset({("m", "lora_a"), ("n", "lora_a")}), b=frozenset({("m", "lora_b"), ("n", "lora_b")})
+    )
+    rng = np.random.RandomState(1)
+    stacks = {("m", "lora_a"): rng.randn(3, 5, 4), ("m", "lora_b"): rng.randn(3, 4, 6),
+              ("n", "lora_a"): rng.randn(3, 5, 4), ("n", "lora_b"): rng.randn(3, 4, 6)}  # fmt: skip
+    stacks = {p: jnp.asarray(v, jnp.float32) for p, v in stacks.items()}
+    before = {p: np.array(v, copy=True) for p, v in stacks.items()}
+    params = {("m", "lora_a"): jnp.ones((5, 2)), ("m", "lora_b"): jnp.ones((2, 6))}  # rank 2 of the stack's 4
+    out = {p: np.asarray(v) for p, v in ts.write_slot_params(stacks, jnp.int32(2), params, roles).items()}
+    np.testing.assert_array_equal(out[("m", "lora_a")][2], np.pad(np.ones((5, 2)), ((0, 0), (0, 2))))
+    np.testing.assert_array_equal(out[("m", "lora_b")][2], np.pad(np.ones((2, 6)), ((0, 2), (0, 0))))
+    assert not out[("n", "lora_a")][2].any() and not out[("n", "lora_b")][2].any()
+    for path, want in before.items():
+        np.testing.assert_array_equal(out[path][:2], want[:2])

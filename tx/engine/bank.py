@@ -32,7 +32,7 @@ from tx.gather import packed_to_host
 from tx.lora import adapters
 from tx.lora.params import AdapterRoles, LoRAParam
 from tx.lora.peft import AdapterConfig, AdapterWeights
-from tx.lora.select import rank_bucket, slot_slice
+from tx.lora.select import rank_bucket
 from tx.lora.slots import DEFAULT_ALPHA, OwnerKind, SlotInfo, SlotTable
 from tx.lora.targets import ALL_TARGETS
 
@@ -237,7 +237,7 @@ class AdapterBank:
 
     def _host_copy(self, info: SlotInfo) -> HostSnapshot:
         """The slot's arrays at the owner's own rank (restorable at any stack width), scale row and entry."""
-        cut = {p: slot_slice(v, info.slot, info.rank, self.roles.is_a(p)) for p, v in self._arrays.items()}
+        cut = ts.slot_at_rank(self._arrays, jnp.int32(info.slot), info.rank, self.roles)
         return HostSnapshot(info, packed_to_host(cut), self.scale[info.slot].copy())
 
     def _trim_snapshots(self) -> None:

@@ -151,14 +151,25 @@ def read_slot_params(lora: Flat, slot: jax.Array, like: Flat, roles: AdapterRole
 
 @functools.partial(_jit, static_argnames=("roles",), donate_argnums=0)
 def write_slot_params(lora: Flat, slot: jax.Array, params: Flat, roles: AdapterRoles) -> Flat:
-    """`params` (one run's adapter) into slot `slot` of the stacks, zero-padded to their rank."""
-    return {p: slot_put(v, slot, params[p], roles.is_a(p)) if p in params else v for p, v in lora.items()}
+    """`params` (one run's adapter) into slot `slot` of the stacks, zero-padded to their rank; the slot then
+    holds that adapter alone (the modules it does not train are zero there)."""
+    return {p: slot_put(v, slot, params[p] if p in params else _slot_zeros(v), roles.is_a(p)) for p, v in lora.items()}
+
+
+def _slot_zeros(stacked: jax.Array) -> jax.Array:
+    return jnp.zeros(stacked.shape[:-3] + stacked.shape[-2:], stacked.dtype)
+
+
+@functools.partial(_jit, static_argnames=("rank", "roles"))
+def slot_at_rank(lora: Flat, slot: jax.Array, rank: int, roles: AdapterRoles) -> Flat:
+    """Slot `slot` of every stacked adapter cut to `rank` (one program: a sampler snapshot moving to host)."""
+    return {p: slot_slice(v, slot, rank, roles.is_a(p)) for p, v in lora.items()}
 
 
 @functools.partial(_jit, donate_argnums=0)
 def clear_slot_params(lora: Flat, slot: jax.Array) -> Flat:
     """Slot `slot` of every stacked adapter set to zero (one program for the whole bank)."""
-    return {p: slot_put(v, slot, jnp.zeros(v.shape[:-3] + v.shape[-2:], v.dtype), True) for p, v in lora.items()}
+    return {p: slot_put(v, slot, _slot_zeros(v), True) for p, v in lora.items()}
 
 
 @functools.partial(_jit, static_argnames=("width", "roles"))

@@ -214,9 +214,8 @@ class Trainer:
         # As `_placed_like` places a LoRA run's state: every leaf replicated (one transfer for all of them).
         params, run.grads, run.opt_state = packed_to_device((host.params, host.grads, host.opt_state), self._replicated)
         run.slot = slot
-        self.bank.clear(slot)
         self.bank.set_scale(slot, run.lora.rank, run.lora.alpha / run.lora.rank)
-        self.bank.write(slot, params)
+        self.bank.write(slot, params)  # the whole slot: what the adapter does not train is written zero
 
     def run_params(self, run: Run) -> Flat:
         if run.params is not None:
