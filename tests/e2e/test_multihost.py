@@ -41,7 +41,12 @@ def launch(
     cmd = [sys.executable, "-m", "tx.api", "--coordinator", coordinator, "--num-processes", "2",
            "--process-id", str(process_id), "--base-model", str(model_dir), "--data-dir", str(data_dir),
            "--port", str(port), *FLAGS]  # fmt: skip
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "force_host_platform" not in f]  # keeps -O0
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": " ".join([*flags, "--xla_force_host_platform_device_count=2"]),
+    }
     return subprocess.Popen(cmd, stdout=log.open("a"), stderr=subprocess.STDOUT, env=env)
 
 
