@@ -11,6 +11,7 @@ its run. Then `sl_loop` trains on the same server. The recipes run in their own 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -65,7 +66,10 @@ def test_distillation_with_an_on_demand_teacher_then_sl_loop(tmp_path: Path) -> 
         server.terminate()
         server.wait(30)
     distilled = _metrics(tmp_path / "distillation")
-    assert [m["step"] for m in distilled] == [0, 1] and all(m["teacher_kl"] >= 0 for m in distilled)
+    assert [m["step"] for m in distilled] == [0, 1]
+    # teacher_kl is a sample mean of log p_student - log p_teacher over the student's tokens: it may come out
+    # negative on a few dozen tokens, but it is finite, and not zero unless the teacher were the student.
+    assert all(math.isfinite(m["teacher_kl"]) and abs(m["teacher_kl"]) > 1e-5 for m in distilled)
     assert f"loading {TEACHER} for" in log.read_text()  # the teacher came on demand, by its hub name
     trained = _metrics(tmp_path / "sl_loop")
     assert trained and all(m["train_mean_nll"] > 0 for m in trained if "train_mean_nll" in m)
