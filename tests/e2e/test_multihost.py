@@ -41,7 +41,8 @@ def launch(
     cmd = [sys.executable, "-m", "tx.api", "--coordinator", coordinator, "--num-processes", "2",
            "--process-id", str(process_id), "--base-model", str(model_dir), "--data-dir", str(data_dir),
            "--port", str(port), *FLAGS]  # fmt: skip
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "force_host_platform" not in f]  # keeps -O0
+    # The session's flags (its cheap CPU compiles) with this process's own device count.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "force_host_platform" not in f]
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",

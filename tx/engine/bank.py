@@ -191,13 +191,13 @@ class AdapterBank:
         return ts.read_slot_params(self._arrays, jnp.int32(slot), like, self.roles)
 
     def write(self, slot: int, params: Flat) -> None:
-        """Put a run's adapter `params` into `slot`, zero-padded to the stacked rank."""
+        """Put a run's adapter `params` into `slot`, zero-padded to the stacked rank; the slot's other modules
+        are zeroed, so it holds that adapter alone (no separate clear needed)."""
         self._cover(max((self.roles.rank_of(p, x) for p, x in params.items()), default=1))
         self._replace(ts.write_slot_params(self._arrays, jnp.int32(slot), params, self.roles))
 
     def copy(self, src: int, dst: int, params: Flat) -> None:
         """Slot `dst` becomes a copy of `params` (the adapter in `src`) with `src`'s scale (a sampler snapshot)."""
-        self.clear(dst)
         self.write(dst, params)
         self.scale[dst] = self.scale[src]
 
