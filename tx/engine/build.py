@@ -4,7 +4,6 @@ the trainer, the sampler and the runner."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ from tx.engine.compiles import enable_persistent_cache, install_counter
 from tx.engine.config import EngineConfig
 from tx.engine.runner import JaxRunner
 from tx.engine.sampler import Sampler
+from tx.engine.text import load_decoder
 from tx.engine.trainer import Trainer
 from tx.engine.weights_io import WeightsIO
 from tx.lora.layers import LoRASpec
@@ -27,27 +27,6 @@ from tx.protocol import ModelInfo
 from tx.tuning import Tuning, for_backend
 
 log = logging.getLogger("tx.engine")
-
-
-def _tokenizer(model_dir: Path) -> tuple[Any, list[int]]:
-    eos: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        path = model_dir / name
-        if path.is_file():
-            value = json.loads(path.read_text()).get("eos_token_id")
-            if value is not None:
-                eos = [value] if isinstance(value, int) else list(value)
-                break
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as err:  # a model directory without tokenizer files still trains and samples
-        log.warning("no tokenizer in %s (%s): stop strings are unavailable", model_dir, err)
-        return None, eos
-    if not eos and tok.eos_token_id is not None:
-        eos = [tok.eos_token_id]
-    return tok, eos
 
 
 def resolve_dtype(dtype: str | None, tuning: Tuning) -> str | None:
@@ -84,11 +63,11 @@ def build_runner(config: EngineConfig, model_dir: Path | None = None) -> tuple[J
     )
     bank = AdapterBank.of(model, adapters.max_runs, adapters.max_lora_rank)
     trainer = Trainer(model, bank, config.trainer.micro_batch_tokens)
-    tok, eos = _tokenizer(model_dir)
+    text_of, eos = load_decoder(model_dir)
     seq_len = min(config.max_seq_len, cfg.max_position_embeddings)
 
     def decode(tokens: list[int]) -> str:
-        return tok.decode(tokens) if tok is not None else ""
+        return text_of(tokens) if text_of is not None else ""
 
     sampler_cfg = dataclasses.replace(config.sampler, max_seq_len=seq_len, layer_cache=tuning.per_layer_decode)
 
