@@ -13,7 +13,6 @@ from pathlib import Path
 import jax, jax.numpy as jnp
 from tx.engine.compiles import compile_count, enable_persistent_cache
 enable_persistent_cache(Path(sys.argv[1]))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 before = compile_count()
 jax.jit(lambda x: jnp.sin(x) * 2 + 1)(jnp.ones(7)).block_until_ready()
 print(jax.config.jax_compilation_cache_dir, compile_count() - before)
@@ -31,6 +30,7 @@ def test_an_operators_cache_directory_is_used_and_its_hits_count_as_compiles(tmp
     default, shared = tmp_path / "data" / "compile-cache", tmp_path / "shared"
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(shared)}
     first = _run(default, env)
+    # The program compiles in milliseconds and is cached all the same.
     assert first[0] == str(shared) and any(shared.iterdir()) and not default.exists()
     again = _run(default, env)  # every program now comes from the cache, and each still counts
     assert again[1] == first[1] > 0

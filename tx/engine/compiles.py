@@ -76,9 +76,12 @@ def compile_count() -> int:
 
 def enable_persistent_cache(directory: Path) -> None:
     """Cache compiled programs on disk so a restarted server skips compiles it has paid for before: in
-    `directory`, or in the operator's `JAX_COMPILATION_CACHE_DIR` when set (one cache for several servers)."""
+    `directory`, or in the operator's `JAX_COMPILATION_CACHE_DIR` when set (one cache for several servers).
+    Every program is kept, however quick its compile: a LoRA run's creation and first step compile some 40
+    programs of 10-30 ms each beside the step itself, and with them cached a restarted `small` server answered
+    its first forward_backward + optim_step in 1.46 s instead of 1.67 s (2.6 s with nothing cached)."""
     directory = Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or directory)
     directory.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
