@@ -8,6 +8,9 @@ temporary directory) to name each op's kind: `dot` (matrix products, alone or fu
 fusions (elementwise, reductions), `copy`/`transpose`, collectives, the rest. The
 result: total traced op time per kind, its share of the step, and the `--top` costliest ops with their
 kind and the HLO instruction's first line (shapes), so a change can be aimed at what the step spends on.
+An op that multiplies matrices (a `dot`, alone or inside a fusion) also gets its GFLOP over the step (2 x
+output elements x contracted size, times the calls in the trace: a layer scan's body runs once per layer)
+and the GFLOP/s it ran at, to set beside the matmul peak `limits.py` measures.
 
     python benchmarks/profile_step.py --shape qwen3.5-small --mode r8
     python benchmarks/profile_step.py --shape small --mode full --top 25
@@ -19,6 +22,7 @@ import argparse
 import collections
 import gzip
 import json
+import math
 import os
 import re
 import sys
@@ -60,6 +64,45 @@ def hlo_kinds(dump: str) -> dict[tuple[str, str], tuple[str, str]]:
     return kinds
 
 
+COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
+SHAPED = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = \w+\[([\d,]*)\]")
+DOT = re.compile(r"= \w+\[([\d,]*)\]\S* dot\(%([\w.\-]+), %[\w.\-]+\).*?lhs_contracting_dims=\{([\d,]*)\}")
+
+
+def _dims(text: str) -> list[int]:
+    return [int(d) for d in text.split(",") if d]
+
+
+def dot_flops(dump: str) -> dict[tuple[str, str], float]:
+    """{(module, instruction name): FLOPs of one call} for every dot and every fusion whose computation
+    holds dots, over every optimised module in the dump."""
+    flops: dict[tuple[str, str], float] = {}
+    for path in Path(dump).glob("*after_optimizations.txt"):
+        module = path.name.split(".", 1)[1].rsplit(".cpu_after", 1)[0].rsplit("_after", 1)[0]
+        flops.update({(module, name): f for name, f in _module_flops(path.read_text()).items()})
+    return flops
+
+
+def _module_flops(text: str) -> dict[str, float]:
+    """One module's dots by name, and its fusions by the sum over the computation each calls."""
+    per_computation: dict[str, float] = collections.defaultdict(float)
+    flops: dict[str, float] = {}
+    computation, shapes, calls = "", {}, {}
+    for line in text.splitlines():
+        if m := COMPUTATION.match(line):
+            computation = m.group(1)
+        if not (m := SHAPED.match(line)):
+            continue
+        shapes[m.group(1)] = _dims(m.group(2))
+        if (d := DOT.search(line)) and d.group(2) in shapes:
+            contracted = math.prod(shapes[d.group(2)][i] for i in _dims(d.group(3)))
+            flops[m.group(1)] = 2.0 * math.prod(_dims(d.group(1))) * contracted
+            per_computation[computation] += flops[m.group(1)]
+        if c := re.search(r"calls=%([\w.\-]+)", line):
+            calls[m.group(1)] = c.group(1)
+    return flops | {name: per_computation[c] for name, c in calls.items() if per_computation[c]}
+
+
 def kind_of(rhs: str) -> str:
     """The op's kind from the right-hand side of its HLO line."""
     op = re.search(r"\b([a-z][\w\-]*)\(", rhs)
@@ -84,14 +127,22 @@ def trace_events(trace_dir: Path) -> list[dict[str, Any]]:
     return [e for e in events if e.get("ph") == "X" and "dur" in e]
 
 
-def summarize(events: list[dict[str, Any]], kinds: dict[tuple[str, str], tuple[str, str]], top: int) -> dict:
-    """Op time by kind and by program (the events that name their HLO module), and the costliest ops."""
+def summarize(
+    events: list[dict[str, Any]],
+    kinds: dict[tuple[str, str], tuple[str, str]],
+    top: int,
+    flops: dict[tuple[str, str], float] | None = None,
+) -> dict:
+    """Op time by kind and by program (the events that name their HLO module), and the costliest ops
+    (with the GFLOP and GFLOP/s of those that multiply matrices, given their `dot_flops`)."""
     per_op: collections.Counter[tuple[str, str]] = collections.Counter()
+    calls: collections.Counter[tuple[str, str]] = collections.Counter()
     for e in events:
         args = e.get("args") or {}
         key = (str(args.get("hlo_module", "")), e["name"])
         if key in kinds:
             per_op[key] += e["dur"] / 1e3
+            calls[key] += 1
     per_kind: collections.Counter[str] = collections.Counter()
     per_module: collections.Counter[str] = collections.Counter()
     for key, ms in per_op.items():
@@ -103,10 +154,25 @@ def summarize(events: list[dict[str, Any]], kinds: dict[tuple[str, str], tuple[s
         "by_program_ms": {k: round(v, 2) for k, v in per_module.most_common()},
         "by_kind": {k: {"ms": round(v, 2), "share": round(v / total, 3)} for k, v in per_kind.most_common()},
         "top_ops": [
-            {"program": m, "op": n, "ms": round(ms, 2), "kind": kinds[(m, n)][0], "hlo": kinds[(m, n)][1]}
+            {
+                "program": m,
+                "op": n,
+                "ms": round(ms, 2),
+                "calls": calls[(m, n)],
+                "kind": kinds[(m, n)][0],
+                **_rate((flops or {}).get((m, n), 0.0) * calls[(m, n)], ms),
+                "hlo": kinds[(m, n)][1],
+            }
             for (m, n), ms in per_op.most_common(top)
         ],
     }
+
+
+def _rate(flop: float, ms: float) -> dict[str, float]:
+    """The op's matrix-product GFLOP over the trace and its GFLOP/s; nothing for an op without products."""
+    if not flop:
+        return {}
+    return {"gflop": round(flop / 1e9, 3), "gflops_per_s": round(flop / ms / 1e6, 1) if ms else 0.0}
 
 
 def main() -> None:
@@ -144,7 +210,7 @@ def main() -> None:
     trace_dir = Path(tempfile.mkdtemp(prefix="smolgym-trace-"))
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         step_s = step()
-    out = summarize(trace_events(trace_dir), hlo_kinds(DUMP), args.top)
+    out = summarize(trace_events(trace_dir), hlo_kinds(DUMP), args.top, dot_flops(DUMP))
     print(json.dumps({"benchmark": "profile_step", **vars(args), "step_ms": round(step_s * 1e3, 1), **out}, indent=1))
 
 
