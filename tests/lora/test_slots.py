@@ -8,8 +8,8 @@ from flax import nnx
 
 from tx.engine.train_step import clear_slot_params, flat
 from tx.lora.adapters import copy_slot, init_slot, read_slot, write_slot
-from tx.lora.layers import LoRALinear, LoRASpec
-from tx.lora.params import LoRAParam
+from tx.lora.layers import LoRALinear, LoRASpec, lora_pair
+from tx.lora.params import LoRAA, LoRAParam
 from tx.lora.peft import AdapterConfig
 from tx.lora.slots import ALL_TARGETS, DEFAULT_ALPHA, SlotsExhausted, SlotTable, targets_from_flags
 from tx.models.sharding import make_mesh, state_shardings
@@ -157,6 +157,8 @@ def test_write_errors(lora):
         write_slot(lora, 1, config(2, ("lm_head",)), random_weights(2))
     with pytest.raises(ValueError, match="do not fit"):
         write_slot(lora, 1, config(2), {"lm_head": (np.zeros((D + 1, 2)), np.zeros((2, F)))})
+    with pytest.raises(ValueError, match="do not fit"):  # B with fewer rows than the rank
+        write_slot(lora, 1, config(2), {"lm_head": (np.zeros((D, 2)), np.zeros((1, F)))})
     with pytest.raises(ValueError, match="slot 0 is the base model"):
         write_slot(lora, 0, config(2), random_weights(2))
 
@@ -211,3 +213,36 @@ def test_writes_keep_sharding():
     np.testing.assert_array_equal(read_slot(lora, 3, 2, ALL_TARGETS)["lm_head"][1], random_weights(2)["lm_head"][1])
     for path, var in nnx.to_flat_state(clear_slot(lora, 2)):  # the engine's program: an equivalent layout
         assert var.get_value().sharding.is_equivalent_to(before[path], var.get_value().ndim)
+
+
+def test_slot_bounds_and_the_base_slot(lora):
+    """Slot 0 (the base model) reads as zeros and is never written; no slot past the stack is touched
+    (a dynamic index there would clamp into the last slot); the stacks are donated, not copied."""
+    targets = frozenset({"up_proj", "lm_head"})
+    lora = write_slot(lora, 1, config(2), random_weights(2))
+    assert not any(a.any() or b.any() for a, b in read_slot(lora, 0, 4, targets).values())
+    lora = copy_slot(lora, 0, 1)  # the base model's empty adapter, copied
+    assert not any(a.any() or b.any() for a, b in read_slot(lora, 1, 4, targets).values())
+    S = SPEC.slots
+    for attempt in (
+        lambda: init_slot(lora, 0, 2, targets, seed=0),
+        lambda: init_slot(lora, S, 2, targets, seed=0),
+        lambda: copy_slot(lora, 1, 0),
+        lambda: copy_slot(lora, S, 1),
+        lambda: read_slot(lora, S, 2, targets),
+    ):
+        with pytest.raises(ValueError, match="out of range"):
+            attempt()
+    stacked = lora["lm_head"]["lora_a"][...]
+    lora = init_slot(lora, 2, 2, targets, seed=0)
+    assert stacked.is_deleted() and not lora["lm_head"]["lora_a"][...].is_deleted()
+
+
+def test_states_without_adapters_or_their_axes_are_refused():
+    with pytest.raises(ValueError, match="adapter rank 1 is above the 0"):
+        init_slot(nnx.State({}), 1, 1, frozenset({"lm_head"}), seed=0)
+    a, b = lora_pair(D, F, ("embed", "vocab"), SPEC, ())
+    unnamed = LoRAA(a.get_value(), logical_axes=("adapter", "embed", None))
+    state = nnx.State({"lm_head": {"lora_a": unnamed, "lora_b": b}})
+    with pytest.raises(ValueError, match="lacks logical_axes naming its 'adapter' and 'lora_rank' axes"):
+        init_slot(state, 1, 1, frozenset({"lm_head"}), seed=0)
