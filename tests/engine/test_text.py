@@ -36,7 +36,7 @@ def copy_with(tiny_dir: Path, dest: Path, drop: tuple[str, ...] = (), settings: 
 def test_decodes_as_transformers_does_special_tokens_included(tiny_dir: Path) -> None:
     decode, eos = load_decoder(tiny_dir)
     reference = AutoTokenizer.from_pretrained(str(tiny_dir))
-    assert decode is not None and eos == [reference.eos_token_id]
+    assert eos == [reference.eos_token_id]
     rng = np.random.default_rng(0)
     specials = list(reference.all_special_ids)
     for length in (1, 2, 7, 40):
@@ -60,10 +60,11 @@ def test_transformers_reads_what_only_it_can(tiny_dir: Path, tmp_path: Path, cap
     decode, _ = load_decoder(cleaned)
     reference = AutoTokenizer.from_pretrained(str(cleaned))
     ids = reference.encode("one , two . three !")  # transformers 5 keeps a BPE tokenizer's spaces even so
-    assert decode is not None and decode(ids) == reference.decode(ids)
+    assert decode(ids) == reference.decode(ids)
     bare = copy_with(tiny_dir, tmp_path / "bare", drop=("tokenizer.json", "tokenizer_config.json"))
     decode, eos = load_decoder(bare)
-    assert decode is None and eos == [json.loads((tiny_dir / "generation_config.json").read_text())["eos_token_id"]]
+    configured = json.loads((tiny_dir / "generation_config.json").read_text())["eos_token_id"]
+    assert decode([1, 2, 3]) == "" and eos == [configured]
     assert "stop strings are unavailable" in caplog.text
 
 

@@ -63,12 +63,8 @@ def build_runner(config: EngineConfig, model_dir: Path | None = None) -> tuple[J
     )
     bank = AdapterBank.of(model, adapters.max_runs, adapters.max_lora_rank)
     trainer = Trainer(model, bank, config.trainer.micro_batch_tokens)
-    text_of, eos = load_decoder(model_dir)
+    decode, eos = load_decoder(model_dir)
     seq_len = min(config.max_seq_len, cfg.max_position_embeddings)
-
-    def decode(tokens: list[int]) -> str:
-        return text_of(tokens) if text_of is not None else ""
-
     sampler_cfg = dataclasses.replace(config.sampler, max_seq_len=seq_len, layer_cache=tuning.per_layer_decode)
 
     def make_sampler(get_base: Callable[[], dict], programs: Any = None) -> Sampler:

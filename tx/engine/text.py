@@ -22,8 +22,9 @@ Decode = Callable[[list[int]], str]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "*.model", "vocab.*", "merges.txt")
 
 
-def load_decoder(model_dir: Path) -> tuple[Decode | None, list[int]]:
-    """(token ids -> text, or None when the directory has no usable tokenizer; the end-of-sequence ids)."""
+def load_decoder(model_dir: Path) -> tuple[Decode, list[int]]:
+    """(token ids -> text, "" for every tokens when the directory has no usable tokenizer; the
+    end-of-sequence ids)."""
     settings = _json(model_dir / "tokenizer_config.json")
     try:
         decode, eos_from_tokenizer = _fast(model_dir, settings) or _transformers(model_dir)
@@ -31,7 +32,7 @@ def load_decoder(model_dir: Path) -> tuple[Decode | None, list[int]]:
         # The message as text: a record holding `err` would hold its traceback, and with it the frames of
         # the engine build that called this (its model's weights), for as long as a log handler keeps it.
         log.warning("no tokenizer in %s (%s): stop strings are unavailable", model_dir, str(err))
-        return None, _configured_eos(model_dir)
+        return _no_text, _configured_eos(model_dir)
     return decode, _configured_eos(model_dir) or eos_from_tokenizer
 
 
@@ -73,6 +74,10 @@ def _transformers(model_dir: Path) -> tuple[Decode, list[int]]:
         return str(tokenizer.decode(tokens))
 
     return decode, eos
+
+
+def _no_text(tokens: list[int]) -> str:
+    return ""
 
 
 def _json(path: Path) -> dict[str, Any]:
