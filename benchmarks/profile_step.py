@@ -51,11 +51,16 @@ from tx.tuning import for_backend  # noqa: E402
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
 
 
+def _module_name(path: Path) -> str:
+    """The HLO module a dump file holds (`module_0113.jit__grad.cpu_after_optimizations.txt` -> `jit__grad`)."""
+    return path.name.split(".", 1)[1].rsplit(".cpu_after", 1)[0].rsplit("_after", 1)[0]
+
+
 def hlo_kinds(dump: str) -> dict[tuple[str, str], tuple[str, str]]:
     """{(module, instruction name): (kind, its line)} over every optimised module in the dump."""
     kinds: dict[tuple[str, str], tuple[str, str]] = {}
     for path in Path(dump).glob("*after_optimizations.txt"):
-        module = path.name.split(".", 1)[1].rsplit(".cpu_after", 1)[0].rsplit("_after", 1)[0]
+        module = _module_name(path)
         for line in path.read_text().splitlines():
             m = INSTRUCTION.match(line)
             if m:
@@ -78,7 +83,7 @@ def dot_flops(dump: str) -> dict[tuple[str, str], float]:
     holds dots, over every optimised module in the dump."""
     flops: dict[tuple[str, str], float] = {}
     for path in Path(dump).glob("*after_optimizations.txt"):
-        module = path.name.split(".", 1)[1].rsplit(".cpu_after", 1)[0].rsplit("_after", 1)[0]
+        module = _module_name(path)
         flops.update({(module, name): f for name, f in _module_flops(path.read_text()).items()})
     return flops
 
