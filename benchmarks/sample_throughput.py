@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from tx.engine.build import machine_tuning
 from tx.engine.sampler import Sampler, SamplerConfig
 from tx.engine.train_step import flat
 from tx.lora.layers import LoRASpec
@@ -43,7 +44,6 @@ from tx.lora.params import AdapterRoles, slot_scale
 from tx.models.causal_lm import decode_layout
 from tx.models.config import ModelConfig
 from tx.protocol import SampleRequest, SamplingParams
-from tx.tuning import for_backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from limits import read_bandwidth  # noqa: E402
@@ -67,9 +67,9 @@ class FixedAdapters:
 def make_sampler(cfg: ModelConfig, lora: bool, max_rows: int, max_seq_len: int, max_prompt: int) -> Sampler:
     """`lora`: the server's default stack (8 adapter slots + the zero slot, max rank 32) holding one
     rank-8 adapter in slot 1. Weights, cache form and kernel as the engine lays them out on this backend."""
-    tuning = for_backend()
+    tuning = machine_tuning(cfg, max_rows)
     spec = LoRASpec(slots=LORA_SLOTS, max_rank=MAX_RANK, kernel=tuning.lora_kernel) if lora else None
-    graphdef, state = random_state(cfg, spec)
+    graphdef, state = random_state(cfg, spec, tuning=tuning)
     scale = np.zeros((LORA_SLOTS, MAX_RANK), np.float32)
     scale[1] = np.asarray(slot_scale(LORA_RANK, 32.0, MAX_RANK))
     sampler_cfg = SamplerConfig(

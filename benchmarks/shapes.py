@@ -29,6 +29,7 @@ from tx.engine.train_step import flat
 from tx.lora.layers import LoRASpec
 from tx.models.config import ModelConfig
 from tx.models.weights import abstract_for, save_hf
+from tx.tuning import Tuning
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -170,11 +171,14 @@ def write_checkpoint(shape: str, out_dir: Path) -> Path:
     return out_dir
 
 
-def random_state(cfg: ModelConfig, lora: LoRASpec | None = None, seed: int = 0) -> tuple[nnx.GraphDef, nnx.State]:
+def random_state(
+    cfg: ModelConfig, lora: LoRASpec | None = None, seed: int = 0, tuning: Tuning | None = None
+) -> tuple[nnx.GraphDef, nnx.State]:
     """Random normal weights (norms at one), drawn on the device by one compiled program from an `rbg` key:
     drawn leaf by leaf, each weight shape compiled its own kernel, and threefry's bits compile slowly (15 s
-    of a 40 s `tiny` benchmark on CPU; 4.6 s this way)."""
-    graphdef, state = nnx.split(abstract_for(cfg, lora, remat=False))
+    of a 40 s `tiny` benchmark on CPU; 4.6 s this way). `tuning`: the backend choices the model is built
+    with (default: the backend's table)."""
+    graphdef, state = nnx.split(abstract_for(cfg, lora, remat=False, tuning=tuning))
     flat = nnx.to_flat_state(state)
     specs = [(var.shape, var.dtype, str(path[-2]).endswith("norm")) for path, var in flat]
 

@@ -86,7 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument(
-        "--data-dir", default="./smolgym-data", help="database, checkpoints and compile cache (default ./smolgym-data)"
+        "--data-dir",
+        default="./smolgym-data",
+        help="database, checkpoints, compile cache and measured tuning (default ./smolgym-data)",
     )
     p.add_argument("--database-url", default=None, help="SQLAlchemy/Postgres URL; default: SQLite file in --data-dir")
     p.add_argument(

@@ -21,10 +21,11 @@ from tx.lora.layers import LoRASpec
 from tx.lora.select import rank_bucket
 from tx.models.catalog import describe_model, locate_model, weight_bytes
 from tx.models.causal_lm import decode_layout
+from tx.models.config import HYBRID_FAMILIES, ModelConfig, load_hf_config
 from tx.models.sharding import make_mesh
 from tx.models.weights import load_model
 from tx.protocol import ModelInfo
-from tx.tuning import Tuning, for_backend
+from tx.tuning import Tuning, for_backend, tuned_for
 
 log = logging.getLogger("tx.engine")
 
@@ -43,14 +44,24 @@ def estimate_bytes(model_dir: Path, dtype: str | None) -> int:
     return weights * (2 if tuning.per_layer_decode else 1)
 
 
+def machine_tuning(cfg: ModelConfig, max_rows: int, store: Path | None = None) -> Tuning:
+    """The backend's tuning with the choices it leaves to this machine measured for this model's width and
+    `max_rows` decode rows (`tx.tuning.tuned_for`; the answers are kept in `store`, a JSON file). The
+    hybrid families have no backend-specific forms yet: nothing to measure for them."""
+    if cfg.family in HYBRID_FAMILIES:
+        return for_backend()
+    return tuned_for(for_backend(), cfg.hidden_size, cfg.intermediate_size, cfg.dtype, max_rows, store)
+
+
 def build_runner(config: EngineConfig, model_dir: Path | None = None) -> tuple[JaxRunner, ModelInfo]:
     """`config.base_model` is the name the model is served under; `model_dir` its files when the caller has
     located them already (default: `locate_model(config.base_model)`)."""
     install_counter()
     enable_persistent_cache(Path(config.data_dir) / "compile-cache")
     model_dir = model_dir or locate_model(config.base_model)
-    tuning = for_backend()
-    dtype = resolve_dtype(config.dtype, tuning)
+    dtype = resolve_dtype(config.dtype, for_backend())
+    store = Path(config.data_dir) / "tuning.json"
+    tuning = machine_tuning(load_hf_config(model_dir, dtype), config.sampler.max_rows, store)
     adapters = config.adapters
     mesh = make_mesh(1, config.fsdp_size, config.tensor_parallel_size, expert=config.expert_parallel_size)
     log.info("loading %s (%s)", model_dir, dtype or "checkpoint dtype")
