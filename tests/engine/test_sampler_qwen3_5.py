@@ -17,13 +17,12 @@ from adapter_view import FixedAdapters
 from conftest import build_qwen3_5
 from flax import nnx
 
-from tx.engine.decode_steps import DecodeRows
 from tx.engine.sampler import Sampler, SamplerConfig
 from tx.engine.train_step import flat
-from tx.lora.layers import LoRALinear, LoRASpec
+from tx.lora.layers import LoRASpec
 from tx.lora.params import AdapterRoles, LoRAParam, LoRARows, slot_scale
 from tx.models.cache import HybridCache
-from tx.models.causal_lm import LMHead, decode_layout
+from tx.models.causal_lm import decode_layout
 from tx.models.weights import load_model
 from tx.protocol import SampleRequest, SamplingParams
 from tx.tuning import CPU
@@ -78,21 +77,6 @@ class Setup:
 @pytest.fixture(scope="module")
 def q35(tmp_path_factory) -> Setup:
     return Setup(tmp_path_factory.mktemp("qwen3_5-sampler"))
-
-
-def test_decode_products_take_the_backends_form(q35):
-    """Every projection (DeltaNet, gated attention, MLP, unembedding) takes the backend's decode product
-    form, and the sampler's decode of several rows multiplies weight-major (behind the form's barrier); the
-    tests below check what it computes against transformers and the teacher-forced forward pass."""
-    linears = [m for _, m in nnx.iter_graph(q35.model) if isinstance(m, LoRALinear | LMHead)]
-    assert len(linears) > 10 and {m.weight_major_rows for m in linears} == {CPU.weight_major_rows}
-    B = CFG.max_rows
-    assert 2 <= B <= CPU.weight_major_rows
-    cache = HybridCache.zeros(q35.cfg, B, CFG.max_seq_len)
-    zeros = [jnp.zeros(B, jnp.int32) for _ in range(3)]
-    rows = DecodeRows(*zeros, jnp.zeros(B, jnp.uint32), jnp.ones(B), jnp.zeros(B, jnp.int32), jnp.ones(B))
-    text = q35.sampler.programs.decode.lower(q35.sampler.get_state(), None, cache, rows).as_text()
-    assert "optimization_barrier" in text
 
 
 def req(prompt: list[int], max_tokens: int, n: int = 1, **params) -> SampleRequest:

@@ -21,7 +21,7 @@ from tx.lora.layers import LoRASpec
 from tx.lora.select import rank_bucket
 from tx.models.catalog import describe_model, locate_model, weight_bytes
 from tx.models.causal_lm import decode_layout
-from tx.models.config import ModelConfig, load_hf_config
+from tx.models.config import HYBRID_FAMILIES, ModelConfig, load_hf_config
 from tx.models.sharding import make_mesh
 from tx.models.weights import load_model
 from tx.protocol import ModelInfo
@@ -46,7 +46,10 @@ def estimate_bytes(model_dir: Path, dtype: str | None) -> int:
 
 def machine_tuning(cfg: ModelConfig, max_rows: int, store: Path | None = None) -> Tuning:
     """The backend's tuning with the choices it leaves to this machine measured for this model's width and
-    `max_rows` decode rows (`tx.tuning.tuned_for`; the answers are kept in `store`, a JSON file)."""
+    `max_rows` decode rows (`tx.tuning.tuned_for`; the answers are kept in `store`, a JSON file). The
+    hybrid families have no backend-specific forms yet: nothing to measure for them."""
+    if cfg.family in HYBRID_FAMILIES:
+        return for_backend()
     return tuned_for(for_backend(), cfg.hidden_size, cfg.intermediate_size, cfg.dtype, max_rows, store)
 
 

@@ -10,7 +10,6 @@ concatenated), W conv kernel, N key heads, P value heads, M value head dim.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -81,22 +80,26 @@ class Conv1d(nnx.Module):
 class GatedDeltaNet(nnx.Module):
     """HF's `linear_attn`: projections, causal conv + silu, the gated delta rule, gated RMSNorm, out_proj."""
 
-    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...], rows: int = 0) -> None:
-        """`rows`: the decode product form of the projections (`tx.lora.layers.linear`'s weight_major_rows)."""
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...]) -> None:
         lin = cfg.linear
         assert lin is not None
         dt, D, P = jnp.dtype(cfg.dtype), cfg.hidden_size, lin.value_heads
         lead = ("layers",) * len(stack)
-        linear = functools.partial(LoRALinear, dtype=dt, lora=lora, stack=stack, weight_major_rows=rows)
-        self.in_proj_qkv = linear(D, lin.conv_dim, axes=("embed", "conv_channels"))
-        self.in_proj_z = linear(D, P * lin.value_head_dim, axes=("embed", "v_heads"))
-        self.in_proj_b = linear(D, P, axes=("embed", "v_heads"))
-        self.in_proj_a = linear(D, P, axes=("embed", "v_heads"))
+        self.in_proj_qkv = LoRALinear(
+            D, lin.conv_dim, axes=("embed", "conv_channels"), dtype=dt, lora=lora, stack=stack
+        )
+        self.in_proj_z = LoRALinear(
+            D, P * lin.value_head_dim, axes=("embed", "v_heads"), dtype=dt, lora=lora, stack=stack
+        )
+        self.in_proj_b = LoRALinear(D, P, axes=("embed", "v_heads"), dtype=dt, lora=lora, stack=stack)
+        self.in_proj_a = LoRALinear(D, P, axes=("embed", "v_heads"), dtype=dt, lora=lora, stack=stack)
         self.conv1d = Conv1d(lin.conv_dim, lin.conv_kernel, dt, stack)
         self.A_log = nnx.Param(jnp.zeros((*stack, P), dt), logical_axes=(*lead, "v_heads"))
         self.dt_bias = nnx.Param(jnp.ones((*stack, P), dt), logical_axes=(*lead, "v_heads"))
         self.norm = RMSNorm(lin.value_head_dim, cfg.rms_norm_eps, dt, stack)
-        self.out_proj = linear(P * lin.value_head_dim, D, axes=("v_heads", "embed"))
+        self.out_proj = LoRALinear(
+            P * lin.value_head_dim, D, axes=("v_heads", "embed"), dtype=dt, lora=lora, stack=stack
+        )
         self.shape = lin
 
     def __call__(
@@ -131,15 +134,13 @@ class GatedAttention(nnx.Module):
     sigmoid(gate), the gate read from the second half of each head's slice of q_proj; q/k RMSNorm
     (zero-centred) and rotary on the leading `rotary_dim` dims of each head."""
 
-    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...], rows: int = 0) -> None:
-        """`rows`: the decode product form of the projections (`tx.lora.layers.linear`'s weight_major_rows)."""
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...]) -> None:
         dt = jnp.dtype(cfg.dtype)
         D, H, K, E = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        linear = functools.partial(LoRALinear, dtype=dt, lora=lora, stack=stack, weight_major_rows=rows)
-        self.q_proj = linear(D, 2 * H * E, axes=("embed", "q_heads"))
-        self.k_proj = linear(D, K * E, axes=("embed", "kv_heads"))
-        self.v_proj = linear(D, K * E, axes=("embed", "kv_heads"))
-        self.o_proj = linear(H * E, D, axes=("q_heads", "embed"))
+        self.q_proj = LoRALinear(D, 2 * H * E, axes=("embed", "q_heads"), dtype=dt, lora=lora, stack=stack)
+        self.k_proj = LoRALinear(D, K * E, axes=("embed", "kv_heads"), dtype=dt, lora=lora, stack=stack)
+        self.v_proj = LoRALinear(D, K * E, axes=("embed", "kv_heads"), dtype=dt, lora=lora, stack=stack)
+        self.o_proj = LoRALinear(H * E, D, axes=("q_heads", "embed"), dtype=dt, lora=lora, stack=stack)
         self.q_norm = RMSNorm(E, cfg.rms_norm_eps, dt, stack, offset=1.0)
         self.k_norm = RMSNorm(E, cfg.rms_norm_eps, dt, stack, offset=1.0)
         self.heads, self.kv_heads, self.head_dim, self.rotary_dim = H, K, E, cfg.rotary_dim

@@ -41,7 +41,7 @@ from tx.models.config import HYBRID_FAMILIES, ModelConfig, load_hf_config
 from tx.models.qwen3_5 import Qwen3_5CausalLM, abstract_qwen3_5
 from tx.models.safetensors_io import iter_tensors, shard_files
 from tx.models.sharding import make_mesh, state_shardings
-from tx.tuning import Tuning, for_backend
+from tx.tuning import Tuning
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +123,9 @@ def checkpoint_tensors(cfg: ModelConfig, files: list[Path]) -> Iterator[tuple[st
 def abstract_for(
     cfg: ModelConfig, lora: LoRASpec | None, remat: bool, tuning: Tuning | None = None
 ) -> CausalLM | Qwen3_5CausalLM:
-    """The family's model class, with shapes only (`tuning`: default the backend's)."""
+    """The family's model class, with shapes only (Qwen3.5 has no backend-specific forms yet)."""
     if cfg.family in HYBRID_FAMILIES:
-        return abstract_qwen3_5(cfg, lora, remat, tuning or for_backend())
+        return abstract_qwen3_5(cfg, lora, remat)
     return abstract_model(cfg, lora, remat, tuning)
 
 
