@@ -75,3 +75,18 @@ def test_refuses_foreign_types_and_dtypes() -> None:
         codec.decode(_blob({"__nd": ["object", [1], 0, 8]}))
     with pytest.raises(ValueError, match="not a SmolGym blob"):
         codec.decode(b"\x80\x04pickle")
+
+
+def test_the_blob_does_not_depend_on_map_order() -> None:
+    """A request's blob is its dedupe digest's input: the same forward_backward whose loss_fn_inputs were
+    filled in another order (a protobuf map iterates in a per-process order, so two API servers parse one
+    retried request differently) must encode to the same bytes, and decode to the same request."""
+    targets, weights = np.arange(5, dtype=np.int64), np.ones(5, np.float32)
+    one = ForwardBackwardRequest([Datum([1, 2, 3, 4, 5], {"target_tokens": targets, "weights": weights})], "ce")
+    other = ForwardBackwardRequest([Datum([1, 2, 3, 4, 5], {"weights": weights, "target_tokens": targets})], "ce")
+    assert list(one.data[0].loss_fn_inputs) != list(other.data[0].loss_fn_inputs)
+    assert codec.encode(one) == codec.encode(other)
+    back = codec.decode(codec.encode(other)).data[0].loss_fn_inputs
+    assert back.keys() == other.data[0].loss_fn_inputs.keys()
+    np.testing.assert_array_equal(back["weights"], weights)
+    assert codec.encode({"b": 1, "a": {"d": 2, "c": 3}}) == codec.encode({"a": {"c": 3, "d": 2}, "b": 1})

@@ -53,7 +53,11 @@ class _Writer:
             out["__t"] = type(obj).__name__
             return out
         if isinstance(obj, dict):
-            return {str(k): self.value(v) for k, v in obj.items()}
+            # Keys in sorted order: a request's blob (and so its dedupe digest) must not depend on the order
+            # its maps were filled in. A protobuf map iterates in a per-process hash order, so the same
+            # forward_backward parsed by two API servers (a retry after a failover) built its loss_fn_inputs
+            # in different orders and was refused as "a different request".
+            return {str(k): self.value(obj[k]) for k in sorted(obj, key=str)}
         if isinstance(obj, list):
             if len(obj) > _PACK_MIN and set(map(type, obj)) == {int}:
                 packed = _int_array(obj)
