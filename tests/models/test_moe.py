@@ -14,6 +14,7 @@ import torch
 from flax import nnx
 
 from tx.models.config import ModelConfig, MoE
+from tx.models.grouped import block_product, permute_rows
 from tx.models.moe import Routing, SparseMoeBlock, block_rows, blocked_experts, blocks_of, dense_experts, ragged_experts
 from tx.tuning import CPU
 
@@ -117,7 +118,49 @@ def test_blocks_hold_each_experts_pairs_in_whole_blocks():
     np.testing.assert_array_equal(pair[at], np.arange(7))
     np.testing.assert_array_equal(pair, [1, 5, 4, 7, 0, 2, 3, 6, 7, 7, 7, 7])
     np.testing.assert_array_equal(expert, [0, 1, 2, 2, 3, 3])  # the unused blocks: any expert, rows all padding
+    assert int(layout.used) == 4  # the blocks after the first 4 hold only padding
     np.testing.assert_array_equal(np.asarray(flat)[pair[pair < 7]], np.repeat(expert, 2)[pair < 7])
+
+
+def test_the_block_product_and_its_backward_match_autodiff_of_gathered_weights():
+    """`block_product` (a loop that reads each block's expert weight in place, with its own backward) against
+    the batched product with per-block weight copies and its autodiff: the same outputs and gradients on the
+    used blocks, zeros on the padding blocks after them, and no gradient from them."""
+    rng = np.random.RandomState(3)
+    blocks = jnp.asarray(rng.randn(5, 3, 4), jnp.float32)  # 5 blocks of 3 rows, in = 4
+    weight = jnp.asarray(rng.randn(2, 6, 4), jnp.float32)  # 2 experts, out = 6
+    expert, used = jnp.asarray([0, 1, 1, 1, 1], jnp.int32), jnp.asarray(3, jnp.int32)
+    live = (np.arange(5) < 3)[:, None, None]
+
+    def reference(blocks: jax.Array, weight: jax.Array) -> jax.Array:
+        return jnp.einsum("bni,boi->bno", blocks, jnp.take(weight, expert, axis=0)) * live
+
+    def loss(product):
+        return lambda b, w: jnp.sum(jnp.sin(product(b, w)))
+
+    mine = block_product(blocks, weight, expert, used)
+    np.testing.assert_allclose(mine, reference(blocks, weight), atol=1e-5)
+    assert not np.any(np.asarray(mine)[3:])
+    got = jax.grad(loss(lambda b, w: block_product(b, w, expert, used)), argnums=(0, 1))(blocks, weight)
+    want = jax.grad(loss(reference), argnums=(0, 1))(blocks, weight)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+    assert not np.any(np.asarray(got[0])[3:])
+
+
+def test_permute_rows_backward_is_the_inverse_move():
+    """`permute_rows` and its backward (a gather the other way) against `jnp.take`'s scatter-add gradient."""
+    src = jnp.asarray(np.random.RandomState(4).randn(3, 2), jnp.float32)
+    index, inverse = jnp.asarray([1, 3, 2, 0], jnp.int32), jnp.asarray([3, 0, 2], jnp.int32)  # 3: a zero row
+    want_rows = np.asarray(src)[[1, 0, 2, 0]] * [[1], [0], [1], [1]]
+    np.testing.assert_array_equal(permute_rows(src, index, inverse), want_rows)
+    weights = jnp.arange(8.0).reshape(4, 2)
+
+    def taken(s: jax.Array) -> jax.Array:
+        return jnp.take(jnp.concatenate([s, jnp.zeros((1, 2))]), index, axis=0)
+
+    got = jax.grad(lambda s: jnp.sum(permute_rows(s, index, inverse) * weights))(src)
+    np.testing.assert_array_equal(got, jax.grad(lambda s: jnp.sum(taken(s) * weights))(src))
 
 
 def test_the_blocked_form_runs_where_it_computes_fewer_rows(reference):

@@ -85,5 +85,7 @@ class ExpertAdapter:
         """Padded blocks of pairs (`tx.models.moe.Blocks`): blocks [nb, n, in], each block's expert [nb], the
         padded rows' column mask [nb * n, Q] -> [nb, n, out]."""
         nb, n, _ = blocks.shape
-        xa = jnp.einsum("bni,biq->bnq", blocks, jnp.take(self.a, expert, axis=0)) * mask.reshape(nb, n, -1)
+        a_t = jnp.take(self.a.transpose(0, 2, 1), expert, axis=0)  # [nb, Q, in]: its gradient [nb, Q, in] too,
+        # which XLA:CPU computes 4x faster than the [nb, in, Q] one (small: a matrix-vector-like product each)
+        xa = jnp.einsum("bni,bqi->bnq", blocks, a_t) * mask.reshape(nb, n, -1)
         return jnp.einsum("bnq,bqo->bno", xa, jnp.take(self.b, expert, axis=0))

@@ -17,7 +17,8 @@ The grouped expert product has three exact forms, chosen per backend by measurem
 - `dense`: every expert on every token, the outputs summed with the routing weights (0 for experts a token
   did not choose); X / k times the active FLOPs, but plain batched matmuls.
 - `blocked`: the pairs sorted by expert, each expert's rows padded to whole blocks, one plain matmul per
-  block against its expert's weight (gathered per block): the active FLOPs plus at most X blocks' padding.
+  block against its expert's weight, read in place (`tx.models.grouped`): the active FLOPs plus at most X
+  blocks' padding.
   It runs per call where its blocks hold fewer rows than `dense` computes, and with one-row blocks where the
   pairs are at most X/2 (decode: only the chosen experts' weights are read; `SparseMoeBlock.form_for`).
 """
@@ -37,6 +38,7 @@ from tx.lora.experts import ExpertAdapter, expert_lora_pair, token_columns
 from tx.lora.layers import LoRALinear, LoRASpec, linear
 from tx.lora.params import LoRARows
 from tx.models.config import ModelConfig, MoE
+from tx.models.grouped import block_product, block_rows, blocks_of, permute_rows
 from tx.models.layers import MLP, swiglu
 from tx.tuning import Tuning
 
@@ -161,41 +163,6 @@ def ragged_experts(
     return jnp.sum(jnp.take(out, back, axis=0).reshape(N, k, -1), axis=1)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Blocks:
-    """The (token, expert) pairs sorted by expert with each expert's rows padded to whole blocks of `rows`:
-    pair [P] (the pair in each padded row, M for padding), at [M] (each pair's padded row, in pair order) and
-    expert [P / rows] (each block's expert). P = the fewest whole blocks that hold M rows plus X - 1 partial
-    blocks' padding, a bound fixed by the shapes."""
-
-    pair: jax.Array
-    at: jax.Array
-    expert: jax.Array
-
-
-def block_rows(M: int, X: int, rows: int) -> int:
-    """P: room for M pairs in X groups, each padded to a multiple of `rows`."""
-    return -(-(M + X * (rows - 1)) // rows) * rows
-
-
-def blocks_of(flat: jax.Array, X: int, rows: int) -> Blocks:
-    """flat [M]: each pair's expert -> the padded block layout."""
-    M = flat.shape[0]
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=X)
-    padded = -(-sizes // rows) * rows
-    start, padded_start = jnp.cumsum(sizes) - sizes, jnp.cumsum(padded) - padded
-    sorted_expert = jnp.take(flat, order)
-    at_sorted = jnp.take(padded_start, sorted_expert) + jnp.arange(M) - jnp.take(start, sorted_expert)
-    P = block_rows(M, X, rows)
-    pair = jnp.full((P,), M, jnp.int32).at[at_sorted].set(order.astype(jnp.int32))
-    at = jnp.zeros((M,), jnp.int32).at[order].set(at_sorted.astype(jnp.int32))
-    ends = jnp.cumsum(padded)
-    expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(P // rows) * rows, side="right"), X - 1)
-    return Blocks(pair, at, expert.astype(jnp.int32))
-
-
 def blocked_experts(
     x: jax.Array,
     routing: Routing,
@@ -214,22 +181,20 @@ def blocked_experts(
     X = gate.shape[0]
     layout = blocks_of(routing.experts.reshape(N * k), X, rows)
     nb = layout.expert.shape[0]
-    token = layout.pair // k  # N for padding rows: the zero row appended below
-    inputs = jnp.take(jnp.concatenate([x, jnp.zeros_like(x[:1])]), token, axis=0)
-    padded_mask = _padded_mask(adapters, token)
+    inputs = permute_rows(jnp.repeat(x, k, axis=0), layout.pair, layout.at)  # [P, D], padding rows 0
+    padded_mask = _padded_mask(adapters, layout.pair // k)
 
     def project(h: jax.Array, weight: jax.Array, bias: jax.Array | None, adapter: ExpertAdapter | None) -> jax.Array:
         blocks = h.reshape(nb, rows, h.shape[-1])
-        y = jnp.einsum("bni,boi->bno", blocks, jnp.take(weight, layout.expert, axis=0))
+        y = block_product(blocks, weight, layout.expert, layout.used)
         y = y if bias is None else y + jnp.take(bias, layout.expert, axis=0)[:, None, :]
         y = _plus(y, adapter, lambda a: a.blocked(blocks, layout.expert, padded_mask))
         return y.reshape(nb * rows, -1)
 
     weights = zip((gate, up), biases[:2], adapters[:2], strict=True)
     h = act(*[project(inputs, w, b, a) for w, b, a in weights if w is not None])
-    pair_weights = jnp.concatenate([routing.weights.reshape(N * k), jnp.zeros((1,), routing.weights.dtype)])
-    out = project(h, down, biases[2], adapters[2]) * jnp.take(pair_weights, layout.pair)[:, None].astype(x.dtype)
-    return jnp.sum(jnp.take(out, layout.at, axis=0).reshape(N, k, -1), axis=1)
+    per_pair = permute_rows(project(h, down, biases[2], adapters[2]), layout.at, layout.pair)  # [M, D]
+    return jnp.einsum("nkd,nk->nd", per_pair.reshape(N, k, -1), routing.weights.astype(x.dtype))
 
 
 def _padded_mask(adapters: Adapters, token: jax.Array) -> jax.Array:
