@@ -8,7 +8,8 @@ check's dry run), `qwen3.5-small` is `small`'s width over 8 layers, `qwen3.5-9b-
 published Qwen3.5-9B layer width over 4 layers (one group of the pattern). `qwen3-moe-small` and
 `gpt-oss-small` are mixture-of-experts models of `small`'s width and depth: 8 experts, 2 picked per token,
 each expert 768 wide, so a token's active MLP width (2 x 768) is `small`'s 1536; gpt-oss's layers alternate
-sliding-window (128) and full attention. Weights are random normals: throughput does not depend on their
+sliding-window (128) and full attention. `qwen3.5-moe-small` is the hybrid Qwen3.5-MoE over one group of the
+pattern with the same experts plus a shared expert of the same width. Weights are random normals: throughput does not depend on their
 values (the routers spread tokens roughly evenly).
 """
 
@@ -98,6 +99,22 @@ SHAPES: dict[str, dict[str, Any]] = {
         linear_key_head_dim=128,
         linear_value_head_dim=128,
     ),
+    "qwen3.5-moe-small": dict(
+        vocab_size=8192,
+        hidden_size=512,
+        moe_intermediate_size=768,
+        shared_expert_intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+    ),
     "qwen3-moe-small": dict(
         vocab_size=8192,
         hidden_size=512,
@@ -150,6 +167,8 @@ def hf_config(shape: str) -> dict[str, Any]:
     if shape.startswith("qwen3.5"):
         rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
         hf = {**SHAPES[shape], **COMMON, "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text"}
+        if "num_experts" in hf:
+            hf.update(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text")
         hf.update(linear_conv_kernel_dim=4, rope_parameters=rope, full_attention_interval=4)
         return hf
     return {**SHAPES[shape], **COMMON, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rope_theta": 1e6}

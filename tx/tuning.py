@@ -104,6 +104,15 @@ CPU = Tuning(
 TUNINGS: dict[str, Tuning] = {"cpu": CPU}
 
 
+def moe_forms(tuning: Tuning) -> Tuning:
+    """`PLAIN` with `tuning`'s mixture-of-experts product forms: what the hybrid Qwen3.5 family takes from a
+    backend's tuning. The product forms are chosen per MoE block, whatever layers surround it; the family's
+    other products stay plain (its weight-major decode measured slower, `benchmarks/RESULTS.md`)."""
+    return dataclasses.replace(
+        PLAIN, moe_dense_max_experts=tuning.moe_dense_max_experts, moe_block_rows=tuning.moe_block_rows
+    )
+
+
 def for_backend(backend: str | None = None) -> Tuning:
     """The tuning of `backend` (default: the backend JAX runs on); `PLAIN` under its name when unmeasured."""
     name = backend or jax.default_backend()

@@ -5,6 +5,8 @@ meshes with an expert axis against one device."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,7 @@ from tx.models.cache import HybridCache
 from tx.models.config import ModelConfig
 from tx.models.config_qwen3_5 import qwen3_5_from_hf
 from tx.models.weights import load_model
+from tx.tuning import CPU
 
 X, K, F, SHARED = 4, 2, 16, 24
 TEXT = {k: v for k, v in QWEN3_5_TEXT.items() if k != "intermediate_size"}
@@ -253,11 +256,16 @@ def test_packed_rows_match_each_sequence_alone(models):
 
 def test_expert_mesh_matches_single_device(models):
     """The routed experts split over the expert axis (the shared expert and the mixers on tp, the batch on
-    data; one mesh with every axis, so one compile): one device's logits and gradients."""
+    data; one mesh with every axis, so one compile), in the blocked product (blocks of 2 rows: its loop
+    indexes the sharded expert weights): one device's logits and gradients (there, the dense product)."""
     from tx.models.sharding import make_mesh
 
     path, _, model, cfg = models()
-    sharded, _ = load_model(str(path), mesh=make_mesh(data=2, expert=2, tp=2), progress=False)
+    blocked = dataclasses.replace(CPU, moe_block_rows=2)
+    sharded, _ = load_model(str(path), mesh=make_mesh(data=2, expert=2, tp=2), progress=False, tuning=blocked)
+    assert (
+        model.model.layers.mlp.form_for(48) == ("dense", 128) and sharded.model.layers.mlp.form_for(48)[0] == "blocked"
+    )
     experts = sharded.model.layers.mlp.experts.gate_proj.weight[...]
     assert experts.sharding.spec[1] == "expert" and len(experts.sharding.device_set) == 8
     tokens = tokens_for(cfg, (4, 12), seed=9)

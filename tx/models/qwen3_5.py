@@ -30,7 +30,7 @@ from tx.models.layers import MLP, RMSNorm
 from tx.models.moe import SparseMoeBlock
 from tx.models.qwen3_5_layers import GatedAttention, GatedDeltaNet, TokenFlags
 from tx.models.rotary import rope_frequencies
-from tx.tuning import PLAIN
+from tx.tuning import PLAIN, Tuning, for_backend, moe_forms
 
 MIXERS = {"linear_attention": "linear_attn", "full_attention": "self_attn"}
 PER_LAYER = ("input_layernorm", "post_attention_layernorm", "mlp")
@@ -47,12 +47,12 @@ def repeating_group(kinds: tuple[str, ...]) -> tuple[str, ...]:
 class HybridLayers(nnx.Module):
     """HF's `model.layers.*`, each sub-module stacked over the layers that have it."""
 
-    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None) -> None:
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, tuning: Tuning) -> None:
         dt, L, D = jnp.dtype(cfg.dtype), cfg.num_layers, cfg.hidden_size
         self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, dt, (L,), offset=1.0)
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, dt, (L,), offset=1.0)
-        # no backend-specific form measured for this family yet (the MoE block's product form included)
-        self.mlp = SparseMoeBlock(cfg, lora, (L,), PLAIN) if cfg.moe else MLP(cfg, lora, (L,), PLAIN)
+        # the backend's MoE product forms; every other product plain (`tx.tuning.moe_forms`)
+        self.mlp = SparseMoeBlock(cfg, lora, (L,), moe_forms(tuning)) if cfg.moe else MLP(cfg, lora, (L,), PLAIN)
         if cfg.layers_holding("linear_attn"):
             self.linear_attn = GatedDeltaNet(cfg, lora, (len(cfg.layers_holding("linear_attn")),))
         if cfg.layers_holding("self_attn"):
@@ -62,10 +62,10 @@ class HybridLayers(nnx.Module):
 class Model(nnx.Module):
     """HF's text `model.*` subtree (`model.language_model.*` in the multimodal checkpoint)."""
 
-    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None) -> None:
+    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, tuning: Tuning) -> None:
         dt = jnp.dtype(cfg.dtype)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dt)
-        self.layers = HybridLayers(cfg, lora)
+        self.layers = HybridLayers(cfg, lora, tuning)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, offset=1.0)
 
 
@@ -81,9 +81,11 @@ class _Inputs:
 
 
 class Qwen3_5CausalLM(nnx.Module):
-    def __init__(self, cfg: ModelConfig, lora: LoRASpec | None = None, remat: bool = False) -> None:
+    def __init__(
+        self, cfg: ModelConfig, lora: LoRASpec | None = None, remat: bool = False, tuning: Tuning = PLAIN
+    ) -> None:
         self.config = cfg
-        self.model = Model(cfg, lora)
+        self.model = Model(cfg, lora, tuning)
         self.lm_head = LMHead(cfg, lora, PLAIN)
         self.remat = remat
 
@@ -251,6 +253,9 @@ def _stack(items: list) -> Any:
     return jax.tree.map(lambda *a: jnp.stack(a), *items) if items and items[0] is not None else None
 
 
-def abstract_qwen3_5(cfg: ModelConfig, lora: LoRASpec | None = None, remat: bool = False) -> Qwen3_5CausalLM:
-    """The model's structure with shapes only: weights are filled by the loader, never initialised."""
-    return nnx.eval_shape(lambda: Qwen3_5CausalLM(cfg, lora, remat))
+def abstract_qwen3_5(
+    cfg: ModelConfig, lora: LoRASpec | None = None, remat: bool = False, tuning: Tuning | None = None
+) -> Qwen3_5CausalLM:
+    """The model's structure with shapes only: weights are filled by the loader, never initialised.
+    `tuning`: the backend choices (default: those of the backend JAX runs on; only its MoE forms apply)."""
+    return nnx.eval_shape(lambda: Qwen3_5CausalLM(cfg, lora, remat, tuning or for_backend()))

@@ -123,9 +123,9 @@ def checkpoint_tensors(cfg: ModelConfig, files: list[Path]) -> Iterator[tuple[st
 def abstract_for(
     cfg: ModelConfig, lora: LoRASpec | None, remat: bool, tuning: Tuning | None = None
 ) -> CausalLM | Qwen3_5CausalLM:
-    """The family's model class, with shapes only (Qwen3.5 has no backend-specific forms yet)."""
+    """The family's model class, with shapes only (Qwen3.5 takes only the MoE forms of `tuning`)."""
     if cfg.family in HYBRID_FAMILIES:
-        return abstract_qwen3_5(cfg, lora, remat)
+        return abstract_qwen3_5(cfg, lora, remat, tuning)
     return abstract_model(cfg, lora, remat, tuning)
 
 
