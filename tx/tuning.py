@@ -45,8 +45,9 @@ class Tuning:
     moe_dense_max_experts: a mixture-of-experts block of at most this many experts runs every expert on
         every token (`tx.models.moe.dense_experts`); above it, or at 0, the sort-by-expert ragged product.
     moe_block_rows: a call whose pairs fit in fewer padded blocks of this many rows than `dense` computes
-        runs the blocked product instead (`tx.models.moe.blocked_experts`), and a call of at most X/2 pairs
-        runs it with one-row blocks (reads only the chosen experts); 0 = never.
+        runs the blocked product instead (`tx.models.moe.blocked_experts`), in blocks of at most this many
+        rows sized to the call (`SparseMoeBlock.form_for`; decode: a few rows, only chosen experts read);
+        0 = never.
     measure_weight_major: `weight_major_rows` is measured on the machine for each model (`tuned_for`);
         the table's value is what a model built without that measurement gets.
     """
@@ -95,9 +96,11 @@ CPU = Tuning(
     # 2.28 s at 8, 3.79 vs 4.93 s at 16; decode of 32 tokens 3.2 vs 6.1 ms at 4, 54 vs 180 ms at 32. At
     # X=128 (one repetition) decode still favoured dense (361 vs 566 ms), prefill ragged (13.2 vs 17.7 s).
     moe_dense_max_experts=32,
-    # The blocked product pays at most X * 127 padding rows over the active ones, so it runs where the tokens
-    # outnumber the experts' padding (training, prefill); decode of at most X/2 pairs gathers the chosen
-    # experts (one-row blocks: 0.8 vs 6.8 ms for one token on 8 experts 512 x 768), larger decode stays dense.
+    # The blocked product pays at most X * (rows - 1) padding rows over the active ones, so it runs where
+    # they are fewer than dense's N * X rows. Blocks of 128 rows: training step of one block of 2048 tokens
+    # (8 experts 512 x 768, top-2) 137 ms vs 158 (64), 155 (256), 170 (512). Decode, 8 layers of that block,
+    # blocks about two per expert (`form_for`) against dense, per layer: 1 token 0.55 vs 4.7 ms, 16 tokens
+    # 2.4 vs 5.9 ms, 64 tokens 3.2 vs 8.8 ms (dense's einsum of a few rows runs far below bandwidth).
     moe_block_rows=128,
 )
 

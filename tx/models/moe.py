@@ -19,8 +19,8 @@ The grouped expert product has three exact forms, chosen per backend by measurem
 - `blocked`: the pairs sorted by expert, each expert's rows padded to whole blocks, one plain matmul per
   block against its expert's weight, read in place (`tx.models.grouped`): the active FLOPs plus at most X
   blocks' padding.
-  It runs per call where its blocks hold fewer rows than `dense` computes, and with one-row blocks where the
-  pairs are at most X/2 (decode: only the chosen experts' weights are read; `SparseMoeBlock.form_for`).
+  It runs per call where its blocks hold fewer rows than `dense` computes, in blocks sized to the call
+  (`SparseMoeBlock.form_for`: one row for a decode step's few pairs, reading only the chosen experts).
 """
 
 from __future__ import annotations
@@ -307,15 +307,16 @@ class SparseMoeBlock(nnx.Module):
         self.block = tuning.moe_block_rows  # static: the blocked form runs where it computes fewer rows
 
     def form_for(self, N: int) -> tuple[Form, int]:
-        """The product for N tokens and its block height (shapes are static at trace time). With blocks on:
-        at most X/2 pairs (decode), one-row blocks, which read just the experts the pairs chose (copied
-        out, then read: twice the bytes per pair that dense pays per expert); blocks of `block` rows where
-        those hold fewer rows than every expert on every token (training, prefill); else the standing form."""
-        X = self.experts.down_proj.weight.shape[-3]
-        if self.block and 2 * N * self.top_k <= X:
-            return "blocked", 1
-        if self.block and block_rows(N * self.top_k, X, self.block) < N * X:
-            return "blocked", self.block
+        """The product for N tokens and its block height (shapes are static at trace time). With blocks on,
+        the blocked form where its padded rows are fewer than dense's (every expert on every token), in blocks
+        of about two per expert on average (a power of two, at most `block`: one-row blocks for a token's
+        few pairs, `block` rows in training and prefill), so a decode step reads each chosen expert about
+        once and skips the others; else the standing form."""
+        X, M = self.experts.down_proj.weight.shape[-3], N * self.top_k
+        if self.block:
+            height = min(self.block, 1 << max(0, (2 * M // X) - 1).bit_length())
+            if block_rows(M, X, height) < N * X:
+                return "blocked", height
         return self.form, self.block
 
     def __call__(self, x: jax.Array, rows: LoRARows | None) -> jax.Array:
