@@ -1,6 +1,7 @@
 """Time the exact forms of the mixture-of-experts product (`tx.models.moe`): `ragged` (pairs sorted by
 expert, `jax.lax.ragged_dot`), `dense` (every expert on every token) and `blocked` (pairs sorted by expert,
-padded per expert to blocks of 128 rows, one matmul per block); prints JSON.
+padded per expert to blocks, one matmul per used block; blocks of the height the engine picks for the call,
+`tx.models.moe.block_height`: 128 rows in training and prefill, 4-16 in the 32-token decode); prints JSON.
 
 One MoE block's routed experts (router excluded: both forms share it) on N tokens of width D, X experts of
 width F, k per token, for a training step (forward and backward of the inputs and the expert weights) and
@@ -14,6 +15,7 @@ count at which `dense` beat `ragged` in every workload: `Tuning.moe_dense_max_ex
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -28,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from limits import matmul_peak, timed  # noqa: E402
 from run_all import machine  # noqa: E402
 
-from tx.models.moe import FORMS, route  # noqa: E402
+from tx.models.moe import FORMS, block_height, blocked_experts, route  # noqa: E402
 
 WORKLOADS = {"train": 2048, "prefill": 2048, "decode": 32}  # tokens per call
 
@@ -42,8 +44,10 @@ def inputs(N: int, D: int, F: int, X: int, k: int) -> tuple:
     return x, routing, (gate, up, down)
 
 
-def program(form: str, workload: str) -> Callable:
+def program(form: str, workload: str, X: int, k: int) -> Callable:
     product = FORMS[form]
+    if form == "blocked":  # in the blocks the engine would use for this call (`SparseMoeBlock.form_for`)
+        product = functools.partial(blocked_experts, rows=block_height(WORKLOADS[workload] * k, X, 128))
     if workload != "train":
         return jax.jit(product)
 
@@ -59,7 +63,7 @@ def measure(workload: str, D: int, F: int, X: int, k: int, reps: int, peak: floa
     active = 6 * N * k * D * F * (3 if workload == "train" else 1)
     records = []
     for form in FORMS:
-        fn = program(form, workload)
+        fn = program(form, workload, X, k)
         ms = timed(lambda fn=fn: fn(x, routing, *weights), reps)
         gflops = active / ms / 1e6
         records.append(

@@ -8,9 +8,9 @@ check's dry run), `qwen3.5-small` is `small`'s width over 8 layers, `qwen3.5-9b-
 published Qwen3.5-9B layer width over 4 layers (one group of the pattern). `qwen3-moe-small` and
 `gpt-oss-small` are mixture-of-experts models of `small`'s width and depth: 8 experts, 2 picked per token,
 each expert 768 wide, so a token's active MLP width (2 x 768) is `small`'s 1536; gpt-oss's layers alternate
-sliding-window (128) and full attention. `qwen3.5-moe-small` is the hybrid Qwen3.5-MoE over one group of the
-pattern with the same experts plus a shared expert of the same width. Weights are random normals: throughput does not depend on their
-values (the routers spread tokens roughly evenly).
+sliding-window (128) and full attention. `qwen3.5-moe-small` is the hybrid Qwen3.5-MoE over one group of
+the pattern with the same experts plus a shared expert of the same width. Weights are random normals:
+throughput does not depend on their values (the routers spread tokens roughly evenly).
 """
 
 from __future__ import annotations

@@ -38,25 +38,33 @@ def hf_model(shape: str) -> torch.nn.Module:
         config = GptOssConfig(**SHAPES[shape], **common, rope_parameters=GPT_OSS_ROPE)
         return GptOssForCausalLM(config).float()
     if shape.startswith("qwen3.5"):
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
         rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
-        config = Qwen3_5TextConfig(**SHAPES[shape], **common, linear_conv_kernel_dim=4, rope_parameters=rope)
-        return Qwen3_5ForCausalLM(config).float()
+        moe = "num_experts" in SHAPES[shape]
+        config_class, model_class = (
+            (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM) if moe else (Qwen3_5TextConfig, Qwen3_5ForCausalLM)
+        )
+        config = config_class(**SHAPES[shape], **common, linear_conv_kernel_dim=4, rope_parameters=rope)
+        return model_class(config).float()
     return Qwen3ForCausalLM(Qwen3Config(**SHAPES[shape], **common)).float()
 
 
 def with_lora(model: torch.nn.Module, shape: str, rank: int) -> torch.nn.Module:
     """A peft LoRA of `rank` on what SmolGym's train_attn + train_mlp adapt: every attention and MLP
     projection, a MoE model's experts (peft retargets Qwen3-MoE's expert names onto its fused experts;
-    gpt-oss's are fused parameters, named as such)."""
+    gpt-oss's and Qwen3.5-MoE's are fused parameters, named as such)."""
     from peft import LoraConfig, get_peft_model
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     if shape.startswith("qwen3.5"):
         targets += ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]
+    fused = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     if shape.startswith("gpt-oss"):
-        fused = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
         config = LoraConfig(r=rank, lora_alpha=32, target_modules=targets[:4], target_parameters=fused)
         return get_peft_model(model, config)
+    if "num_experts" in SHAPES[shape] and shape.startswith("qwen3.5"):  # fused experts; the shared expert's modules
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=32, target_modules=targets, target_parameters=fused))
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=32, target_modules=targets))
 
 

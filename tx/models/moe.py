@@ -205,6 +205,12 @@ def _padded_mask(adapters: Adapters, token: jax.Array) -> jax.Array:
     return jnp.take(jnp.concatenate([given[0], jnp.zeros_like(given[0][:1])]), token, axis=0)
 
 
+def block_height(M: int, X: int, most: int) -> int:
+    """The blocked product's block height for M pairs over X experts: about two blocks per expert on average,
+    a power of two, at most `most` (one row for a decode step's few pairs)."""
+    return min(most, 1 << max(0, (2 * M // X) - 1).bit_length())
+
+
 FORMS = {"ragged": ragged_experts, "dense": dense_experts, "blocked": blocked_experts}
 
 
@@ -314,7 +320,7 @@ class SparseMoeBlock(nnx.Module):
         once and skips the others; else the standing form."""
         X, M = self.experts.down_proj.weight.shape[-3], N * self.top_k
         if self.block:
-            height = min(self.block, 1 << max(0, (2 * M // X) - 1).bit_length())
+            height = block_height(M, X, self.block)
             if block_rows(M, X, height) < N * X:
                 return "blocked", height
         return self.form, self.block
