@@ -46,8 +46,8 @@ class Tuning:
         every token (`tx.models.moe.dense_experts`); above it, or at 0, the sort-by-expert ragged product.
     moe_block_rows: a call whose pairs fit in fewer padded blocks of this many rows than `dense` computes
         runs the blocked product instead (`tx.models.moe.blocked_experts`), in blocks of at most this many
-        rows sized to the call (`SparseMoeBlock.form_for`; decode: a few rows, only chosen experts read);
-        0 = never.
+        rows sized to the call (`SparseMoeBlock.form_for`), and a call of at most X pairs (a decode step)
+        runs each pair on its own (`pair_experts`: only the chosen experts read); 0 = neither.
     measure_weight_major: `weight_major_rows` is measured on the machine for each model (`tuned_for`);
         the table's value is what a model built without that measurement gets.
     """
@@ -100,7 +100,9 @@ CPU = Tuning(
     # they are fewer than dense's N * X rows. Blocks of 128 rows: training step of one block of 2048 tokens
     # (8 experts 512 x 768, top-2) 137 ms vs 158 (64), 155 (256), 170 (512). Decode, 8 layers of that block,
     # blocks about two per expert (`form_for`) against dense, per layer: 1 token 0.55 vs 4.7 ms, 16 tokens
-    # 2.4 vs 5.9 ms, 64 tokens 3.2 vs 8.8 ms (dense's einsum of a few rows runs far below bandwidth).
+    # 2.4 vs 5.9 ms, 64 tokens 3.2 vs 8.8 ms (dense's einsum of a few rows runs far below bandwidth). At most
+    # X pairs, each on its own (`pairs`): 1 token 0.30 vs 0.55 ms (one-row blocks; 0.24 ms reads the two
+    # experts at 40 GB/s), 2 tokens 0.56 vs 0.96, 4 tokens 0.75 vs 1.26 (the best block height).
     moe_block_rows=128,
 )
 

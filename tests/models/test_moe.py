@@ -15,7 +15,16 @@ from flax import nnx
 
 from tx.models.config import ModelConfig, MoE
 from tx.models.grouped import block_product, permute_rows
-from tx.models.moe import Routing, SparseMoeBlock, block_rows, blocked_experts, blocks_of, dense_experts, ragged_experts
+from tx.models.moe import (
+    Routing,
+    SparseMoeBlock,
+    block_rows,
+    blocked_experts,
+    blocks_of,
+    dense_experts,
+    pair_experts,
+    ragged_experts,
+)
 from tx.tuning import CPU
 
 D, F, SHARED, X, K = 16, 8, 12, 4, 2
@@ -102,7 +111,7 @@ def test_forms_agree_when_an_expert_gets_no_token():
 
     want = dense_experts(x, routing, gate, up, down)
     blocked = [functools.partial(blocked_experts, rows=rows) for rows in (1, 2, 4, 32)]  # 32: one block each
-    for product in (ragged_experts, *blocked):
+    for product in (ragged_experts, pair_experts, *blocked):
         np.testing.assert_allclose(product(x, routing, gate, up, down), want, atol=1e-4)
         for mine, want_grad in zip(grads(product), grads(dense_experts), strict=True):
             np.testing.assert_allclose(mine, want_grad, atol=1e-5, rtol=0)
@@ -167,6 +176,7 @@ def test_the_blocked_form_runs_where_it_computes_fewer_rows(reference):
     """With blocks of 128 rows, 4 experts of top-2: one token's 2 pairs (at most X/2) run in one-row blocks
     (only the chosen experts read), decode-sized batches stay dense, long prefills go blocked."""
     block = ours(reference, X)
-    assert block.block == 128 and block.form_for(1) == ("blocked", 1) and block.form_for(2) == ("dense", 128)
+    assert block.block == 128 and block.form_for(1) == ("pairs", 1) and block.form_for(2) == ("pairs", 1)
+    assert block.form_for(3) == ("dense", 128)  # 6 pairs: more than X
     assert block.form_for(32) == ("dense", 128) and block.form_for(2048) == ("blocked", 128)
     assert block_rows(2048 * K, X, 128) < 2048 * X and block_rows(32 * K, X, 128) >= 32 * X

@@ -112,6 +112,23 @@ def test_peft_loads_the_export_with_our_logits(base, exported, form):
     np.testing.assert_allclose(np.asarray(mine), want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parity
+def test_the_pairs_form_gives_peft_logits_per_row(base, exported):
+    """A call of at most X pairs (one token per row, as in a decode step) runs each pair on its own: PEFT's
+    logits with the adapter, and a row without one as the plain model's."""
+    model, adapter = exported
+    ids = tokens((2, 1), seed=5)
+    assert model("blocked").model.layers.mlp.form_for(ids.size) == ("pairs", 1)
+    mine, _ = model("blocked")(ids, rows=rows_on([1, 1]))
+    with torch.no_grad():
+        want = peft_model(base, adapter)(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(mine), want, atol=1e-4, rtol=0)
+    mixed, _ = model("blocked")(ids, rows=rows_on([1, -1]))
+    plain, _ = model("dense")(ids[1:])
+    np.testing.assert_allclose(np.asarray(mixed[:1]), want[:1], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(mixed[1:]), np.asarray(plain), atol=1e-5, rtol=0)
+
+
 def peft_grads(module: dict, name: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """PEFT's gradients of one layer's fused expert adapters, as ours per expert: {short: (A [X, in, R],
     B [X, R, out])}. gate_up_proj holds gate and up side by side at rank 2R (B block-diagonal); PEFT lays a

@@ -81,6 +81,11 @@ class ExpertAdapter:
         xa = jax.lax.ragged_dot(rows, self.a, sizes) * jnp.take(self.mask, token, axis=0)
         return jax.lax.ragged_dot(xa, self.b, sizes)
 
+    def pair(self, row: jax.Array, e: jax.Array, n: int) -> jax.Array:
+        """One (token, expert) pair: row [1, in] (token n's), expert e -> [1, out]."""
+        xa = (row @ jax.lax.dynamic_index_in_dim(self.a, e, keepdims=False)) * self.mask[n]
+        return xa @ jax.lax.dynamic_index_in_dim(self.b, e, keepdims=False)
+
     def blocked(self, blocks: jax.Array, expert: jax.Array, mask: jax.Array) -> jax.Array:
         """Padded blocks of pairs (`tx.models.moe.Blocks`): blocks [nb, n, in], each block's expert [nb], the
         padded rows' column mask [nb * n, Q] -> [nb, n, out]."""

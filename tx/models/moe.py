@@ -10,7 +10,7 @@ the top-k logits before a softmax over them, and fuses each expert's gate and up
 projections and its clamped SwiGLU; the same two forms run it. Letters as in `tx.models.layers`, plus
 N tokens (B*T), X experts, k experts per token, M = N*k (token, expert) pairs, F an expert's width.
 
-The grouped expert product has three exact forms, chosen per backend by measurement
+The grouped expert product has four exact forms, chosen per backend by measurement
 (`Tuning.moe_dense_max_experts`, `Tuning.moe_block_rows`, numbers in `benchmarks/bench_moe.py`):
 - `ragged`: the M pairs sorted by expert, each expert's rows one group of `jax.lax.ragged_dot`;
   the work is the active FLOPs where the ragged dot is native.
@@ -19,8 +19,9 @@ The grouped expert product has three exact forms, chosen per backend by measurem
 - `blocked`: the pairs sorted by expert, each expert's rows padded to whole blocks, one plain matmul per
   block against its expert's weight, read in place (`tx.models.grouped`): the active FLOPs plus at most X
   blocks' padding.
-  It runs per call where its blocks hold fewer rows than `dense` computes, in blocks sized to the call
-  (`SparseMoeBlock.form_for`: one row for a decode step's few pairs, reading only the chosen experts).
+  It runs per call where its blocks hold fewer rows than `dense` computes, in blocks sized to the call.
+- `pairs`: each (token, expert) pair on its own row, unrolled, the chosen expert's weights read by index;
+  for a call of at most X (and `MOST_PAIRS`) pairs, a decode step (`SparseMoeBlock.form_for`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from tx.models.grouped import block_product, block_rows, blocks_of, permute_rows
 from tx.models.layers import MLP, swiglu
 from tx.tuning import Tuning
 
-Form = Literal["ragged", "dense", "blocked"]
+Form = Literal["ragged", "dense", "blocked", "pairs"]
 
 
 @jax.tree_util.register_dataclass
@@ -211,7 +212,41 @@ def block_height(M: int, X: int, most: int) -> int:
     return min(most, 1 << max(0, (2 * M // X) - 1).bit_length())
 
 
-FORMS = {"ragged": ragged_experts, "dense": dense_experts, "blocked": blocked_experts}
+def pair_experts(
+    x: jax.Array,
+    routing: Routing,
+    gate: jax.Array,
+    up: jax.Array | None,
+    down: jax.Array,
+    adapters: Adapters = NO_ADAPTERS,
+    biases: Biases = NO_BIASES,
+    act: Activation = swiglu,
+) -> jax.Array:
+    """x [N, D] -> [N, D]: each (token, expert) pair's expert on its own row, unrolled, the chosen expert's
+    weights read in place by index: no sort, no layout, no loop. For a call of a few pairs (a decode step)."""
+    N, k = routing.experts.shape
+
+    def pair(n: int, j: int) -> jax.Array:
+        e, row = routing.experts[n, j], x[n : n + 1]
+
+        def project(h: jax.Array, w: jax.Array, b: jax.Array | None, a: ExpertAdapter | None) -> jax.Array:
+            y = linear(h, _expert(w, e)) + (0 if b is None else _expert(b, e))
+            return _plus(y, a, lambda a: a.pair(h, e, n))
+
+        inputs = [
+            project(row, w, b, a) for w, b, a in zip((gate, up), biases[:2], adapters[:2], strict=True) if w is not None
+        ]
+        return routing.weights[n, j].astype(x.dtype) * project(act(*inputs), down, biases[2], adapters[2])
+
+    return jnp.concatenate([sum(pair(n, j) for j in range(k)) for n in range(N)])
+
+
+def _expert(stack: jax.Array, e: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(stack, e, keepdims=False)
+
+
+FORMS = {"ragged": ragged_experts, "dense": dense_experts, "blocked": blocked_experts, "pairs": pair_experts}
+MOST_PAIRS = 16  # the pairs form unrolls a call of at most this many pairs (and at most X)
 
 
 class ExpertLinear(nnx.Module):
@@ -313,12 +348,15 @@ class SparseMoeBlock(nnx.Module):
         self.block = tuning.moe_block_rows  # static: the blocked form runs where it computes fewer rows
 
     def form_for(self, N: int) -> tuple[Form, int]:
-        """The product for N tokens and its block height (shapes are static at trace time). With blocks on,
-        the blocked form where its padded rows are fewer than dense's (every expert on every token), in blocks
-        of about two per expert on average (a power of two, at most `block`: one-row blocks for a token's
-        few pairs, `block` rows in training and prefill), so a decode step reads each chosen expert about
-        once and skips the others; else the standing form."""
+        """The product for N tokens and its block height (shapes are static at trace time). With blocks on:
+        a call of at most X (and `MOST_PAIRS`) pairs, a decode step, runs each pair on its own (`pairs`:
+        the chosen experts' weights read by index, nothing else); larger ones the blocked form where its
+        padded rows are fewer than dense's (every expert on every token), in blocks of about two per expert
+        on average (a power of two, at most `block`: `block` rows in training and prefill), so a decode step
+        reads each chosen expert about once and skips the others; else the standing form."""
         X, M = self.experts.down_proj.weight.shape[-3], N * self.top_k
+        if self.block and M <= min(X, MOST_PAIRS):
+            return "pairs", 1
         if self.block:
             height = block_height(M, X, self.block)
             if block_rows(M, X, height) < N * X:
