@@ -270,3 +270,7 @@ def test_expert_mesh_matches_single_device(models):
     assert experts.sharding.spec[1] == "expert" and len(experts.sharding.device_set) == 8
     tokens = tokens_for(cfg, (4, 12), seed=9)
     assert_sharded_matches_one_device(model, sharded, tokens)
+    step = tokens_for(cfg, (2, 1), seed=10)  # a decode step's 4 pairs (<= X): the pairs form on the mesh
+    assert sharded.model.layers.mlp.form_for(step.size) == ("pairs", 1)
+    got, want = (jax.jit(lambda t, m=m: m(t)[0])(step) for m in (sharded, model))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
