@@ -173,8 +173,9 @@ def test_permute_rows_backward_is_the_inverse_move():
 
 
 def test_the_blocked_form_runs_where_it_computes_fewer_rows(reference):
-    """With blocks of 128 rows, 4 experts of top-2: one token's 2 pairs (at most X/2) run in one-row blocks
-    (only the chosen experts read), decode-sized batches stay dense, long prefills go blocked."""
+    """With blocks of 128 rows, 4 experts of top-2: calls of at most X pairs (1 or 2 tokens) run each pair on
+    its own (only the chosen experts read), a few more tokens stay dense (blocks would pad more rows than
+    dense computes), long prefills go blocked."""
     block = ours(reference, X)
     assert block.block == 128 and block.form_for(1) == ("pairs", 1) and block.form_for(2) == ("pairs", 1)
     assert block.form_for(3) == ("dense", 128)  # 6 pairs: more than X

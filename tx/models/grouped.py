@@ -58,7 +58,8 @@ def blocks_of(flat: jax.Array, X: int, rows: int) -> Blocks:
 _ROWS_BY_OUT_IN = (((1,), (1,)), ((), ()))  # block [n, in] . weight [out, in] -> [n, out]
 
 
-def _at(stack: jax.Array, i: jax.Array) -> jax.Array:
+def entry(stack: jax.Array, i: jax.Array) -> jax.Array:
+    """stack[i] for a traced index i (an expert's weight, a block)."""
     return lax.dynamic_index_in_dim(stack, i, keepdims=False)
 
 
@@ -73,7 +74,7 @@ def block_product(blocks: jax.Array, weight: jax.Array, expert: jax.Array, used:
     first `used` blocks, zeros for the padding blocks after them (not computed)."""
 
     def one(b: jax.Array, out: jax.Array) -> jax.Array:
-        y = lax.dot_general(_at(blocks, b), _at(weight, _at(expert, b)), _ROWS_BY_OUT_IN)
+        y = lax.dot_general(entry(blocks, b), entry(weight, entry(expert, b)), _ROWS_BY_OUT_IN)
         return _put(out, y.astype(out.dtype), b)
 
     dtype = jnp.result_type(blocks, weight)
@@ -91,9 +92,9 @@ def _backward(saved: tuple, d_out: jax.Array) -> tuple[jax.Array, jax.Array, Non
 
     def one(b: jax.Array, grads: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         d_blocks, d_weight = grads
-        e, d_y = _at(expert, b), _at(d_out, b)
-        d_block = (d_y @ _at(weight, e)).astype(d_blocks.dtype)
-        d_expert = _at(d_weight, e) + (d_y.T @ _at(blocks, b)).astype(d_weight.dtype)
+        e, d_y = entry(expert, b), entry(d_out, b)
+        d_block = (d_y @ entry(weight, e)).astype(d_blocks.dtype)
+        d_expert = entry(d_weight, e) + (d_y.T @ entry(blocks, b)).astype(d_weight.dtype)
         return _put(d_blocks, d_block, b), _put(d_weight, d_expert, e)
 
     zeros = (jnp.zeros_like(blocks), jnp.zeros_like(weight))

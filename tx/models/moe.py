@@ -39,7 +39,7 @@ from tx.lora.experts import ExpertAdapter, expert_lora_pair, token_columns
 from tx.lora.layers import LoRALinear, LoRASpec, linear
 from tx.lora.params import LoRARows
 from tx.models.config import ModelConfig, MoE
-from tx.models.grouped import block_product, block_rows, blocks_of, permute_rows
+from tx.models.grouped import block_product, block_rows, blocks_of, entry, permute_rows
 from tx.models.layers import MLP, swiglu
 from tx.tuning import Tuning
 
@@ -230,7 +230,7 @@ def pair_experts(
         e, row = routing.experts[n, j], x[n : n + 1]
 
         def project(h: jax.Array, w: jax.Array, b: jax.Array | None, a: ExpertAdapter | None) -> jax.Array:
-            y = linear(h, _expert(w, e)) + (0 if b is None else _expert(b, e))
+            y = linear(h, entry(w, e)) + (0 if b is None else entry(b, e))
             return _plus(y, a, lambda a: a.pair(h, e, n))
 
         inputs = [
@@ -239,10 +239,6 @@ def pair_experts(
         return routing.weights[n, j].astype(x.dtype) * project(act(*inputs), down, biases[2], adapters[2])
 
     return jnp.concatenate([sum(pair(n, j) for j in range(k)) for n in range(N)])
-
-
-def _expert(stack: jax.Array, e: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_index_in_dim(stack, e, keepdims=False)
 
 
 FORMS = {"ragged": ragged_experts, "dense": dense_experts, "blocked": blocked_experts, "pairs": pair_experts}
