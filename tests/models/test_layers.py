@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tx.models.layers import AttentionMask, rms_norm, swiglu
+from tx.models.attention import AttentionMask
+from tx.models.layers import rms_norm, swiglu
 from tx.models.rotary import apply_rope, rope_frequencies
 
 

@@ -26,9 +26,10 @@ from flax import nnx
 from tx.lora.kernels import lora_delta
 from tx.lora.layers import LoRASpec, linear, lora_pair
 from tx.lora.params import AdapterRoles, LoRARows
+from tx.models.attention import AttentionMask
 from tx.models.cache import KVCache, LayerCache
 from tx.models.config import ModelConfig
-from tx.models.layers import MLP, Attention, AttentionMask, RMSNorm
+from tx.models.layers import MLP, Attention, RMSNorm
 from tx.models.mixed_mlp import MixedMLP, Placement
 from tx.models.moe import SparseMoeBlock
 from tx.models.rotary import rope_frequencies

@@ -8,7 +8,6 @@ Layers accept a `stack` shape so the decoder can hold all layers in one scanned 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -18,28 +17,10 @@ from flax import nnx
 
 from tx.lora.layers import LoRALinear, LoRASpec
 from tx.lora.params import LoRARows
+from tx.models.attention import AttentionMask, blocked_attention, in_window, logit_top, normaliser
 from tx.models.config import ModelConfig
 from tx.models.rotary import apply_rope
 from tx.tuning import Tuning
-
-NEG_INF = -1e30  # additive mask: exp(NEG_INF - max) is exactly 0 in float32, and a finite value keeps gradients finite
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class AttentionMask:
-    """What each query may see. Without a cache: same segment and not in the future (packed rows).
-    With a cache: every cache position up to the query's own position (fixed-shape decode)."""
-
-    q_segments: jax.Array  # [B, T] int32 (0 = padding)
-    k_segments: jax.Array  # [B, S] int32
-    q_positions: jax.Array  # [B, T] int32: position within its sequence
-    k_positions: jax.Array  # [B, S] int32
-
-    def allowed(self) -> jax.Array:
-        same = self.q_segments[:, :, None] == self.k_segments[:, None, :]
-        causal = self.k_positions[:, None, :] <= self.q_positions[:, :, None]
-        return same & causal  # [B, T, S]
 
 
 class RMSNorm(nnx.Module):
@@ -80,56 +61,6 @@ def _rms_norm_bwd(eps: float, res: tuple, dy: jax.Array) -> tuple[jax.Array, jax
 
 
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
-
-
-def grouped_attention(
-    qg: jax.Array,
-    keys: jax.Array,
-    values: jax.Array,
-    allowed: jax.Array,
-    keys_es: bool = False,
-    sinks: jax.Array | None = None,
-) -> jax.Array:
-    """Softmax attention of scaled queries qg [B, T, K, G, E] over keys [B, K, S, E] ([B, K, E, S] with
-    `keys_es`, the decode cache's layout) and values [B, K, S, E] where `allowed` [B, T, S] -> [B, T, K*G*E].
-    `sinks` [K, G]: one more logit per head in each softmax, whose value is 0 (gpt-oss).
-
-    Heads first, with a kv head's G query heads stacked along the query axis: each (row, kv head) is one
-    plain [G*T, E] x [E, S] product, the mask an additive bias, and the softmax is normalised after the
-    value product. On XLA:CPU a training step of `small` (8 x 256 tokens) went from 1.06 to 0.99 s and
-    prefill at batch 8 gained 10%; the [B, K, G, T, S] einsums transposed q, the scores and their
-    gradients on every call."""
-    B, T, K, G, E = qg.shape
-    qh = qg.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, E)
-    bias = jnp.tile(jnp.where(allowed, 0.0, NEG_INF), (1, G, 1))[:, None]  # [B, 1, G*T, S]
-    spec = "bkqe,bkes->bkqs" if keys_es else "bkqe,bkse->bkqs"  # [B, K, S, E] keys measured 3% faster in training
-    s = jnp.einsum(spec, qh, keys, preferred_element_type=jnp.float32) + bias
-    sink = None if sinks is None else jnp.repeat(sinks.astype(jnp.float32), T, axis=-1)[None, :, :, None]
-    top = jax.lax.stop_gradient(_top(s, -1, sink))
-    p = jnp.exp(s - top)
-    o = jnp.einsum("bkqs,bkse->bkqe", p.astype(values.dtype), values) / _denominator(p, -1, sink, top).astype(
-        values.dtype
-    )
-    return o.reshape(B, K, G, T, E).transpose(0, 3, 1, 2, 4).reshape(B, T, K * G * E)
-
-
-def _top(s: jax.Array, axis: int, sink: jax.Array | None) -> jax.Array:
-    """The largest logit along `axis` (kept), the sink's included."""
-    top = s.max(axis, keepdims=True)
-    return top if sink is None else jnp.maximum(top, sink)
-
-
-def _denominator(p: jax.Array, axis: int, sink: jax.Array | None, top: jax.Array) -> jax.Array:
-    """The softmax's normaliser along `axis` (kept): the keys' exponentials and the sink's."""
-    total = p.sum(axis, keepdims=True)
-    return total if sink is None else total + jnp.exp(sink - top)
-
-
-def in_window(q_positions: jax.Array, k_positions: jax.Array, window: jax.Array | None) -> jax.Array | bool:
-    """A key within a sliding window of the query: fewer than `window` positions behind it (True without)."""
-    if window is None:
-        return True
-    return k_positions > q_positions - window
 
 
 class Attention(nnx.Module):
@@ -189,19 +120,19 @@ class Attention(nnx.Module):
         B, T, H, E = q.shape
         K = self.kv_heads
         qg = q.reshape(B, T, K, H // K, E)
-        allowed = mask.allowed() & in_window(mask.q_positions[:, :, None], mask.k_positions[:, None, :], window)
         sinks = self._sinks()
         if T == 1:  # decode: a streaming multiply-and-sum over the cache beats XLA CPU's tiny batched GEMMs
+            allowed = mask.allowed(window)
             scores = jnp.sum(qg[:, 0, None].astype(jnp.float32) * k[:, :, :, None, :], axis=-1)  # [B, S, K, G]
             scores = jnp.where(allowed[:, 0, :, None, None], scores * self.score_scale, jnp.finfo(jnp.float32).min)
             sink = None if sinks is None else sinks[None, None]
-            top = _top(scores, 1, sink)
+            top = logit_top(scores, 1, sink)
             p = jnp.exp(scores - top)
-            probs = (p / _denominator(p, 1, sink, top)).astype(v.dtype)
+            probs = (p / normaliser(p, 1, sink, top)).astype(v.dtype)
             out = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1).reshape(B, 1, H * E)
             return self.o_proj(out, rows)
         kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, E]
-        out = grouped_attention(qg * self.score_scale, kh, vh, allowed, sinks=sinks)
+        out = blocked_attention(qg * self.score_scale, kh, vh, mask, window, sinks)
         return self.o_proj(out, rows)
 
     def attend_written(
@@ -218,19 +149,19 @@ class Attention(nnx.Module):
         B, T, H, E = q.shape
         K = self.kv_heads
         qg = (q.reshape(B, T, K, H // K, E) * self.score_scale).astype(jnp.float32)
-        key_at = jnp.arange(k_cache.shape[-1])[None, None, :]
-        seen = (key_at <= positions[:, :, None]) & in_window(positions[:, :, None], key_at, window)  # [B, T, S]
+        mask = AttentionMask.of_cache(positions, k_cache.shape[-1])
         sinks = self._sinks()
         if T == 1:  # decode: multiply-and-sum streams the cache (XLA CPU's tiny batched GEMMs are slower)
+            seen = mask.allowed(window)  # [B, T, S]
             s = jnp.sum(qg[:, 0, :, :, :, None] * k_cache[:, :, None], axis=-2)  # [B, K, G, S]
             s = jnp.where(seen[:, 0, None, None, :], s, jnp.finfo(jnp.float32).min)
             sink = None if sinks is None else sinks[None, :, :, None]
-            top = _top(s, -1, sink)
+            top = logit_top(s, -1, sink)
             p = jnp.exp(s - top)
             num = jnp.sum(p[..., None] * v_cache[:, :, None], axis=-2)  # [B, K, G, E]
-            out = (num / _denominator(p, -1, sink, top)).astype(v_cache.dtype).reshape(B, 1, H * E)
+            out = (num / normaliser(p, -1, sink, top)).astype(v_cache.dtype).reshape(B, 1, H * E)
             return self.o_proj(out, rows)
-        out = grouped_attention(qg, k_cache, v_cache, seen, keys_es=True, sinks=sinks)  # prefill
+        out = blocked_attention(qg, k_cache, v_cache, mask, window, sinks, keys_es=True)  # prefill
         return self.o_proj(out, rows)
 
     def attend_cached(
@@ -285,7 +216,7 @@ def cached_attention(
         sink = None if sinks is None else sinks[None, None]
         top = top if sink is None else jnp.maximum(top, sink)
         p_old, p_new = jnp.exp(s_old - top), jnp.exp(s_new - top)
-        denom = (_denominator(p_old, 1, sink, top) + p_new)[:, 0]  # [B, K, G]
+        denom = (normaliser(p_old, 1, sink, top) + p_new)[:, 0]  # [B, K, G]
         num = jnp.sum(p_old[..., None] * v_cache[:, :, :, None, :], axis=1) + p_new[:, 0, ..., None] * v[:, 0, :, None]
         return (num / denom[..., None]).astype(v.dtype).reshape(B, 1, H * E)
     s_old = jnp.einsum("btkge,bske->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
@@ -295,9 +226,9 @@ def cached_attention(
     causal = (own[None, :] <= own[:, None]) & in_window(own[:, None], own[None, :], window)
     s_new = jnp.where(causal, s_new, low)
     sink = None if sinks is None else sinks[None, :, :, None, None]
-    top = _top(jnp.maximum(s_old.max(-1, keepdims=True), s_new.max(-1, keepdims=True)), -1, sink)
+    top = logit_top(jnp.maximum(s_old.max(-1, keepdims=True), s_new.max(-1, keepdims=True)), -1, sink)
     p_old, p_new = jnp.exp(s_old - top), jnp.exp(s_new - top)
-    denom = _denominator(p_old, -1, sink, top)[..., 0] + p_new.sum(-1)  # [B, K, G, T]
+    denom = normaliser(p_old, -1, sink, top)[..., 0] + p_new.sum(-1)  # [B, K, G, T]
     num = jnp.einsum("bkgts,bske->bkgte", p_old, v_cache) + jnp.einsum("bkgts,bske->bkgte", p_new, v)
     out = (num / denom[..., None]).astype(v.dtype)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)

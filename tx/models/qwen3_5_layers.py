@@ -18,10 +18,11 @@ from flax import nnx
 
 from tx.lora.layers import LoRALinear, LoRASpec
 from tx.lora.params import LoRARows
+from tx.models.attention import AttentionMask, blocked_attention
 from tx.models.cache import LinearState
 from tx.models.config import ModelConfig
 from tx.models.delta_rule import chunked_delta_rule, recurrent_delta_rule
-from tx.models.layers import AttentionMask, RMSNorm, cached_attention, grouped_attention, rms_norm
+from tx.models.layers import RMSNorm, cached_attention, rms_norm
 from tx.models.rotary import apply_rope
 
 
@@ -173,7 +174,7 @@ class GatedAttention(nnx.Module):
         B, T, H, E = q.shape
         qg = q.reshape(B, T, self.kv_heads, H // self.kv_heads, E) / math.sqrt(E)
         mask = AttentionMask(segments, segments, positions, positions)
-        out = grouped_attention(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask.allowed())
+        out = blocked_attention(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
         return self.gated_output(out, gate, rows)
 
     def cached(
