@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -124,7 +125,8 @@ def main() -> None:
         "matmul_peak_dtype": args.dtype,
         "backend": jax.default_backend(),
         "machine": platform.processor() or platform.machine(),
-        "cpus": jax.local_device_count(),
+        "cpus": os.cpu_count(),
+        "devices": jax.local_device_count(),
         "results": results,
     }
     print(json.dumps(out, indent=1))
