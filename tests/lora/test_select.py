@@ -72,16 +72,18 @@ def test_compact_equals_full_stack(stack, kernel, slots):
 def test_compact_gradient_is_the_slot_slice_of_the_full_gradient(stack, kernel):
     x, a, b, scale = stack
     slots = [2, 0, 4, 2, 0]
+    # The products reach |128|: sin of them unscaled turns float32 rounding (1e-5 relative, summed in another
+    # order by each form) into gradient differences of 5e-4 against a float64 reference, for both forms.
 
     def loss_full(a_, b_):
         rows = LoRARows(jnp.asarray(slots, jnp.int32), jnp.asarray(scale))
-        return jnp.sum(jnp.sin(lora_delta(jnp.asarray(x), rows, a_, b_, "gather")))
+        return jnp.sum(jnp.sin(lora_delta(jnp.asarray(x), rows, a_, b_, "gather") / 64))
 
     sel = select(slots, scale)
     assert isinstance(sel, Selection)
 
     def loss_compact(a_, b_):
-        return jnp.sum(jnp.sin(lora_delta(jnp.asarray(x), sel.rows, a_, b_, kernel)))
+        return jnp.sum(jnp.sin(lora_delta(jnp.asarray(x), sel.rows, a_, b_, kernel) / 64))
 
     ga, gb = jax.grad(loss_full, argnums=(0, 1))(jnp.asarray(a), jnp.asarray(b))
     cut = take_adapters({("p", "lora_a"): jnp.asarray(a), ("p", "lora_b"): jnp.asarray(b)}, sel, P_ROLES)

@@ -65,9 +65,13 @@ def _gather(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array) -> jax.Arr
     # x @ A[0] path for a one-slot stack measured slower here: 1.8 vs 1.0 s per small training step.)
     pick = jax.nn.one_hot(rows.slot, a.shape[0], dtype=x.dtype)  # [B, S]
     coef = (pick @ rows.scale.astype(x.dtype))[:, None, :]  # [B, 1, R]: scale, 0 on rows without adapter
-    a_rows = jnp.einsum("bs,sir->bir", pick, a.astype(x.dtype))
+    # A is taken as [B, R, I] so that its gradient comes out as [B, R, I] too: per row an [R, T] x [T, I]
+    # product, which XLA:CPU runs faster than the [I, T] x [T, R] one of a [B, I, R] gradient. One
+    # projection's forward and backward, 8 x 256 tokens, rank 8: 512 -> 512 1.33 -> 0.57 ms, 1536 -> 512
+    # 3.91 -> 1.53 ms, 1024 -> 3072 9.07 -> 5.89 ms; a `small` LoRA step ~5% faster.
+    a_rows = jnp.einsum("bs,sri->bri", pick, a.astype(x.dtype).transpose(0, 2, 1))
     b_rows = jnp.einsum("bs,sro->bro", pick, b.astype(x.dtype))
-    xa = jnp.einsum("bti,bir->btr", x, a_rows) * coef
+    xa = jnp.einsum("bti,bri->btr", x, a_rows) * coef
     return jnp.einsum("btr,bro->bto", xa, b_rows)
 
 
