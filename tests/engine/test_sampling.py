@@ -364,3 +364,24 @@ def test_which_rows_filter_and_when_the_candidates_cover_them() -> None:
     assert np.asarray(_capped_covers(cap_mass, nucleus, 64)).tolist() == [False, False, True, True]
     by_k = _filters(jnp.array([64, 65, 0]), jnp.array([0.1, 0.1, 1.0]), 300)
     assert np.asarray(_capped_covers(jnp.full(3, 0.01), by_k, 64)).tolist() == [True, False, False]
+
+
+@pytest.mark.parametrize("vocab", [7, 300, 1024, 1031])
+def test_the_chunked_noisy_argmax_is_the_argmax_of_the_whole_noisy_row(vocab: int) -> None:
+    """`_noisy_argmax` (chunk maxima, then the winning chunk) picks what argmax over the whole [B, V] row
+    of logits / T + noise picks, greedy rows their logits' first maximum (ties across chunk borders too),
+    for a vocabulary of one chunk per token, a composite one, a power of two and a prime."""
+    from tx.engine.sampling import _gumbel, _noisy_argmax, _row_hash
+
+    B = 6
+    logits = np.array(_logits(B, vocab, seed=vocab))
+    logits[4] = 0.0
+    logits[4, [vocab // 2, vocab - 1]] = 3.0  # a tie: the first index wins
+    temperature = jnp.array([1.0, 0.5, 2.0, 1.0, 0.0, 0.0])
+    keys = _keys(np.arange(B) + 40, np.arange(B))
+    greedy = temperature <= 0
+    inv_t = 1.0 / jnp.where(greedy, 1.0, temperature)
+    whole = jnp.where(greedy[:, None], logits, logits * inv_t[:, None] + _gumbel(keys, vocab))
+    got = jax.jit(_noisy_argmax)(jnp.asarray(logits), inv_t, _row_hash(keys), greedy)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(whole, axis=-1)))
+    assert int(got[4]) == vocab // 2
