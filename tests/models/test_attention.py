@@ -114,3 +114,44 @@ def test_a_long_row_trains_in_memory_linear_in_its_length():
     short, long = _train_temp_bytes(4096), _train_temp_bytes(8192)
     assert long < 3 * short
     assert long < 4 * 8 * 8192**2 * 4 / 8
+
+
+@pytest.mark.parametrize("window,with_sinks", [(None, False), (300, True)])
+def test_causal_tiles_and_their_gradients_equal_a_plain_softmax(window, with_sinks):
+    """`tiled_attention` over a packed row of 700 tokens (3 tiles, padded to 768; segments crossing tile
+    borders, padding at the end; with a 300-token window the first tiles drop out of later blocks' loops)
+    equals the plain softmax, and so do its gradients."""
+    from tx.models.attention_tiles import tiled_attention
+
+    T = 700
+    keys = jax.random.split(jax.random.key(3), 5)
+    qg = jax.random.normal(keys[0], (1, T, K, G, E))
+    k = jax.random.normal(keys[1], (1, K, T, E))
+    v = jax.random.normal(keys[2], (1, K, T, E))
+    sinks = jax.random.normal(keys[3], (K, G)) if with_sinks else None
+    cuts = [0, 180, 410, 650, T]
+    segments = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    for n, (a, b) in enumerate(zip(cuts[:-2], cuts[1:-1], strict=True)):
+        segments[a:b], positions[a:b] = n + 1, np.arange(b - a)
+    mask = AttentionMask(*(jnp.asarray(x)[None] for x in (segments, segments, positions, positions)))
+    win = None if window is None else jnp.int32(window)
+    probe = jax.random.normal(keys[4], (1, T, K * G * E))
+
+    def ref(qg, k, v, sinks):  # type: ignore[no-untyped-def]
+        s = jnp.einsum("btkge,bkse->bkgts", qg, k)
+        s = jnp.where(mask.allowed(win)[:, None, None], s, -jnp.inf)
+        if sinks is not None:
+            s = jnp.concatenate([s, jnp.broadcast_to(sinks[None, :, :, None, None], (*s.shape[:-1], 1))], -1)
+        p = jnp.nan_to_num(jax.nn.softmax(s, axis=-1))[..., :T]  # padding queries (segment 0) see padding only
+        return jnp.einsum("bkgts,bkse->btkge", p, v).reshape(1, T, K * G * E)
+
+    def ours(qg, k, v, sinks):  # type: ignore[no-untyped-def]
+        return tiled_attention(qg, k, v, mask, win, sinks)
+
+    np.testing.assert_allclose(ours(qg, k, v, sinks), ref(qg, k, v, sinks), atol=2e-5)
+    argnums = (0, 1, 2, 3) if with_sinks else (0, 1, 2)
+    mine = jax.grad(lambda *a: jnp.sum(ours(*a) * probe), argnums)(qg, k, v, sinks)
+    want = jax.grad(lambda *a: jnp.sum(ref(*a) * probe), argnums)(qg, k, v, sinks)
+    for name, a, b in zip(("queries", "keys", "values", "sinks"), mine, want, strict=False):
+        np.testing.assert_allclose(a, b, atol=5e-5, rtol=1e-4, err_msg=name)

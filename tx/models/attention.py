@@ -101,7 +101,7 @@ def blocked_attention(
         qg = jnp.pad(qg, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
         q_seg = jnp.pad(q_seg, ((0, 0), (0, pad)), constant_values=-1)
         q_pos = jnp.pad(q_pos, ((0, 0), (0, pad)))
-    kv = _Keys(
+    kv = Keys(
         keys,
         values,
         mask.k_segments,
@@ -115,7 +115,7 @@ def blocked_attention(
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class _Keys:
+class Keys:
     """What every query block reads: keys, values, their segments and positions [B, S], the window and
     sinks (or None), and the keys' layout."""
 
@@ -129,7 +129,7 @@ class _Keys:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(qg: jax.Array, q_seg: jax.Array, q_pos: jax.Array, kv: _Keys, C: int) -> jax.Array:
+def _attention(qg: jax.Array, q_seg: jax.Array, q_pos: jax.Array, kv: Keys, C: int) -> jax.Array:
     return _forward(qg, q_seg, q_pos, kv, C)[0]
 
 
@@ -144,7 +144,7 @@ def _unblocks(x: jax.Array) -> jax.Array:
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
-def _forward(qg: jax.Array, q_seg: jax.Array, q_pos: jax.Array, kv: _Keys, C: int) -> tuple:
+def _forward(qg: jax.Array, q_seg: jax.Array, q_pos: jax.Array, kv: Keys, C: int) -> tuple:
     """-> (output [B, T, K*G*E], lse [n, B, K, G*C], the probabilities [B, K, G*T, S] of a one-block call)."""
     if qg.shape[1] == C:
         out, lse, p = _block_forward(qg, q_seg, q_pos, kv)
@@ -157,7 +157,7 @@ def _forward(qg: jax.Array, q_seg: jax.Array, q_pos: jax.Array, kv: _Keys, C: in
     return _unblocks(out), lse, None
 
 
-def _fwd(qg: jax.Array, q_seg: jax.Array, q_pos: jax.Array, kv: _Keys, C: int) -> tuple[jax.Array, tuple]:
+def _fwd(qg: jax.Array, q_seg: jax.Array, q_pos: jax.Array, kv: Keys, C: int) -> tuple[jax.Array, tuple]:
     out, lse, p = _forward(qg, q_seg, q_pos, kv, C)
     return out, (qg, q_seg, q_pos, kv, out, lse, p)
 
@@ -178,14 +178,14 @@ def _bwd(C: int, res: tuple, d_out: jax.Array) -> tuple:
         xs = (*(_blocks(x, C) for x in (qg, q_seg, q_pos, out, d_out)), lse)
         (dk, dv, d_sink), dq = jax.lax.scan(step, start, xs)
         dq = _unblocks(dq)
-    d_kv = _Keys(dk.astype(kv.keys.dtype), dv.astype(kv.values.dtype), None, None, None, d_sink, kv.keys_es)  # type: ignore[arg-type]
+    d_kv = Keys(dk.astype(kv.keys.dtype), dv.astype(kv.values.dtype), None, None, None, d_sink, kv.keys_es)  # type: ignore[arg-type]
     return dq, None, None, d_kv
 
 
 _attention.defvjp(_fwd, _bwd)
 
 
-def _scores(qb: jax.Array, q_seg: jax.Array, q_pos: jax.Array, kv: _Keys) -> tuple[jax.Array, jax.Array]:
+def _scores(qb: jax.Array, q_seg: jax.Array, q_pos: jax.Array, kv: Keys) -> tuple[jax.Array, jax.Array]:
     """qb [B, C, K, G, E] -> (qh [B, K, G*C, E], masked float32 scores [B, K, G*C, S])."""
     B, C, K, G, E = qb.shape
     qh = qb.transpose(0, 2, 3, 1, 4).reshape(B, K, G * C, E)
@@ -195,41 +195,41 @@ def _scores(qb: jax.Array, q_seg: jax.Array, q_pos: jax.Array, kv: _Keys) -> tup
     return qh, s + jnp.tile(jnp.where(allowed, 0.0, NEG_INF), (1, G, 1))[:, None]
 
 
-def _heads(x: jax.Array, K: int, E: int) -> jax.Array:
+def heads_of(x: jax.Array, K: int, E: int) -> jax.Array:
     """[B, C, K*G*E] -> [B, K, G*C, E]."""
     B, C = x.shape[:2]
     return x.reshape(B, C, K, -1, E).transpose(0, 2, 3, 1, 4).reshape(B, K, -1, E)
 
 
-def _rows(x: jax.Array, G: int) -> jax.Array:
+def rows_of(x: jax.Array, G: int) -> jax.Array:
     """[B, K, G*C, E] -> [B, C, K, G, E]."""
     B, K, GC, E = x.shape
     return x.reshape(B, K, G, GC // G, E).transpose(0, 3, 1, 2, 4)
 
 
-def _sink_rows(sinks: jax.Array, C: int) -> jax.Array:
+def _sinkrows_of(sinks: jax.Array, C: int) -> jax.Array:
     """sinks [K, G] -> [1, K, G*C, 1], one per stacked query row."""
     return jnp.repeat(sinks, C, axis=-1)[None, :, :, None]
 
 
-def _block_forward(qb: jax.Array, q_seg: jax.Array, q_pos: jax.Array, kv: _Keys) -> tuple[jax.Array, ...]:
+def _block_forward(qb: jax.Array, q_seg: jax.Array, q_pos: jax.Array, kv: Keys) -> tuple[jax.Array, ...]:
     """One block: -> (output [B, C, K*G*E], lse [B, K, G*C], probabilities [B, K, G*C, S])."""
     B, C, K, G, E = qb.shape
     _, s = _scores(qb, q_seg, q_pos, kv)
-    sink = None if kv.sinks is None else _sink_rows(kv.sinks, C)
+    sink = None if kv.sinks is None else _sinkrows_of(kv.sinks, C)
     top = logit_top(s, -1, sink)
     p = jnp.exp(s - top)
     total = normaliser(p, -1, sink, top)
     p = p / total
     o = jnp.einsum("bkqs,bkse->bkqe", p.astype(kv.values.dtype), kv.values)
-    return _rows(o, G).reshape(B, C, K * G * E), (top + jnp.log(total))[..., 0], p
+    return rows_of(o, G).reshape(B, C, K * G * E), (top + jnp.log(total))[..., 0], p
 
 
 def _block_backward(
     qb: jax.Array,
     q_seg: jax.Array,
     q_pos: jax.Array,
-    kv: _Keys,
+    kv: Keys,
     ob: jax.Array,
     dob: jax.Array,
     lse: jax.Array,
@@ -242,7 +242,7 @@ def _block_backward(
     if p is None:
         qh, s = _scores(qb, q_seg, q_pos, kv)
         p = jnp.exp(s - lse[..., None])  # [B, K, G*C, S]
-    do, o = _heads(dob, K, E), _heads(ob, K, E)
+    do, o = heads_of(dob, K, E), heads_of(ob, K, E)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, K, G*C]
     dv = jnp.einsum("bkqs,bkqe->bkse", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
     dp = jnp.einsum("bkqe,bkse->bkqs", do, kv.values, preferred_element_type=jnp.float32)
@@ -252,6 +252,6 @@ def _block_backward(
     dk = jnp.einsum(dk_spec, ds, qh, preferred_element_type=jnp.float32)
     d_sink = None
     if kv.sinks is not None:  # the sink's probability times (its value's zero product - delta)
-        p_sink = jnp.exp(_sink_rows(kv.sinks, C)[..., 0] - lse)
+        p_sink = jnp.exp(_sinkrows_of(kv.sinks, C)[..., 0] - lse)
         d_sink = -(p_sink * delta).reshape(B, K, G, C).sum((0, 3))
-    return _rows(dq, G), dk, dv, d_sink
+    return rows_of(dq, G), dk, dv, d_sink

@@ -18,6 +18,7 @@ from flax import nnx
 from tx.lora.layers import LoRALinear, LoRASpec
 from tx.lora.params import LoRARows
 from tx.models.attention import AttentionMask, blocked_attention, in_window, logit_top, normaliser
+from tx.models.attention_tiles import self_attention
 from tx.models.config import ModelConfig
 from tx.models.rotary import apply_rope
 from tx.tuning import Tuning
@@ -132,7 +133,7 @@ class Attention(nnx.Module):
             out = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1).reshape(B, 1, H * E)
             return self.o_proj(out, rows)
         kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, E]
-        out = blocked_attention(qg * self.score_scale, kh, vh, mask, window, sinks)
+        out = self_attention(qg * self.score_scale, kh, vh, mask, window, sinks)
         return self.o_proj(out, rows)
 
     def attend_written(

@@ -18,7 +18,8 @@ from flax import nnx
 
 from tx.lora.layers import LoRALinear, LoRASpec
 from tx.lora.params import LoRARows
-from tx.models.attention import AttentionMask, blocked_attention
+from tx.models.attention import AttentionMask
+from tx.models.attention_tiles import self_attention
 from tx.models.cache import LinearState
 from tx.models.config import ModelConfig
 from tx.models.delta_rule import chunked_delta_rule, recurrent_delta_rule
@@ -174,7 +175,7 @@ class GatedAttention(nnx.Module):
         B, T, H, E = q.shape
         qg = q.reshape(B, T, self.kv_heads, H // self.kv_heads, E) / math.sqrt(E)
         mask = AttentionMask(segments, segments, positions, positions)
-        out = blocked_attention(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
+        out = self_attention(qg, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
         return self.gated_output(out, gate, rows)
 
     def cached(
