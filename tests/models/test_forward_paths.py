@@ -72,3 +72,34 @@ def test_packed_rows_match_each_sequence_alone(qwen):
     lengths = [5, 8, 3]
     seqs = [tokens_for(cfg, (1, n), seed=n)[0] for n in lengths]
     assert_packed_rows_match_alone(model, seqs, width=20)
+
+
+def test_long_rows_in_causal_tiles_on_a_mesh_match_one_block_on_one_device(qwen, monkeypatch):
+    """Two packed rows of 300 tokens: the logits and the weights' gradients on a data x fsdp x tp mesh with
+    a score budget small enough for causal tiles (two tiles of 256) equal one block on one device."""
+    from flax import nnx
+
+    from tx.models import attention
+
+    path, model, cfg = qwen
+    tokens = tokens_for(cfg, (2, 300))
+    segments = jnp.asarray(np.repeat([[1, 2]], 150, axis=1).reshape(1, 300).repeat(2, 0), jnp.int32)
+    positions = jnp.asarray(np.tile(np.arange(150), 2)[None].repeat(2, 0), jnp.int32)
+
+    def logits_and_grads(m):  # type: ignore[no-untyped-def]
+        graph, params, rest = nnx.split(m, nnx.Param, ...)
+
+        def loss(p):  # type: ignore[no-untyped-def]
+            logits, _ = nnx.merge(graph, p, rest)(tokens, positions, segments)
+            return jnp.mean(jnp.sin(logits)), logits
+
+        (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+        return np.asarray(logits), jax.tree.map(np.asarray, grads)
+
+    want_logits, want_grads = logits_and_grads(model)
+    monkeypatch.setattr(attention, "SCORE_BLOCK_BYTES", 1 << 10)
+    sharded, _ = load_model(str(path), mesh=make_mesh(1, 2, 2), progress=False)
+    got_logits, got_grads = logits_and_grads(sharded)
+    np.testing.assert_allclose(got_logits, want_logits, atol=2e-5, rtol=0)
+    for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-4)
