@@ -48,6 +48,23 @@ def test_prefill_then_decode_matches_full_forward(qwen):
     np.testing.assert_allclose(np.concatenate(outs, axis=1), np.asarray(full), atol=1e-4, rtol=0)
 
 
+def test_a_long_prefill_on_the_cache_in_query_blocks_matches_full_forward(qwen, monkeypatch):
+    """A 40-token prefill over a cache already holding 10 positions, with a score budget that makes it run
+    in blocks of 16 queries (the last one padded): the same logits as the forward over all 50 tokens."""
+    from tx.models import attention
+
+    _, model, cfg = qwen
+    B, P, N, S = 2, 10, 40, 64
+    tokens = tokens_for(cfg, (B, P + N), seed=4)
+    full, _ = model(tokens)
+    monkeypatch.setattr(attention, "SCORE_BLOCK_BYTES", 1 << 10)
+    step = jax.jit(lambda t, pos, cache: model(t, pos, cache=cache))
+    cache = KVCache.zeros(cfg, B, S)
+    first, cache = step(tokens[:, :P], jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P)), cache)
+    rest, _ = step(tokens[:, P:], jnp.broadcast_to(jnp.arange(P, P + N, dtype=jnp.int32), (B, N)), cache)
+    np.testing.assert_allclose(np.concatenate([first, rest], axis=1), np.asarray(full), atol=1e-4, rtol=0)
+
+
 def test_decode_rows_at_different_positions(qwen):
     """Continuous batching: rows of one decode call sit at different positions of their sequences."""
     _, model, cfg = qwen

@@ -17,7 +17,7 @@ from flax import nnx
 
 from tx.lora.layers import LoRALinear, LoRASpec
 from tx.lora.params import LoRARows
-from tx.models.attention import AttentionMask, blocked_attention, in_window, logit_top, normaliser
+from tx.models.attention import AttentionMask, blocked_attention, in_window, logit_top, normaliser, query_block
 from tx.models.attention_tiles import self_attention
 from tx.models.config import ModelConfig
 from tx.models.rotary import apply_rope
@@ -200,7 +200,8 @@ def cached_attention(
     hold positions < start[b] (later cache positions are stale and masked) -> the heads' output
     [B, T, H*E]. The two blocks are combined with one softmax, so the cache is read, never copied, and
     written once per call by the caller. `sinks` [K, G], `window`: as in `Attention`; `score_factor`
-    multiplies the usual 1/sqrt(E) (YaRN).
+    multiplies the usual 1/sqrt(E) (YaRN). A call whose scores would not fit `SCORE_BLOCK_BYTES` runs in
+    blocks of queries (`tx.models.attention.query_block`).
     """
     B, T, H, E = q.shape
     K = k.shape[2]
@@ -220,19 +221,53 @@ def cached_attention(
         denom = (normaliser(p_old, 1, sink, top) + p_new)[:, 0]  # [B, K, G]
         num = jnp.sum(p_old[..., None] * v_cache[:, :, :, None, :], axis=1) + p_new[:, 0, ..., None] * v[:, 0, :, None]
         return (num / denom[..., None]).astype(v.dtype).reshape(B, 1, H * E)
+    C = query_block(B, H, T, k_cache.shape[1] + T)
+    if C >= T:
+        out = _cached_block(qg, jnp.arange(T), old, k, v, k_cache, v_cache, sinks, window)
+        return out.reshape(B, T, H * E)
+    # A long call in query blocks (a scan: forward only, nothing kept), each block's scores within the budget.
+    n = -(-T // C)
+    pad = ((0, 0), (0, n * C - T))
+    old = jnp.broadcast_to(old, (B, T, k_cache.shape[1]))  # [B, 1, S] without a window
+    blocks = (
+        jnp.moveaxis(jnp.pad(qg, (*pad, (0, 0), (0, 0), (0, 0))).reshape(B, n, C, K, H // K, E), 1, 0),
+        jnp.arange(n * C).reshape(n, C),
+        jnp.moveaxis(jnp.pad(old, (*pad, (0, 0))).reshape(B, n, C, -1), 1, 0),
+    )
+
+    def block(x: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        return _cached_block(x[0], x[1], x[2], k, v, k_cache, v_cache, sinks, window)
+
+    out = jax.lax.map(block, blocks)
+    return jnp.moveaxis(out, 0, 1).reshape(B, n * C, H * E)[:, :T]
+
+
+def _cached_block(
+    qg: jax.Array,
+    own_C: jax.Array,
+    old: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    sinks: jax.Array | None,
+    window: jax.Array | None,
+) -> jax.Array:
+    """`cached_attention` for queries qg [B, C, K, G, E] at call indices `own_C` [C] -> [B, C, K, G, E]:
+    over the cache where `old` [B, C, S] allows, and over the call's own keys up to its index."""
+    low = jnp.finfo(jnp.float32).min
     s_old = jnp.einsum("btkge,bske->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
     s_old = jnp.where(old[:, None, None], s_old, low)
     s_new = jnp.einsum("btkge,bske->bkgts", qg, k, preferred_element_type=jnp.float32)
-    own = jnp.arange(T)
-    causal = (own[None, :] <= own[:, None]) & in_window(own[:, None], own[None, :], window)
+    own = jnp.arange(k.shape[1])
+    causal = (own[None, :] <= own_C[:, None]) & in_window(own_C[:, None], own[None, :], window)
     s_new = jnp.where(causal, s_new, low)
     sink = None if sinks is None else sinks[None, :, :, None, None]
     top = logit_top(jnp.maximum(s_old.max(-1, keepdims=True), s_new.max(-1, keepdims=True)), -1, sink)
     p_old, p_new = jnp.exp(s_old - top), jnp.exp(s_new - top)
-    denom = normaliser(p_old, -1, sink, top)[..., 0] + p_new.sum(-1)  # [B, K, G, T]
+    denom = normaliser(p_old, -1, sink, top)[..., 0] + p_new.sum(-1)  # [B, K, G, C]
     num = jnp.einsum("bkgts,bske->bkgte", p_old, v_cache) + jnp.einsum("bkgts,bske->bkgte", p_new, v)
-    out = (num / denom[..., None]).astype(v.dtype)
-    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
+    return (num / denom[..., None]).astype(v.dtype).transpose(0, 3, 1, 2, 4)
 
 
 class MLP(nnx.Module):
