@@ -133,12 +133,12 @@ def _attention(qg: jax.Array, q_seg: jax.Array, q_pos: jax.Array, kv: Keys, C: i
     return _forward(qg, q_seg, q_pos, kv, C)[0]
 
 
-def _blocks(x: jax.Array, C: int) -> jax.Array:
+def blocks_of(x: jax.Array, C: int) -> jax.Array:
     """[B, n*C, ...] -> [n, B, C, ...]: the scan's per-block slices."""
     return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // C, C, *x.shape[2:]), 1, 0)
 
 
-def _unblocks(x: jax.Array) -> jax.Array:
+def unblocks(x: jax.Array) -> jax.Array:
     """[n, B, C, ...] -> [B, n*C, ...]."""
     x = jnp.moveaxis(x, 0, 1)
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
@@ -153,8 +153,8 @@ def _forward(qg: jax.Array, q_seg: jax.Array, q_pos: jax.Array, kv: Keys, C: int
     def step(_: None, xs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[None, tuple]:
         return None, _block_forward(*xs, kv)[:2]
 
-    _, (out, lse) = jax.lax.scan(step, None, (_blocks(qg, C), _blocks(q_seg, C), _blocks(q_pos, C)))
-    return _unblocks(out), lse, None
+    _, (out, lse) = jax.lax.scan(step, None, (blocks_of(qg, C), blocks_of(q_seg, C), blocks_of(q_pos, C)))
+    return unblocks(out), lse, None
 
 
 def _fwd(qg: jax.Array, q_seg: jax.Array, q_pos: jax.Array, kv: Keys, C: int) -> tuple[jax.Array, tuple]:
@@ -175,9 +175,9 @@ def _bwd(C: int, res: tuple, d_out: jax.Array) -> tuple:
 
         zeros = (jnp.zeros(kv.keys.shape, jnp.float32), jnp.zeros(kv.values.shape, jnp.float32))
         start = (*zeros, None if kv.sinks is None else jnp.zeros_like(kv.sinks))
-        xs = (*(_blocks(x, C) for x in (qg, q_seg, q_pos, out, d_out)), lse)
+        xs = (*(blocks_of(x, C) for x in (qg, q_seg, q_pos, out, d_out)), lse)
         (dk, dv, d_sink), dq = jax.lax.scan(step, start, xs)
-        dq = _unblocks(dq)
+        dq = unblocks(dq)
     d_kv = Keys(dk.astype(kv.keys.dtype), dv.astype(kv.values.dtype), None, None, None, d_sink, kv.keys_es)  # type: ignore[arg-type]
     return dq, None, None, d_kv
 
@@ -187,12 +187,21 @@ _attention.defvjp(_fwd, _bwd)
 
 def _scores(qb: jax.Array, q_seg: jax.Array, q_pos: jax.Array, kv: Keys) -> tuple[jax.Array, jax.Array]:
     """qb [B, C, K, G, E] -> (qh [B, K, G*C, E], masked float32 scores [B, K, G*C, S])."""
-    B, C, K, G, E = qb.shape
-    qh = qb.transpose(0, 2, 3, 1, 4).reshape(B, K, G * C, E)
+    qh = stack_heads(qb)
     spec = "bkqe,bkes->bkqs" if kv.keys_es else "bkqe,bkse->bkqs"
     s = jnp.einsum(spec, qh, kv.keys, preferred_element_type=jnp.float32)
-    allowed = AttentionMask(q_seg, kv.segments, q_pos, kv.positions).allowed(kv.window)  # [B, C, S]
-    return qh, s + jnp.tile(jnp.where(allowed, 0.0, NEG_INF), (1, G, 1))[:, None]
+    return qh, s + mask_bias(AttentionMask(q_seg, kv.segments, q_pos, kv.positions), kv.window, qb.shape[3])
+
+
+def stack_heads(qb: jax.Array) -> jax.Array:
+    """Queries [B, C, K, G, E] -> [B, K, G*C, E]: a kv head's G query heads stacked along the query axis."""
+    B, C, K, G, E = qb.shape
+    return qb.transpose(0, 2, 3, 1, 4).reshape(B, K, G * C, E)
+
+
+def mask_bias(mask: AttentionMask, window: jax.Array | None, G: int) -> jax.Array:
+    """The additive mask of C queries over S keys, one row per stacked query head: [B, 1, G*C, S]."""
+    return jnp.tile(jnp.where(mask.allowed(window), 0.0, NEG_INF), (1, G, 1))[:, None]
 
 
 def heads_of(x: jax.Array, K: int, E: int) -> jax.Array:
@@ -207,16 +216,25 @@ def rows_of(x: jax.Array, G: int) -> jax.Array:
     return x.reshape(B, K, G, GC // G, E).transpose(0, 3, 1, 2, 4)
 
 
-def _sinkrows_of(sinks: jax.Array, C: int) -> jax.Array:
+def sink_rows(sinks: jax.Array, C: int) -> jax.Array:
     """sinks [K, G] -> [1, K, G*C, 1], one per stacked query row."""
     return jnp.repeat(sinks, C, axis=-1)[None, :, :, None]
+
+
+def sink_grad(sinks: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:
+    """The sinks' gradient [K, G] from C queries' lse and delta [B, K, G*C]: each query's sink probability
+    times (its value's zero product - delta)."""
+    B, K, GC = lse.shape
+    C = GC // sinks.shape[-1]
+    p_sink = jnp.exp(sink_rows(sinks, C)[..., 0] - lse)
+    return -(p_sink * delta).reshape(B, K, -1, C).sum((0, 3))
 
 
 def _block_forward(qb: jax.Array, q_seg: jax.Array, q_pos: jax.Array, kv: Keys) -> tuple[jax.Array, ...]:
     """One block: -> (output [B, C, K*G*E], lse [B, K, G*C], probabilities [B, K, G*C, S])."""
     B, C, K, G, E = qb.shape
     _, s = _scores(qb, q_seg, q_pos, kv)
-    sink = None if kv.sinks is None else _sinkrows_of(kv.sinks, C)
+    sink = None if kv.sinks is None else sink_rows(kv.sinks, C)
     top = logit_top(s, -1, sink)
     p = jnp.exp(s - top)
     total = normaliser(p, -1, sink, top)
@@ -238,7 +256,7 @@ def _block_backward(
     """One block's gradients: -> (dq [B, C, K, G, E], dk, dv as keys and values (float32), d_sinks [K, G]).
     `p`: the block's probabilities when the forward kept them, else recomputed as exp(s - lse)."""
     B, C, K, G, E = qb.shape
-    qh = qb.transpose(0, 2, 3, 1, 4).reshape(B, K, G * C, E)
+    qh = stack_heads(qb)
     if p is None:
         qh, s = _scores(qb, q_seg, q_pos, kv)
         p = jnp.exp(s - lse[..., None])  # [B, K, G*C, S]
@@ -250,8 +268,5 @@ def _block_backward(
     dq = jnp.einsum("bkqs,bkes->bkqe" if kv.keys_es else "bkqs,bkse->bkqe", ds, kv.keys)
     dk_spec = "bkqs,bkqe->bkes" if kv.keys_es else "bkqs,bkqe->bkse"
     dk = jnp.einsum(dk_spec, ds, qh, preferred_element_type=jnp.float32)
-    d_sink = None
-    if kv.sinks is not None:  # the sink's probability times (its value's zero product - delta)
-        p_sink = jnp.exp(_sinkrows_of(kv.sinks, C)[..., 0] - lse)
-        d_sink = -(p_sink * delta).reshape(B, K, G, C).sum((0, 3))
+    d_sink = None if kv.sinks is None else sink_grad(kv.sinks, lse, delta)
     return rows_of(dq, G), dk, dv, d_sink

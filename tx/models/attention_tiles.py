@@ -18,7 +18,21 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tx.models.attention import NEG_INF, AttentionMask, Keys, blocked_attention, heads_of, query_block, rows_of
+from tx.models.attention import (
+    NEG_INF,
+    AttentionMask,
+    Keys,
+    blocked_attention,
+    blocks_of,
+    heads_of,
+    mask_bias,
+    query_block,
+    rows_of,
+    sink_grad,
+    sink_rows,
+    stack_heads,
+    unblocks,
+)
 
 TILE = 256  # queries and keys per tile
 
@@ -80,20 +94,8 @@ def _tile(kv: Keys, j: jax.Array) -> tuple[jax.Array, ...]:
 def _tile_scores(qh: jax.Array, qs: jax.Array, qp: jax.Array, tile: tuple, window: jax.Array | None) -> jax.Array:
     """qh [B, K, G*C, E] against one key block -> masked float32 scores [B, K, G*C, C]."""
     k, _, ks, kp = tile
-    G = qh.shape[2] // qs.shape[1]
     s = jnp.einsum("bkqe,bkse->bkqs", qh, k, preferred_element_type=jnp.float32)
-    allowed = AttentionMask(qs, ks, qp, kp).allowed(window)
-    return s + jnp.tile(jnp.where(allowed, 0.0, NEG_INF), (1, G, 1))[:, None]
-
-
-def _blocks(x: jax.Array) -> jax.Array:
-    """[B, N*C, ...] -> [N, B, C, ...]."""
-    return jnp.moveaxis(x.reshape(x.shape[0], -1, TILE, *x.shape[2:]), 1, 0)
-
-
-def _unblocks(x: jax.Array) -> jax.Array:
-    x = jnp.moveaxis(x, 0, 1)
-    return x.reshape(x.shape[0], -1, *x.shape[3:])
+    return s + mask_bias(AttentionMask(qs, ks, qp, kp), window, qh.shape[2] // qs.shape[1])
 
 
 @jax.custom_vjp
@@ -107,7 +109,7 @@ def _forward(qg: jax.Array, kv: Keys) -> tuple[jax.Array, jax.Array]:
 
     def block(_: None, xs: tuple) -> tuple[None, tuple]:
         i, qb, qs, qp = xs
-        qh = qb.transpose(0, 2, 3, 1, 4).reshape(B, K, G * TILE, E)
+        qh = stack_heads(qb)
 
         def step(j: jax.Array, carry: tuple) -> tuple:
             top, total, acc = carry
@@ -122,7 +124,7 @@ def _forward(qg: jax.Array, kv: Keys) -> tuple[jax.Array, jax.Array]:
         start = (jnp.full((B, K, G * TILE), NEG_INF), jnp.zeros((B, K, G * TILE)), jnp.zeros((B, K, G * TILE, E)))
         top, total, acc = jax.lax.fori_loop(_first_tile(i, kv.window), i + 1, step, start)
         if kv.sinks is not None:  # the sink joins the normaliser (its value is zero)
-            sink = jnp.repeat(kv.sinks, TILE, axis=-1)[None]  # [1, K, G*C]
+            sink = sink_rows(kv.sinks, TILE)[..., 0]  # [1, K, G*C]
             new_top = jnp.maximum(top, sink)
             shrink = jnp.exp(top - new_top)
             top, total, acc = new_top, total * shrink + jnp.exp(sink - new_top), acc * shrink[..., None]
@@ -130,8 +132,10 @@ def _forward(qg: jax.Array, kv: Keys) -> tuple[jax.Array, jax.Array]:
         return None, (rows_of(out, G).reshape(B, TILE, K * G * E), top + jnp.log(total))
 
     n = T // TILE
-    _, (out, lse) = jax.lax.scan(block, None, (jnp.arange(n), _blocks(qg), _blocks(kv.segments), _blocks(kv.positions)))
-    return _unblocks(out), lse
+    _, (out, lse) = jax.lax.scan(
+        block, None, (jnp.arange(n), blocks_of(qg, TILE), blocks_of(kv.segments, TILE), blocks_of(kv.positions, TILE))
+    )
+    return unblocks(out), lse
 
 
 def _fwd(qg: jax.Array, kv: Keys) -> tuple[jax.Array, tuple]:
@@ -145,7 +149,7 @@ def _bwd(res: tuple, d_out: jax.Array) -> tuple:
 
     def block(carry: tuple, xs: tuple) -> tuple[tuple, jax.Array]:
         i, qb, qs, qp, ob, dob, lse_i = xs
-        qh = qb.transpose(0, 2, 3, 1, 4).reshape(B, K, G * TILE, E)
+        qh = stack_heads(qb)
         do = heads_of(dob, K, E)
         delta = jnp.sum(do.astype(jnp.float32) * heads_of(ob, K, E).astype(jnp.float32), axis=-1)  # [B, K, G*C]
 
@@ -163,9 +167,8 @@ def _bwd(res: tuple, d_out: jax.Array) -> tuple:
         dk_all, dv_all, d_sink = carry
         start = (jnp.zeros((B, K, G * TILE, E)), dk_all, dv_all)
         dq, dk_all, dv_all = jax.lax.fori_loop(_first_tile(i, kv.window), i + 1, step, start)
-        if kv.sinks is not None:  # the sink's probability times (its value's zero product - delta)
-            p_sink = jnp.exp(jnp.repeat(kv.sinks, TILE, axis=-1)[None] - lse_i)
-            d_sink = d_sink - (p_sink * delta).reshape(B, K, G, TILE).sum((0, 3))
+        if kv.sinks is not None:
+            d_sink = d_sink + sink_grad(kv.sinks, lse_i, delta)
         return (dk_all, dv_all, d_sink), rows_of(dq, G).astype(qg.dtype)
 
     start = (
@@ -173,10 +176,10 @@ def _bwd(res: tuple, d_out: jax.Array) -> tuple:
         jnp.zeros(kv.values.shape, jnp.float32),
         None if kv.sinks is None else jnp.zeros_like(kv.sinks),
     )
-    xs = (jnp.arange(T // TILE), *(_blocks(x) for x in (qg, kv.segments, kv.positions, out, d_out)), lse)
+    xs = (jnp.arange(T // TILE), *(blocks_of(x, TILE) for x in (qg, kv.segments, kv.positions, out, d_out)), lse)
     (dk, dv, d_sink), dq = jax.lax.scan(block, start, xs)
     d_kv = Keys(dk.astype(kv.keys.dtype), dv.astype(kv.values.dtype), None, None, None, d_sink, False)  # type: ignore[arg-type]
-    return _unblocks(dq), d_kv
+    return unblocks(dq), d_kv
 
 
 def _add_at(total: jax.Array, part: jax.Array, j: jax.Array) -> jax.Array:
