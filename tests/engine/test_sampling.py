@@ -30,6 +30,13 @@ def _keys(seeds: list[int] | np.ndarray, steps: list[int] | np.ndarray) -> jax.A
     return row_keys(jnp.asarray(seeds, jnp.uint32), jnp.asarray(steps, jnp.int32))
 
 
+def _gumbel(keys: jax.Array, V: int) -> jax.Array:
+    """The noise of every token [B, V], as `select_tokens` makes it for any one of them."""
+    from tx.engine.sampling import _noise_at, _row_hash
+
+    return _noise_at(_row_hash(keys), jnp.arange(V, dtype=jnp.uint32)[None, :])
+
+
 def _logits(B: int, V: int, seed: int = 0, scale: float = 1.0) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).normal(size=(B, V)) * scale, jnp.float32)
 
@@ -273,7 +280,6 @@ def test_seeds_are_reproducible_and_distinct() -> None:
 def test_gumbel_noise_has_the_gumbel_distribution() -> None:
     """The hashed noise behind every sampled token: Gumbel(0, 1) moments and CDF, no correlation between
     neighbouring tokens or between consecutive steps of one row."""
-    from tx.engine.sampling import _gumbel
 
     noise = np.asarray(_gumbel(_keys(np.arange(64), np.zeros(64, np.int32)), 4096), np.float64)
     assert abs(noise.mean() - np.euler_gamma) < 0.01
@@ -290,7 +296,6 @@ def test_gumbel_noise_stays_finite_at_both_ends_of_the_hash() -> None:
     """Rows whose hash reaches its extremes (found by search: seed 8494 hashes token 558 to 0, seed 2530 token
     3755 to all ones) still get finite noise, so the logits decide: u stays strictly inside (0, 1) in float32.
     With 24-bit uniforms the top one rounded to u = 1 and gave +inf noise; its token won at any logit."""
-    from tx.engine.sampling import _gumbel
 
     keys = _keys([8494, 2530], [0, 0])
     noise = np.asarray(_gumbel(keys, 4096))
@@ -326,7 +331,6 @@ def test_the_noise_and_row_seeds_are_the_documented_hashes_on_any_platform() -> 
     """A logged seed replays a sample on any machine only if the noise is exactly the documented integer
     construction: lowbias32 of the row key's data, then of (row hash ^ token index * 0x9E3779B9), the top
     23 bits as u, Gumbel -log(-log u); and row seeds are splitmix64 outputs. Both against Python integers."""
-    from tx.engine.sampling import _gumbel
 
     assert _splitmix64_first(0) == 0xE220A8397B1DCDAF  # splitmix64's published first output from state 0
     for seed in (0, 5, 2**63 + 12345, 2**64 - 1):
@@ -371,7 +375,7 @@ def test_the_chunked_noisy_argmax_is_the_argmax_of_the_whole_noisy_row(vocab: in
     """`_noisy_argmax` (chunk maxima, then the winning chunk) picks what argmax over the whole [B, V] row
     of logits / T + noise picks, greedy rows their logits' first maximum (ties across chunk borders too),
     for a vocabulary of one chunk per token, a composite one, a power of two and a prime."""
-    from tx.engine.sampling import _gumbel, _noisy_argmax, _row_hash
+    from tx.engine.sampling import _noisy_argmax, _row_hash
 
     B = 6
     logits = np.array(_logits(B, vocab, seed=vocab))

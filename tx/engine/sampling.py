@@ -108,11 +108,6 @@ def _noise_at(row_B: jax.Array, index_BK: jax.Array) -> jax.Array:
     return -jnp.log(-jnp.log(uniform))
 
 
-def _gumbel(keys: jax.Array, V: int) -> jax.Array:
-    """The noise of every token: [B, V]."""
-    return _noise_at(_row_hash(keys), jnp.arange(V, dtype=jnp.uint32)[None, :])
-
-
 def _chunk(V: int) -> int:
     """The width C of `_noisy_argmax`'s chunks: the divisor of V nearest sqrt(V), so that neither the
     chunks' argmax nor the winning chunk's is long (1187 of 128 chunks for a 152k vocabulary)."""
