@@ -21,7 +21,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-CHUNK = 64
+# Tokens per chunk. The work inside a chunk grows with C (its [C, C] products, the C^3 inverse), the work across
+# chunks does not. Measured (CPU, 2 cores, float32, forward + backward, B x T x heads x dim): 8 x 256 x 8 x 64
+# 50 ms at C = 64, 41-44 ms at 32, 43 ms at 16, 82 ms at 128; 2 x 512 x 32 x 128 194 -> 185 ms from 64 to
+# 32; the forward alone 14.2 -> 11.7 ms and its compile 1.18 -> 0.91 s; a qwen3.5-small LoRA step ~4% faster.
+CHUNK = 32
 
 
 def recurrent_delta_rule(
