@@ -12,6 +12,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from api.harness import KEY, MODEL, PROTO, Server, proto_body
+from tx.protocol import SampleRequest
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +130,27 @@ def test_sample_limits(http: httpx.Client, ids: dict[str, str]) -> None:
     )
     _assert_400(_sample(http, ids, prompt_alt_tokens_k=2), "prompt_alt_tokens_k is not supported")
     _assert_400(_sample(http, ids, sampling_params={"max_tokens": 2, "stop": [2000]}), "sampling_params.stop")
+
+
+def test_sample_counts_are_checked_before_any_per_sample_work(http: httpx.Client, ids: dict[str, str]) -> None:
+    """A billion samples is refused at once: nothing is built per sample before num_samples is checked
+    (the sample ids once were, and such a request held the server's memory and a worker for minutes)."""
+    _assert_400(_sample(http, ids, seq_id=91, num_samples=10**9), "num_samples 1000000000 is outside [1, ")
+    _assert_400(_sample(http, ids, seq_id=92, topk_sample_logprobs=-1), "topk_sample_logprobs must be >= 0, got -1")
+    _assert_400(_sample(http, ids, seq_id=93, prompt_alt_tokens_k=-2), "prompt_alt_tokens_k must be >= 0, got -2")
+
+
+def test_unset_max_tokens_fills_what_the_prompt_leaves(server: Server, http: httpx.Client, ids: dict[str, str]) -> None:
+    """Without max_tokens a sample runs to the default (512) or to the model's length, whichever comes first:
+    a 125-token prompt on a 128-token model may add 3, not fail for 125 + 512."""
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1] * 125}]}
+    for seq_id, params in ((94, {}), (95, {"max_tokens": None})):
+        reply = _sample(http, ids, seq_id=seq_id, prompt=prompt, sampling_params=params)
+        assert reply.status_code == 200, reply.text
+        http.post("/retrieve_future", json={"request_id": reply.json()["request_id"]})  # long-polls until run
+        item = next(i for i in server.runner.seen if i.model_id == ids["sampler"] and i.seq_id == seq_id)
+        assert isinstance(item.payload, SampleRequest) and item.payload.params.max_tokens == 3
+    _assert_400(_sample(http, ids, seq_id=96, prompt=prompt, sampling_params={"max_tokens": 4}), "= 129 exceeds")
 
 
 def test_stability_info_and_provenance_spans_are_accepted(http: httpx.Client, ids: dict[str, str]) -> None:

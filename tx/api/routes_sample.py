@@ -8,6 +8,7 @@ deduplicated by `(sampling_session_id, seq_id)`.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
@@ -83,32 +84,40 @@ def _weights_of(ctx: AppContext, sampler: SamplingSessionRow) -> WeightsRef | No
 
 @router.post("/asample")
 def asample(body: schemas.SampleRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
-    for name, is_set in _UNSUPPORTED.items():
-        if is_set(body):
-            user_error(f"{name} is not supported by this server")
+    _check_unsupported(body)
     if body.sampling_session_id is None:
         user_error("sampling_session_id is required (SDK 0.3+ creates one with create_sampling_session)")
     sampler = ctx.db.records.get_sampling_session(body.sampling_session_id, owner)
     if sampler is None:
         not_found(f"unknown sampling_session_id {body.sampling_session_id!r}")
-    served = ctx.models.get(owner, sampler.base_model)
-    seq = body.seq_id
-    tag = str(seq) if seq is not None else uuid.uuid4().hex[:12]  # deterministic when deduplicated by seq_id
-    sequence_ids = [f"{sampler.id}:{tag}:{i}" for i in range(body.num_samples)]
+    served, settings = ctx.models.get(owner, sampler.base_model), ctx.settings
+    prompt = model_input_tokens(body.prompt, "prompt", served.limits.max_seq_len)
+    room = max(served.info.max_seq_len - len(prompt), 1)  # an unset max_tokens fills what the prompt leaves
     request = SampleRequest(
-        prompt=model_input_tokens(body.prompt, "prompt", served.limits.max_seq_len),
+        prompt=prompt,
         num_samples=body.num_samples,
-        params=sampling_params(body.sampling_params, ctx.settings.default_max_tokens),
+        params=sampling_params(body.sampling_params, min(settings.default_max_tokens, room)),
         base_model=sampler.base_model,
         weights=_weights_of(ctx, sampler),
         prompt_logprobs=body.prompt_logprobs,
         topk_prompt_logprobs=body.topk_prompt_logprobs,
-        sequence_ids=sequence_ids,
         model_dir=served.model_dir,
     )
-    settings = ctx.settings
     validate.check_sample(request, served.info, served.limits, settings.max_num_samples, settings.max_topk_logprobs)
+    seq = body.seq_id
+    tag = str(seq) if seq is not None else uuid.uuid4().hex[:12]  # deterministic when deduplicated by seq_id
+    sequence_ids = [f"{sampler.id}:{tag}:{i}" for i in range(request.num_samples)]  # num_samples is bounded now
     return submit(
-        ctx, kind="sample", payload=request, owner=owner, model_id=sampler.id, seq_id=seq,
-        dedupe_key=f"{sampler.id}#{seq}" if seq is not None else None, sequence_ids=sequence_ids,
+        ctx, kind="sample", payload=dataclasses.replace(request, sequence_ids=sequence_ids), owner=owner,
+        model_id=sampler.id, seq_id=seq, dedupe_key=f"{sampler.id}#{seq}" if seq is not None else None,
+        sequence_ids=sequence_ids,
     )  # fmt: skip
+
+
+def _check_unsupported(body: schemas.SampleRequest) -> None:
+    for name in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
+        if getattr(body, name) < 0:
+            user_error(f"{name} must be >= 0, got {getattr(body, name)}")
+    for name, is_set in _UNSUPPORTED.items():
+        if is_set(body):
+            user_error(f"{name} is not supported by this server")
