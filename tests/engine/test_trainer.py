@@ -16,7 +16,7 @@ from tx.engine.compiles import compile_count
 from tx.engine.trainer import Trainer
 from tx.lora.layers import LoRASpec
 from tx.models.weights import load_model
-from tx.protocol import AdamParams, Datum, ForwardBackwardRequest, LoraConfig
+from tx.protocol import AdamParams, Datum, ForwardBackwardRequest, LoraConfig, RequestError
 
 RANK, ALPHA = 4, 32.0
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
@@ -195,6 +195,34 @@ def test_a_batch_failing_part_way_leaves_the_gradients_as_they_were(setup, monke
         trainer.forward_backward([("a", sft_batch(cfg, 1)), ("b", sft_batch(cfg, 2))])
     for p, g in trainer.runs["a"].grads.items():
         np.testing.assert_array_equal(np.asarray(g), before[p])
+
+
+def test_a_gradient_that_is_not_finite_is_refused_and_leaves_the_run_as_it_was(setup):
+    """Loss weights of 1e38 overflow the gradient to inf: the step is a user error, the run's weights and
+    Adam moments stay as they were (not NaN for good), the gradient is dropped, and the next step trains."""
+    _, _, model, cfg = setup
+    trainer = Trainer(model, AdapterBank.of(model))
+    run = trainer.create_lora_run("a", LoraConfig(rank=4, train_unembed=False), slot=1)
+    random_lora(trainer, run, 5)
+    trainer.forward_backward([("a", sft_batch(cfg, 1))])
+    trainer.optim_step("a", AdamParams(learning_rate=1e-2))
+    params, state = trainer.run_params(run), jax.tree.leaves(run.opt_state)
+    params, state = {p: np.asarray(v) for p, v in params.items()}, [np.asarray(x) for x in state]
+    huge = sft_batch(cfg, 2)
+    for datum in huge.data:
+        datum.loss_fn_inputs["weights"] = np.full_like(datum.loss_fn_inputs["weights"], 1e38)
+    trainer.forward_backward([("a", huge)])
+    with pytest.raises(RequestError, match="not finite") as err:
+        trainer.optim_step("a", AdamParams(learning_rate=1e-2))
+    assert err.value.category == "user" and run.step == 1
+    for p, v in trainer.run_params(run).items():
+        np.testing.assert_array_equal(np.asarray(v), params[p])
+    for before, after in zip(state, jax.tree.leaves(run.opt_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(after), before)
+    assert all(not np.asarray(g).any() for g in run.grads.values())
+    trainer.forward_backward([("a", sft_batch(cfg, 3))])
+    assert np.isfinite(trainer.optim_step("a", AdamParams(learning_rate=1e-2))["grad_norm:mean"])
+    assert all(np.isfinite(np.asarray(v)).all() for v in trainer.run_params(run).values()) and run.step == 2
 
 
 def test_micro_batches_equal_one_batch(setup):

@@ -216,13 +216,17 @@ def fresh_state(params: Flat, grad_dtype: Any = None) -> tuple[Flat, Any]:
 
 @functools.partial(_jit, donate_argnums=(0, 1, 2))
 def adam_step(params: Flat, opt_state: Any, grads: Flat, hp: dict[str, jax.Array]) -> tuple[Flat, Any, Flat, jax.Array]:
-    """One AdamW step; returns new params, optimizer state, zeroed grads and the pre-clip grad norm."""
+    """One AdamW step; returns new params, optimizer state, zeroed grads and the pre-clip grad norm. A gradient
+    that is not finite (inf or NaN anywhere) leaves the params and optimizer state as they were: one update
+    with it would turn every weight of the run into NaN for good."""
     norm = optax.global_norm(grads)
     clip = hp["grad_clip_norm"]
     factor = jnp.where((clip > 0) & (norm > clip), clip / jnp.maximum(norm, 1e-30), 1.0)
     grads32 = jax.tree.map(lambda g: (g * factor).astype(jnp.float32), grads)
     for name in ("learning_rate", "b1", "b2", "eps", "weight_decay"):
         opt_state.hyperparams[name] = hp[name]
-    updates, opt_state = make_optimizer().update(grads32, opt_state, params)
+    updates, new_state = make_optimizer().update(grads32, opt_state, params)
     new_params = jax.tree.map(lambda p, u: (p.astype(jnp.float32) + u).astype(p.dtype), params, updates)
-    return new_params, opt_state, jax.tree.map(jnp.zeros_like, grads), norm
+    keep = functools.partial(jnp.where, jnp.isfinite(norm))
+    params, opt_state = jax.tree.map(keep, (new_params, new_state), (params, opt_state))
+    return params, opt_state, jax.tree.map(jnp.zeros_like, grads), norm

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import threading
 from collections.abc import Generator, Iterator, Sequence
 from typing import Any
@@ -359,8 +360,14 @@ class Trainer:
             self.run_params(run), run.opt_state, run.grads, _hyper_params(hp)
         )
         self.set_run_params(run, params)
+        if not math.isfinite(norm := float(norm)):
+            raise RequestError(
+                f"the accumulated gradient is not finite (norm {norm}): the step was not applied and the gradient "
+                "was dropped; look for extreme values in the batches' loss_fn_inputs (weights, advantages)",
+                "user",
+            )
         run.step += 1
-        return {"grad_norm:mean": float(norm), "learning_rate:mean": adam.learning_rate}
+        return {"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate}
 
     def _run(self, run_id: str) -> Run:
         if run_id not in self.runs:
