@@ -68,6 +68,13 @@ def test_json_tensor_sparse_and_errors() -> None:
     np.testing.assert_array_equal(dense, [[0, 0, 1], [2, 0, 0]])
     with pytest.raises(WireError, match="w: 3 values do not fit shape"):
         json_tensor({"data": [1, 2, 3], "dtype": "int64", "shape": [2, 2]}, "w", LIMITS)
+    for bad in ([1.5, 2], [True, 2], ["1", 2], [1 << 63, 2]):  # never truncated or coerced into a token id
+        with pytest.raises(WireError, match=r"w.data must be a list of 64-bit integers"):
+            json_tensor({"data": bad, "dtype": "int64", "shape": [2]}, "w", LIMITS)
+    sparse = {"data": [1.0], "dtype": "float32", "shape": [1, 2], "sparse_crow_indices": [0, 1]}
+    for key, bad in (("sparse_crow_indices", [0, "a"]), ("sparse_col_indices", [0.5])):
+        with pytest.raises(WireError, match=f"w.{key} must be a list of 64-bit integers"):
+            json_tensor({**sparse, "sparse_col_indices": [1], key: bad}, "w", LIMITS)
 
 
 def test_stop_semantics() -> None:

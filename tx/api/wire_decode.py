@@ -226,6 +226,8 @@ def json_tensor(tensor: Any, where: str, limits: Limits) -> np.ndarray:
     data = tensor["data"]
     if not isinstance(data, str | list):
         raise WireError(f"{where}: data must be a list of numbers or a base64 string")
+    if isinstance(data, list) and dtype == np.int64:
+        data = _int_list(data, f"{where}.data")  # numpy would truncate 1.5 to 1 without a word
     try:
         flat = np.frombuffer(base64.b64decode(data), dtype=dtype) if isinstance(data, str) else np.asarray(data, dtype)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -233,10 +235,17 @@ def json_tensor(tensor: Any, where: str, limits: Limits) -> np.ndarray:
     shape = _json_shape(tensor.get("shape"), where)
     if tensor.get("sparse_crow_indices") is not None:
         _check_shape(shape, limits, where)
-        crow = np.asarray(tensor["sparse_crow_indices"], np.int64)
-        cols = np.asarray(tensor.get("sparse_col_indices") or [], np.int64)
+        crow = _int_list(tensor["sparse_crow_indices"], f"{where}.sparse_crow_indices")
+        cols = _int_list(tensor.get("sparse_col_indices") or [], f"{where}.sparse_col_indices")
         return _densify(flat, crow, cols, shape, where)
     return _reshape(flat.reshape(-1), shape, where)
+
+
+def _int_list(values: Any, where: str) -> np.ndarray:
+    """A JSON list of 64-bit integers as int64 (not floats, strings or booleans)."""
+    if not isinstance(values, list) or not all(type(v) is int and -(1 << 63) <= v < (1 << 63) for v in values):
+        raise WireError(f"{where} must be a list of 64-bit integers")
+    return np.asarray(values, np.int64)
 
 
 def _json_shape(shape: Any, where: str) -> list[int]:
