@@ -118,7 +118,9 @@ class SqlQueue:
             return session.exec(select(FutureRow).where(FutureRow.dedupe_key == dedupe_key)).first()
 
     def get(self, future_id: str) -> FutureRow | None:
-        if not future_id.isdigit():
+        """The row of a future id (the decimal row number we issued); None for anything else, never an error:
+        not '²' (a digit to `isdigit`), not 5000 digits (past `int`'s limit), not 2^31 (past Postgres' SERIAL)."""
+        if not (future_id.isascii() and future_id.isdigit() and len(future_id) <= 10 and int(future_id) < 1 << 31):
             return None
         with Session(self.engine, expire_on_commit=False) as session:
             return session.get(FutureRow, int(future_id))
