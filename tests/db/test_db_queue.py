@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from sqlmodel import SQLModel
 
-from tx.db import Database, DuplicateRequestError, owner_of
+from tx.db import Database, DuplicateRequestError, open_database, owner_of
 from tx.db.queue import SqlQueue
 from tx.db.tables import CheckpointRow, SamplerSnapshotRow, TrainingRunRow
 from tx.protocol import (
@@ -209,8 +209,9 @@ def test_checkpoint_size_unload_and_recovery_reach_the_records(db: Database) -> 
                            model_id=run.id, rows=[ckpt])  # fmt: skip
     db.queue.claim(10)
     db.queue.complete(created.future_id, CreateModelResult(run.id))
-    db.queue.complete(save.future_id, CheckpointResult(path=ckpt.tinker_path, size_bytes=12345))
-    assert db.records.get_checkpoint(run.id, "weights/s", OWNER).size_bytes == 12345  # type: ignore[union-attr]
+    size = 5 << 30  # a full fine-tuning state of a 1B model: past a 32-bit column
+    db.queue.complete(save.future_id, CheckpointResult(path=ckpt.tinker_path, size_bytes=size))
+    assert db.records.get_checkpoint(run.id, "weights/s", OWNER).size_bytes == size  # type: ignore[union-attr]
     unload = db.queue.submit(kind="unload_model", payload=UnloadModelRequest(), owner=OWNER, model_id=run.id)
     db.queue.claim(10)
     db.queue.complete(unload.future_id, UnloadResult(run.id))
@@ -403,6 +404,45 @@ def test_wait_finished_answers_only_the_owner(db: Database) -> None:
     assert asyncio.run(db.queue.wait_finished(future_id, 5.0, owner=owner_of("tml-other"))) is None
     mine = asyncio.run(db.queue.wait_finished(future_id, 5.0, owner=OWNER))
     assert mine is not None and mine.status == "done" and time.monotonic() - start < 2.0
+
+
+def test_any_64_bit_seq_id_is_stored(db: Database) -> None:
+    """The API admits any int64 seq_id; the column holds it (a 32-bit one made 2^31 a 500 on Postgres)."""
+    for seq_id in ((1 << 63) - 1, -(1 << 63), 1 << 40):
+        future_id = _submit(db, seq_id)
+        row = db.queue.get(future_id)
+        assert row is not None and row.seq_id == seq_id
+
+
+def test_a_postgres_database_from_before_is_widened_at_open(db: Database) -> None:
+    if db.engine.dialect.name != "postgresql":
+        pytest.skip("SQLite's integer columns hold 64 bits whatever they were declared")
+    with db.engine.begin() as conn:  # the columns as earlier versions made them
+        conn.exec_driver_sql("ALTER TABLE futures ALTER COLUMN seq_id TYPE INTEGER")
+        conn.exec_driver_sql("ALTER TABLE checkpoints ALTER COLUMN size_bytes TYPE INTEGER")
+    again = open_database(db.engine.url.render_as_string(hide_password=False), ".")
+    try:
+        row = again.queue.get(_submit(again, 1 << 40))
+        assert row is not None and row.seq_id == 1 << 40
+        with again.engine.connect() as conn:
+            types = conn.exec_driver_sql(
+                "SELECT column_name, data_type FROM information_schema.columns WHERE table_schema = current_schema()"
+                " AND column_name IN ('seq_id', 'size_bytes')"
+            ).fetchall()
+        assert sorted(types) == [("seq_id", "bigint"), ("size_bytes", "bigint")]
+    finally:
+        again.close()
+
+
+def test_a_future_id_we_never_issued_is_unknown_not_an_error(db: Database) -> None:
+    """retrieve_future passes the client's string straight in: 5000 digits once raised past `int`'s limit
+    (a 500, and the connection dropped), and 2^31 does not fit Postgres' id column."""
+    _submit(db, 1)
+    huge = ("9" * 5000, str(1 << 63), "9" * 19, "9" * 12, str(1 << 31))
+    for future_id in (*huge, "\u00b2", "\u0663", "-1", "", " 1", "1e3", "0x1"):
+        assert db.queue.get(future_id) is None, future_id
+        assert asyncio.run(db.queue.wait_finished(future_id, 5.0, owner=OWNER)) is None, future_id
+    assert db.queue.get("1") is not None
 
 
 def test_postgres_notify_reaches_another_server(db: Database) -> None:

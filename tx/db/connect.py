@@ -61,7 +61,16 @@ def open_engine(url: str) -> Engine:
             conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
         SQLModel.metadata.create_all(conn)
         _allow_nan_metrics(engine, conn)
+        _widen_integers(engine, conn)
     return engine
+
+
+def _widen_integers(engine: Engine, conn: Connection) -> None:
+    """Postgres databases made before `checkpoints.size_bytes` and `futures.seq_id` were 64-bit (SQLite's
+    integers always are): a checkpoint past 2 GiB or a seq_id past 2^31 failed to store."""
+    if engine.dialect.name == "postgresql":
+        conn.exec_driver_sql("ALTER TABLE checkpoints ALTER COLUMN size_bytes TYPE BIGINT")
+        conn.exec_driver_sql("ALTER TABLE futures ALTER COLUMN seq_id TYPE BIGINT")
 
 
 def _allow_nan_metrics(engine: Engine, conn: Connection) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import Column, Index, LargeBinary, UniqueConstraint
+from sqlalchemy import BigInteger, Column, Index, LargeBinary, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 
@@ -95,7 +95,7 @@ class CheckpointRow(SQLModel, table=True):
     directory: str
     status: str = "pending"
     future_id: str | None = None
-    size_bytes: int | None = None
+    size_bytes: int | None = Field(default=None, sa_type=BigInteger)  # a full fine-tuning state passes 2 GiB
     public: bool = False
     expires_at: datetime | None = None
     user_metadata_json: str = "{}"
@@ -109,7 +109,7 @@ class FutureRow(SQLModel, table=True):
     id: int | None = Field(default=None, primary_key=True)
     kind: str
     model_id: str | None = Field(default=None, index=True)
-    seq_id: int | None = None
+    seq_id: int | None = Field(default=None, sa_type=BigInteger)  # any int64 the API admits
     dedupe_key: str | None = Field(default=None, unique=True)
     payload_hash: str = ""
     payload: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))
