@@ -171,6 +171,11 @@ class ModelConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+        if self.max_position_embeddings < 1:
+            raise ValueError(f"max_position_embeddings must be >= 1, got {self.max_position_embeddings}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         self._check_layer_types()
@@ -241,6 +246,7 @@ class ModelConfig:
     @staticmethod
     def from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
         family = family_of(hf)
+        _check_whole_numbers(hf)
         if family in HYBRID_FAMILIES:
             from tx.models.config_qwen3_5 import qwen3_5_from_hf  # that module builds a ModelConfig
 
@@ -285,6 +291,26 @@ def transformer_shape(hf: dict[str, Any], *, eps: float, theta: float, max_posit
         max_position_embeddings=int(hf.get("max_position_embeddings", max_positions)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
+
+
+# The config.json fields read as integers (the text model's own section too): 2.5 layers is an error, not 2.
+WHOLE_FIELDS = frozenset(
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
+    "max_position_embeddings num_experts num_local_experts num_experts_per_tok experts_per_token "
+    "moe_intermediate_size shared_expert_intermediate_size decoder_sparse_step full_attention_interval "
+    "linear_num_key_heads linear_num_value_heads linear_key_head_dim linear_value_head_dim linear_conv_kernel_dim "
+    "sliding_window".split()
+)
+
+
+def _check_whole_numbers(hf: dict[str, Any]) -> None:
+    text = hf.get("text_config")
+    for section in (hf, text if isinstance(text, dict) else {}):
+        for key in WHOLE_FIELDS & section.keys():
+            value = section[key]
+            whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+            if value is not None and (isinstance(value, bool) or not whole):
+                raise ValueError(f"config.json {key} must be a whole number, got {value!r}")
 
 
 def family_of(hf: dict[str, Any]) -> str:
