@@ -11,12 +11,13 @@ import httpx
 import numpy as np
 import pytest
 import zstandard
+from sqlmodel import Session, select
 from tinker.proto import tinker_public_pb2 as pb
 
 from api.harness import KEY, MODEL, OTHER_KEY, PROTO, Server, proto_body
 from tx.api.app import reap_sessions
 from tx.db import owner_of
-from tx.db.tables import SessionRow, utcnow
+from tx.db.tables import SamplingSessionRow, SessionRow, utcnow
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +154,44 @@ def test_expired_session_unloads_runs_and_heartbeat_410(http: httpx.Client, serv
         time.sleep(0.02)
     reply = http.post("/forward_backward", content=proto_body(model_id, 1, [1, 2]), headers=PROTO)
     assert reply.status_code == 400 and "unloaded" in reply.json()["detail"]
+
+
+def test_sdks_before_sessions_train_and_sample_without_ids(http: httpx.Client, server: Server) -> None:
+    """tinker 0.1-0.2 send create_model without a session_id and asample with the weights' path instead of a
+    sampling session: the run gets an `open` session that no missing heartbeat expires."""
+    sessions = len(server.db.records.owner_sessions(owner_of(KEY)))
+    for bad in ({"base_model": "no-such-model"}, {"base_model": MODEL.base_model, "lora_config": {"rank": -1}}):
+        assert http.post("/create_model", json=bad).status_code in (400, 404)
+    assert len(server.db.records.owner_sessions(owner_of(KEY))) == sessions  # refused before a session is made
+    body = {"base_model": MODEL.base_model, "lora_config": {"rank": 4}}
+    model_id = wait(http, http.post("/create_model", json=body).json()["request_id"])["model_id"]
+    session_id = model_id.split(":train:")[0]
+    server.db.records._update(SessionRow, session_id, last_heartbeat_at=utcnow() - timedelta(hours=1))
+    assert reap_sessions(SimpleNamespace(db=server.db)) == 0  # type: ignore[arg-type]
+    assert server.db.records.get_run(model_id, owner_of(KEY)).status == "ready"  # type: ignore[union-attr]
+    assert "loss_fn_outputs" in wait(http, http.post("/forward_backward", content=proto_body(model_id, 0, [1, 2]),
+                                                     headers=PROTO).json()["request_id"])  # fmt: skip
+    path = wait(
+        http, http.post("/save_weights_for_sampler", json={"model_id": model_id, "path": "s"}).json()["request_id"]
+    )
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}
+    for weights in ({"model_path": path["path"]}, {"base_model": MODEL.base_model}, {"model_path": path["path"]}):
+        sample = {"prompt": prompt, "sampling_params": {"max_tokens": 2}, **weights}
+        assert len(wait(http, http.post("/asample", json=sample).json()["request_id"])["sequences"]) == 1
+    samplers = {row.id for row in _samplers(server) if row.id.startswith("sessionless-")}
+    assert len(samplers) == 2  # one per (owner, weights), reused
+    reply = http.post("/asample", json={"prompt": prompt})
+    assert reply.status_code == 400 and "model_path or base_model" in reply.json()["detail"]
+    assert http.post(f"/sessions/{session_id}/finish", json={}).status_code == 200  # finishing it frees the run
+    deadline = time.monotonic() + 5
+    while server.db.records.get_run(model_id, owner_of(KEY)).status != "unloaded":  # type: ignore[union-attr]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def _samplers(server: Server) -> list[SamplingSessionRow]:
+    with Session(server.db.records.engine) as session:
+        return list(session.exec(select(SamplingSessionRow)).all())
 
 
 def test_another_keys_pending_future_is_404_at_once(

@@ -1,4 +1,4 @@
-"""A minimal SL + sampling loop for an old tinker SDK (0.16.x: JSON bodies, no client/config).
+"""A minimal SL + sampling loop for an old tinker SDK (0.16.x: JSON bodies, no client/config; 0.2.x: no sessions).
 
 Run by tests/e2e/test_old_sdk.py with that SDK's interpreter: `python old_sdk_loop.py URL BASE_MODEL`.
 Prints one JSON line with what it saw; any failure is an exception (non-zero exit).

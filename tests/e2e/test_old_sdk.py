@@ -1,7 +1,9 @@
-"""An older tinker SDK (0.16.1: JSON everywhere, no client/config, /forward) against the real server.
+"""Older tinker SDKs against the real server: 0.16.1 (JSON everywhere, no client/config, /forward) and
+0.2.2 (before sessions: create_model without a session_id, no seq_ids, samples name their weights).
 
-The SDK lives in its own interpreter (SMOLGYM_TINKER016_PYTHON, default /root/venvs/tinker016/bin/python;
-`.ci/run` builds one). The test is skipped where it does not exist, except under CI, where that is a failure.
+Each SDK lives in its own interpreter (SMOLGYM_TINKER016_PYTHON / SMOLGYM_TINKER022_PYTHON, defaults under
+/root/venvs; `.ci/run` builds both). A test is skipped where its interpreter does not exist, except under
+CI, where that is a failure.
 """
 
 import json
@@ -17,7 +19,10 @@ from tinker import types
 
 pytestmark = pytest.mark.e2e
 
-OLD_PYTHON = Path(os.environ.get("SMOLGYM_TINKER016_PYTHON", "/root/venvs/tinker016/bin/python"))
+OLD_PYTHONS = {
+    version: Path(os.environ.get(f"SMOLGYM_TINKER{tag}_PYTHON", f"/root/venvs/tinker{tag}/bin/python"))
+    for version, tag in (("0.16.1", "016"), ("0.2.2", "022"))
+}
 SCRIPT = Path(__file__).with_name("old_sdk_loop.py")
 
 
@@ -25,14 +30,15 @@ OLD_KEY = "tml-old-sdk"  # the key old_sdk_loop.py uses
 TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]  # its datum
 
 
-@pytest.mark.skipif(
-    not OLD_PYTHON.exists() and not os.environ.get("CI"), reason=f"no tinker 0.16 interpreter at {OLD_PYTHON}"
-)
+@pytest.mark.parametrize("version", list(OLD_PYTHONS))
 @pytest.mark.parametrize("live", ["sqlite"], indirect=True)  # the SDK version does not depend on the queue
-def test_sdk_016_sl_loop_sampling_and_resume(live):
+def test_old_sdk_sl_loop_sampling_and_resume(live, version):
+    python = OLD_PYTHONS[version]
+    if not python.exists() and not os.environ.get("CI"):
+        pytest.skip(f"no tinker {version} interpreter at {python}")
     env = {**os.environ, "TINKER_TELEMETRY": "0", "PYTHONPATH": ""}
     proc = subprocess.run(
-        [str(OLD_PYTHON), str(SCRIPT), live.url, live.base_model],
+        [str(python), str(SCRIPT), live.url, live.base_model],
         capture_output=True,
         text=True,
         timeout=240,

@@ -9,6 +9,7 @@ deduplicated by `(sampling_session_id, seq_id)`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import uuid
 from typing import Any
 
@@ -39,20 +40,40 @@ def create_sampling_session(body: schemas.CreateSamplingSessionRequest, ctx: Ctx
     if ctx.db.records.get_session(body.session_id, owner) is None:
         not_found(f"unknown session_id {body.session_id!r}")
     sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
-    row = SamplingSessionRow(id=sampler_id, session_id=body.session_id, owner=owner, base_model="")
-    if body.model_path:
-        path, ckpt = resolve_checkpoint(ctx, body.model_path, owner)
-        row.model_path, row.model_id, row.snapshot_id = str(path), path.run_id, str(path)
-        row.checkpoint_dir, row.checkpoint_type = ckpt.directory, ckpt.checkpoint_type
-        source = ctx.db.records.get_run(path.run_id, owner)
-        if source is None:
-            not_found(f"the training run of {body.model_path!r} no longer exists")
-        row.base_model = source.base_model
-    else:
-        row.base_model = body.base_model or _only_model(ctx)
-    ctx.models.get(owner, row.base_model)  # located and allowed now: a bad name fails here, not at sample time
+    row = _pinned(ctx, SamplingSessionRow(id=sampler_id, session_id=body.session_id, owner=owner, base_model=""),
+                  body.model_path, body.base_model)  # fmt: skip
     ctx.db.records.add_sampling_session(row)
     return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+
+
+def _pinned(ctx: AppContext, row: SamplingSessionRow, model_path: str | None, base: str | None) -> SamplingSessionRow:
+    """`row` with the weights it samples: the checkpoint at `model_path`, else the base model."""
+    if model_path:
+        path, ckpt = resolve_checkpoint(ctx, model_path, row.owner)
+        row.model_path, row.model_id, row.snapshot_id = str(path), path.run_id, str(path)
+        row.checkpoint_dir, row.checkpoint_type = ckpt.directory, ckpt.checkpoint_type
+        source = ctx.db.records.get_run(path.run_id, row.owner)
+        if source is None:
+            not_found(f"the training run of {model_path!r} no longer exists")
+        row.base_model = source.base_model
+    else:
+        row.base_model = base or _only_model(ctx)
+    ctx.models.get(row.owner, row.base_model)  # located and allowed now: a bad name fails here, not at sample time
+    return row
+
+
+def _sessionless(ctx: AppContext, body: schemas.SampleRequest, owner: str) -> SamplingSessionRow:
+    """The sampler of a request from an SDK before sampling sessions (0.1-0.2), which names its weights in
+    each request: one stored sampler per owner and (model_path, base_model), made at first use."""
+    if not (body.model_path or body.base_model):
+        user_error("sampling_session_id is required (or, from an SDK before 0.3, model_path or base_model)")
+    key = hashlib.sha256(f"{owner}\0{body.model_path or ''}\0{body.base_model or ''}".encode()).hexdigest()[:24]
+    sampler_id = f"sessionless-{key}:sample:0"
+    row = ctx.db.records.get_sampling_session(sampler_id, owner)
+    if row is not None:
+        return row
+    row = SamplingSessionRow(id=sampler_id, session_id=f"sessionless-{key}", owner=owner, base_model="")
+    return ctx.db.records.add_sampling_session(_pinned(ctx, row, body.model_path, body.base_model))
 
 
 @router.get("/samplers/{sampler_id}")
@@ -86,9 +107,10 @@ def _weights_of(ctx: AppContext, sampler: SamplingSessionRow) -> WeightsRef | No
 def asample(body: schemas.SampleRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
     _check_unsupported(body)
     if body.sampling_session_id is None:
-        user_error("sampling_session_id is required (SDK 0.3+ creates one with create_sampling_session)")
-    sampler = ctx.db.records.get_sampling_session(body.sampling_session_id, owner)
-    if sampler is None:
+        sampler = _sessionless(ctx, body, owner)
+    elif (found := ctx.db.records.get_sampling_session(body.sampling_session_id, owner)) is not None:
+        sampler = found
+    else:
         not_found(f"unknown sampling_session_id {body.sampling_session_id!r}")
     served, settings = ctx.models.get(owner, sampler.base_model), ctx.settings
     prompt = model_input_tokens(body.prompt, "prompt", served.limits.max_seq_len)

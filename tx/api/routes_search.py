@@ -20,7 +20,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from tx.api.context import Ctx, Owner, user_error
 from tx.api.routes_copy import parse_body
-from tx.db.tables import SessionRow
+from tx.db.tables import LIVE_SESSION, SessionRow
 
 router = APIRouter(prefix="/api/v1")
 
@@ -102,7 +102,7 @@ def _matches(row: SessionRow, request: SessionSearchRequest) -> bool:
 
 def _status_matches(row: SessionRow, query: _Status) -> bool:
     if query.type == "active":
-        return row.status == "active"
+        return row.status in LIVE_SESSION
     if query.type == "client_finished":
         reason = row.finish_reason
         return row.status == "finished" and reason in FINISH_REASONS and (not query.reasons or reason in query.reasons)
@@ -125,7 +125,7 @@ def _iso(moment: datetime) -> str:
 
 def _summary(row: SessionRow, owner: str, stats: tuple[int, int]) -> dict[str, Any]:
     status: dict[str, Any] | None = None
-    if row.status == "active":
+    if row.status in LIVE_SESSION:
         status = {"type": "active"}
     elif row.status == "finished" and row.finish_reason in FINISH_REASONS:
         status = {"type": "client_finished", "reason": {"type": row.finish_reason}}

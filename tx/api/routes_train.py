@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from tx.api import schemas, validate
 from tx.api.context import AppContext, Ctx, Owner, not_found, run_model, submit, usable_run, user_error
 from tx.api.wire_decode import WireError, decompress, parse_forward_backward_json, parse_forward_backward_proto
-from tx.db.tables import TrainingRunRow
+from tx.db.tables import LIVE_SESSION, TrainingRunRow
 from tx.protocol import (
     DEFAULT_LORA_ALPHA,
     AdamParams,
@@ -36,11 +36,8 @@ def _seq_key(model_id: str, seq_id: int | None) -> str | None:
 
 @router.post("/create_model")
 def create_model(body: schemas.CreateModelRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
-    session = ctx.db.records.get_session(body.session_id, owner)
-    if session is None:
-        not_found(f"unknown session_id {body.session_id!r}")
-    if session.status != "active":
-        user_error(f"session {body.session_id!r} is {session.status}; start a new ServiceClient")
+    if body.session_id is not None:
+        _check_live_session(ctx, body.session_id, owner)
     served = ctx.models.get(owner, body.base_model)
     lora_in = body.lora_config
     if body.optimizer_config is not None and body.optimizer_config.type != "adamw":
@@ -53,9 +50,10 @@ def create_model(body: schemas.CreateModelRequest, ctx: Ctx, owner: Owner) -> di
         lora = LoraConfig(
             lora_in.rank, DEFAULT_LORA_ALPHA, lora_in.train_attn, lora_in.train_mlp, lora_in.train_unembed, lora_in.seed
         )
-    model_id = f"{body.session_id}:train:{body.model_seq_id}"
+    session_id = body.session_id or _open_session(ctx, owner)
+    model_id = f"{session_id}:train:{body.model_seq_id}"
     check_run_limit(ctx, model_id, owner)
-    run = new_run_row(model_id, body.session_id, owner, body.base_model, lora, body.user_metadata or {})
+    run = new_run_row(model_id, session_id, owner, body.base_model, lora, body.user_metadata or {})
     payload = CreateModelRequest(body.base_model, lora, body.user_metadata or {}, served.model_dir)
     return submit(
         ctx,
@@ -66,6 +64,21 @@ def create_model(body: schemas.CreateModelRequest, ctx: Ctx, owner: Owner) -> di
         dedupe_key=f"{model_id}#create",
         rows=[run],
     )
+
+
+def _check_live_session(ctx: AppContext, session_id: str, owner: str) -> None:
+    session = ctx.db.records.get_session(session_id, owner)
+    if session is None:
+        not_found(f"unknown session_id {session_id!r}")
+    if session.status not in LIVE_SESSION:
+        user_error(f"session {session_id!r} is {session.status}; start a new ServiceClient")
+
+
+def _open_session(ctx: AppContext, owner: str) -> str:
+    """A session for a run created without one (SDK 0.1-0.2, before sessions): `open`, it needs no heartbeats,
+    so the run stays until unload_model. Made only once the request passed every check, the run limit too."""
+    check_run_limit(ctx, "", owner)
+    return ctx.db.records.create_session(owner, ["sessionless"], {}, None, status="open")
 
 
 def check_run_limit(ctx: AppContext, model_id: str, owner: str) -> None:

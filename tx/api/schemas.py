@@ -55,7 +55,7 @@ class OptimizerConfig(BaseModel):
 
 
 class CreateModelRequest(BaseModel):
-    session_id: str
+    session_id: str | None = None  # SDKs before 0.3 have no sessions
     model_seq_id: Int64 = 0
     base_model: str
     lora_config: LoraConfigIn = Field(default_factory=LoraConfigIn)

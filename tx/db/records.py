@@ -21,6 +21,7 @@ from sqlmodel import Session, SQLModel, col, select
 
 from tx.db.connect import WriteLock
 from tx.db.tables import (
+    LIVE_SESSION,
     CheckpointRow,
     MetricRow,
     SamplerSnapshotRow,
@@ -55,12 +56,18 @@ class Records:
     # ---- sessions -----------------------------------------------------------------------------
 
     def create_session(
-        self, owner: str, tags: list[str], user_metadata: dict[str, Any], sdk_version: str | None
+        self,
+        owner: str,
+        tags: list[str],
+        user_metadata: dict[str, Any],
+        sdk_version: str | None,
+        status: str = "active",
     ) -> str:
         session_id = str(uuid.uuid4())
         row = SessionRow(
             id=session_id,
             owner=owner,
+            status=status,
             sdk_version=sdk_version,
             tags_json=json.dumps(tags),
             user_metadata_json=json.dumps(user_metadata),
@@ -99,7 +106,7 @@ class Records:
                 return None
             if row.finish_reason is not None:
                 return []
-            was_active = row.status == "active"
+            was_active = row.status in LIVE_SESSION
             row.status, row.finish_reason = "finished", reason
             runs: list[TrainingRunRow] = []
             if was_active:

@@ -21,12 +21,17 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+# An `open` session stands in for a client older than sessions (tinker SDK 0.1-0.2): it was made by a
+# create_model without a session_id, gets no heartbeats and so never expires; finishing it ends it.
+LIVE_SESSION = ("active", "open")
+
+
 class SessionRow(SQLModel, table=True):
     __tablename__ = "sessions"
 
     id: str = Field(primary_key=True)
     owner: str = Field(index=True)
-    status: str = "active"  # active | finished | expired
+    status: str = "active"  # active | finished | expired | open (LIVE_SESSION: accepts work)
     finish_reason: str | None = None
     sdk_version: str | None = None
     tags_json: str = "[]"
