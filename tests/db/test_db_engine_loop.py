@@ -279,3 +279,30 @@ def test_the_engine_thread_survives_a_queue_failure(sqlite_db: Database) -> None
     finally:
         engine.stop()
     assert len(calls) > 1
+
+
+def test_results_the_queue_cannot_take_are_kept_and_recorded_once_it_can(sqlite_db: Database) -> None:
+    """A full disk refuses every write: the step's results stay with the engine (still in flight) instead of
+    being lost with their futures running forever, and land, as results, once writes succeed again."""
+    queue, full = sqlite_db.queue, [True]
+
+    def refusing(method):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if full[0]:
+                raise OSError(28, "database or disk is full")
+            return method(*args, **kwargs)
+
+        return call
+
+    for name in ("complete", "fail", "finish_many"):
+        setattr(queue, name, refusing(getattr(queue, name)))
+    futures = [_submit(sqlite_db, 1), _submit(sqlite_db, 2)]
+    engine = Engine(queue, ScriptedRunner(), idle_wait_s=0.0)
+    engine.run_once()  # claimed and stepped; neither result nor failure can be written
+    engine.run_once()
+    assert sorted(engine.in_flight()) == sorted(futures)
+    assert {queue.get(f).status for f in futures} == {"running"}  # type: ignore[union-attr]
+    full[0] = False
+    engine.run_once()
+    assert [(queue.get(f).status, queue.get(f).error) for f in futures] == [("done", None)] * 2  # type: ignore[union-attr]
+    assert engine.in_flight() == []

@@ -135,6 +135,30 @@ def test_a_failing_control_item_fails_once_and_alone(runner: JaxRunner, monkeypa
     assert [p.name for p in calls].count("boom") == 1  # never re-executed
 
 
+def test_a_save_that_fills_the_disk_leaves_nothing_and_says_so(runner: JaxRunner, monkeypatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Orbax reports a full disk half-way through its files: the partial checkpoint is removed (it held the
+    space the next save needs) and the caller reads why, not tensorstore's message with server paths."""
+    import orbax.checkpoint as ocp
+
+    _create(runner, "filler")
+    monkeypatch.setattr(runner, "checkpoint_root", None)
+    write = ocp.StandardCheckpointer.save
+
+    def fills_up(self, directory, *args, **kwargs):  # type: ignore[no-untyped-def]
+        write(self, directory, *args, **kwargs)  # the files land; then the disk "fills" before the commit ends
+        raise ValueError(f'RESOURCE_EXHAUSTED: Error writing "x" in OCDBT database at local file "{directory}"')
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", fills_up)
+    item = _item("save_state", "filler", SaveStateRequest("full", str(tmp_path / "full"), "tinker://x/weights/full"))
+    error = _run_all(runner, [item])[item.future_id]
+    assert isinstance(error, RequestError) and "disk is full" in error.message and str(tmp_path) not in error.message
+    assert not (tmp_path / "full").exists()
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", write)
+    again = _item("save_state", "filler", SaveStateRequest("full", str(tmp_path / "full"), "tinker://x/weights/full"))
+    assert isinstance(_run_all(runner, [again])[again.future_id], CheckpointResult)
+    assert (tmp_path / "full" / "run.json").is_file()
+
+
 def test_a_checkpoint_path_outside_the_root_fails_in_the_engine_too(runner: JaxRunner, tmp_path: Path) -> None:
     _create(runner, "escaper")
     assert runner.checkpoint_root is not None

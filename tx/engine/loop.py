@@ -107,6 +107,7 @@ class Engine:
         self.claim_limit = claim_limit
         self.idle_wait_s = idle_wait_s
         self._inflight: dict[str, _Inflight] = {}
+        self._unrecorded: list[tuple[Completion, _Inflight | None]] = []  # finished; the queue took no write
         self._last_sample_burst = 0  # sample requests in the last burst gathered from idle
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -122,8 +123,8 @@ class Engine:
             self._thread.join(timeout_s)
 
     def in_flight(self) -> list[str]:
-        """The future ids claimed and not yet finished (safe to call from another thread)."""
-        return list(self._inflight)
+        """The future ids claimed and not yet recorded (safe to call from another thread)."""
+        return list(self._inflight) + [completion.future_id for completion, _ in list(self._unrecorded)]
 
     def _run(self) -> None:
         log.info("engine loop started")
@@ -136,11 +137,12 @@ class Engine:
 
     def run_once(self) -> None:
         """One iteration: admit new work, then step the runner or sleep until work arrives."""
+        self._record_kept()
         self._admit(self._claim_burst())
         if self.runner.idle():
             if self._inflight:  # the runner says it is done but never reported these
                 self._fail_many(list(self._inflight), "the engine lost track of this request")
-            self.queue.wait_for_work(self.idle_wait_s)
+            self.queue.wait_for_work(1.0 if self._unrecorded else self.idle_wait_s)
             return
         self._step()
 
@@ -244,16 +246,39 @@ class Engine:
 
     def _finish(self, completion: Completion) -> None:
         entry = self._inflight.pop(completion.future_id, None)
+        if self._record(completion):
+            self._log_done(completion, entry)
+        else:
+            self._unrecorded.append((completion, entry))
+
+    def _record(self, completion: Completion) -> bool:
+        """Store a result (a result that cannot be stored fails its future instead). False when the queue
+        takes no write at all (a full disk, a lost database): the result is kept to store later."""
         result = completion.result
         try:
             if isinstance(result, RequestError):
                 self.queue.fail(completion.future_id, result)
             else:
                 self.queue.complete(completion.future_id, result)
+            return True
         except Exception as exc:
             log.exception("recording the result of %s failed", completion.future_id)
-            self.queue.fail(completion.future_id, RequestError(f"could not store the result: {exc}", "server"))
-        self._log_done(completion, entry)
+            error = RequestError(f"could not store the result: {exc}", "server")
+        try:
+            self.queue.fail(completion.future_id, error)
+            return True
+        except Exception:
+            log.exception("the queue takes no writes: %s is kept to record again", completion.future_id)
+            return False
+
+    def _record_kept(self) -> None:
+        """Store the results the queue refused earlier, oldest first, until it refuses again."""
+        while self._unrecorded:
+            completion, entry = self._unrecorded[0]
+            if not self._record(completion):
+                return
+            self._unrecorded.pop(0)
+            self._log_done(completion, entry)
 
     def _fail_many(self, future_ids: Sequence[str], message: str) -> None:
         for future_id in future_ids:
