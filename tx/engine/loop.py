@@ -251,9 +251,10 @@ class Engine:
         else:
             self._unrecorded.append((completion, entry))
 
-    def _record(self, completion: Completion) -> bool:
+    def _record(self, completion: Completion, retry: bool = False) -> bool:
         """Store a result (a result that cannot be stored fails its future instead). False when the queue
-        takes no write at all (a full disk, a lost database): the result is kept to store later."""
+        takes no write at all (a full disk, a lost database): the result is kept to store later, and
+        retries that fail again log one line, not a traceback a second."""
         result = completion.result
         try:
             if isinstance(result, RequestError):
@@ -262,20 +263,20 @@ class Engine:
                 self.queue.complete(completion.future_id, result)
             return True
         except Exception as exc:
-            log.exception("recording the result of %s failed", completion.future_id)
+            log.error("recording the result of %s failed: %s", completion.future_id, exc, exc_info=not retry)
             error = RequestError(f"could not store the result: {exc}", "server")
         try:
             self.queue.fail(completion.future_id, error)
             return True
-        except Exception:
-            log.exception("the queue takes no writes: %s is kept to record again", completion.future_id)
+        except Exception as exc:
+            log.error("the queue takes no writes (%s): %s is kept to record again", exc, completion.future_id)
             return False
 
     def _record_kept(self) -> None:
         """Store the results the queue refused earlier, oldest first, until it refuses again."""
         while self._unrecorded:
             completion, entry = self._unrecorded[0]
-            if not self._record(completion):
+            if not self._record(completion, retry=True):
                 return
             self._unrecorded.pop(0)
             self._log_done(completion, entry)
