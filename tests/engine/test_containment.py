@@ -6,6 +6,7 @@ checkpoint or sampler function so that it raises only for the request chosen as 
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,7 +153,20 @@ def test_a_save_that_fills_the_disk_leaves_nothing_and_says_so(runner: JaxRunner
     item = _item("save_state", "filler", SaveStateRequest("full", str(tmp_path / "full"), "tinker://x/weights/full"))
     error = _run_all(runner, [item])[item.future_id]
     assert isinstance(error, RequestError) and "disk is full" in error.message and str(tmp_path) not in error.message
+    assert error.category == "server"  # not the caller's fault, though orbax raises a ValueError
     assert not (tmp_path / "full").exists()
+
+    def no_space(*args: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "peft"))
+
+    monkeypatch.setattr(runner.io, "save_peft", no_space)
+    peft = _item(
+        "save_weights_for_sampler",
+        "filler",
+        SaveSamplerRequest("s-full", name="peft", dest_dir=str(tmp_path / "peft"), tinker_path="tinker://x/s"),
+    )
+    error = _run_all(runner, [peft])[peft.future_id]
+    assert isinstance(error, RequestError) and "disk is full" in error.message and error.category == "server"
     monkeypatch.setattr(ocp.StandardCheckpointer, "save", write)
     again = _item("save_state", "filler", SaveStateRequest("full", str(tmp_path / "full"), "tinker://x/weights/full"))
     assert isinstance(_run_all(runner, [again])[again.future_id], CheckpointResult)

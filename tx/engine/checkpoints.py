@@ -10,7 +10,6 @@ orbax writes each process's shards into the one shared directory.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from tx.gather import barrier, is_writer
-from tx.protocol import LoraConfig, RequestError
+from tx.protocol import LoraConfig
 
 META = "run.json"
 
@@ -43,23 +42,10 @@ def save(dest: Path, params: dict, opt_state: Any, step: int, lora: LoraConfig |
     barrier(f"checkpoint cleared: {dest}")
     try:
         return _write(dest, params, opt_state, step, lora, base_model)
-    except BaseException as exc:
+    except BaseException:
         if is_writer():  # a checkpoint that failed half-way (a full disk) leaves no partial files behind
             shutil.rmtree(dest, ignore_errors=True)
-        if _out_of_space(exc):
-            raise RequestError(
-                f"the server's disk is full: checkpoint {dest.name!r} was not saved (free space in the server's "
-                "data directory, e.g. delete old checkpoints, and save again)",
-                "server",
-            ) from exc
         raise
-
-
-def _out_of_space(exc: BaseException) -> bool:
-    """ENOSPC from Python, or orbax's tensorstore writes (a ValueError saying RESOURCE_EXHAUSTED)."""
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return True
-    return isinstance(exc, ValueError) and "RESOURCE_EXHAUSTED" in str(exc)
 
 
 def _write(dest: Path, params: dict, opt_state: Any, step: int, lora: LoraConfig | None, base_model: str) -> int:

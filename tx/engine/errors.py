@@ -7,6 +7,7 @@ a directory under a known root is shown relative to it, any other absolute path 
 
 from __future__ import annotations
 
+import errno
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,6 +21,19 @@ USER_ERRORS: tuple[type[Exception], ...] = (BadName, SlotsExhausted, FileNotFoun
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.])/(?:[^\s'\":,/]+/)*([^\s'\":,/]+)")
 
 
+DISK_FULL = (
+    "the server's disk is full: this request's files were not written (free space in the server's data "
+    "directory, e.g. delete old checkpoints, and try again)"
+)
+
+
+def out_of_space(err: BaseException) -> bool:
+    """ENOSPC from Python, or from orbax's tensorstore writes (a ValueError saying RESOURCE_EXHAUSTED)."""
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return True
+    return isinstance(err, ValueError) and "RESOURCE_EXHAUSTED" in str(err)
+
+
 def scrub_paths(message: str, roots: Iterable[Path]) -> str:
     """`message` without absolute server paths: `<root>/rest` becomes `rest`, others their last part."""
     for root in sorted((str(Path(r).resolve()) for r in roots), key=len, reverse=True):
@@ -31,6 +45,8 @@ def as_request_error(err: BaseException, roots: Iterable[Path] = ()) -> RequestE
     """The error a failed item reports (see the module docstring)."""
     if isinstance(err, RequestError):
         return RequestError(scrub_paths(err.message, roots), err.category)
+    if out_of_space(err):
+        return RequestError(DISK_FULL, "server")
     category: ErrorCategory = "user" if isinstance(err, USER_ERRORS) else "server"
     detail = str(err) if category == "user" else f"{type(err).__name__}: {err}"
     return RequestError(scrub_paths(detail, roots), category)
