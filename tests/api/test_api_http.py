@@ -247,3 +247,33 @@ def test_max_runs_bounds_the_servers_live_runs_and_a_retry_is_not_a_new_run(tmp_
         assert refused.status_code == 400 and "--max-runs 2" in refused.json()["detail"]
         wait(client, client.post("/unload_model", json={"model_id": first["model_id"]}).json()["request_id"])
         assert create(client, mine, 1).status_code == 200  # an unloaded run gives its place back
+
+
+def test_a_database_that_takes_no_writes_is_a_503_and_a_full_disk_a_507(
+    http: httpx.Client, server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk or a lost database is the server's state, not a bug: the SDK gets a status it retries and
+    a detail saying why, never a 500 with a traceback; the server answers normally again afterwards."""
+    import sqlite3
+
+    from sqlalchemy.exc import OperationalError
+
+    session_id = http.post("/create_session", json={}).json()["session_id"]
+    heartbeat = server.db.records.heartbeat
+
+    def full(*args: Any) -> str:
+        raise OperationalError("UPDATE sessions ...", {}, sqlite3.OperationalError("database or disk is full"))
+
+    monkeypatch.setattr(server.db.records, "heartbeat", full)
+    reply = http.post("/session_heartbeat", json={"session_id": session_id})
+    assert reply.status_code == 503 and "disk is full" in reply.json()["detail"] and "UPDATE" not in reply.text
+    assert reply.headers["retry-after"] == "1"
+
+    def no_space(*args: Any) -> str:
+        raise OSError(28, "No space left on device", "/srv/data/smolgym.db")
+
+    monkeypatch.setattr(server.db.records, "heartbeat", no_space)
+    reply = http.post("/session_heartbeat", json={"session_id": session_id})
+    assert reply.status_code == 507 and "disk is full" in reply.json()["detail"] and "/srv" not in reply.text
+    monkeypatch.setattr(server.db.records, "heartbeat", heartbeat)
+    assert http.post("/session_heartbeat", json={"session_id": session_id}).status_code == 200

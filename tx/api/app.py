@@ -10,6 +10,7 @@ FastAPI's field-by-field detail.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
 
 from tx.api import (
     routes_admin,
@@ -52,6 +54,23 @@ async def _bad_request(_request: Request, exc: Exception) -> JSONResponse:
 
 async def _too_large(_request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=413)
+
+
+async def _store_unavailable(_request: Request, exc: Exception) -> JSONResponse:
+    """The database refused the request's read or write (a full disk, a lost Postgres, a held lock): a 503 the
+    SDK retries, naming the cause, instead of a 500 with a traceback."""
+    cause = str(getattr(exc, "orig", exc))
+    log.error("database unavailable: %s", cause)
+    why = "its disk is full" if "full" in cause else "try again shortly"
+    detail = f"the server's database cannot serve this request ({why})"
+    return JSONResponse({"detail": detail}, status_code=503, headers={"Retry-After": "1"})
+
+
+async def _disk_full(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        log.error("disk full: %s", exc)
+        return JSONResponse({"detail": "the server's disk is full; free space in its data directory"}, status_code=507)
+    raise exc
 
 
 async def _schema_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -114,6 +133,8 @@ def create_app(
     app.add_exception_handler(BadName, _bad_request)
     app.add_exception_handler(BodyTooLarge, _too_large)
     app.add_exception_handler(RequestValidationError, _schema_error)
+    app.add_exception_handler(OperationalError, _store_unavailable)
+    app.add_exception_handler(OSError, _disk_full)
     app.add_middleware(BodyLimit, max_bytes=ctx.limits.max_body_bytes)
     for module in (
         routes_session,
