@@ -24,6 +24,7 @@ from tx.protocol import (
     ForwardBackwardResult,
     LoadResult,
     LoadStateRequest,
+    LoadWeightsRequest,
     LoraConfig,
     OptimStepRequest,
     OptimStepResult,
@@ -269,6 +270,34 @@ def test_a_checkpoint_restores_a_run_of_its_rank_and_is_refused_by_another(
     results = _run_all(runner, [wide, refused])
     _error(results[refused.future_id], "user", "does not match model 'wide' (rank or kind)")
     _unload(runner, "keeper", "wide")
+
+
+def test_a_damaged_checkpoint_fails_by_name_and_a_failed_restore_keeps_no_run(
+    runner: JaxRunner, monkeypatch, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Truncated tensor files or a garbled run.json fail the load saying the checkpoint is damaged (not a
+    JSON or tensorstore message), and a create-from-state whose restore failed does not keep its slot."""
+    monkeypatch.setattr(runner, "checkpoint_root", None)
+    _create(runner, "source")
+    saves = [
+        _item("save_state", "source", SaveStateRequest(n, str(tmp_path / n), f"tinker://s/weights/{n}")) for n in "ab"
+    ]
+    assert all(isinstance(r, CheckpointResult) for r in _run_all(runner, saves).values())
+    for data in (tmp_path / "a" / "state").rglob("d/*"):
+        data.write_bytes(data.read_bytes()[:7])
+    (tmp_path / "b" / "run.json").write_text("{not json")
+    runs = set(runner.trainer.runs)
+    for attempt in range(3):  # each would have kept a slot of the eight
+        for name in "ab":
+            lora = LoraConfig(4, 8.0, seed=3)
+            request = LoadWeightsRequest("m", lora, str(tmp_path / name), f"tinker://s/weights/{name}")
+            item = _item("load_weights", f"from-{name}-{attempt}", request)
+            result = _run_all(runner, [item])[item.future_id]
+            assert isinstance(result, RequestError), type(result)
+            _error(result, "server", f"checkpoint {name!r} cannot be read")
+    assert set(runner.trainer.runs) == runs
+    assert all(f"from-{name}-{attempt}" not in runner.slots for name in "ab" for attempt in range(3))
+    _unload(runner, "source")
 
 
 def test_sampler_weights_being_sampled_are_not_replaced(runner: JaxRunner) -> None:

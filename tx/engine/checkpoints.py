@@ -20,7 +20,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from tx.gather import barrier, is_writer
-from tx.protocol import LoraConfig
+from tx.protocol import LoraConfig, RequestError
 
 META = "run.json"
 
@@ -65,18 +65,35 @@ def _write(dest: Path, params: dict, opt_state: Any, step: int, lora: LoraConfig
 def read_meta(source: Path) -> tuple[LoraConfig | None, int]:
     if not (source / META).is_file():
         raise FileNotFoundError(f"{source} is not a complete SmolGym training checkpoint (no {META})")
-    meta = json.loads((source / META).read_text())
-    lora = LoraConfig(**meta["lora"]) if meta.get("lora") else None
-    return lora, int(meta.get("step", 0))
+    try:
+        meta = json.loads((source / META).read_text())
+        lora = LoraConfig(**meta["lora"]) if meta.get("lora") else None
+        if lora is not None and not (isinstance(lora.rank, int) and lora.rank > 0):
+            raise ValueError(f"rank {lora.rank!r}")
+        return lora, int(meta.get("step", 0))
+    except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as exc:
+        raise _damaged(source, META, exc) from exc
 
 
 def restore(source: Path, params_like: dict, opt_like: Any) -> tuple[dict, Any]:
     """Restore into the structure (and shardings) of an existing run's params and optimizer state."""
     target = {"params": _keyed(params_like), "opt_state": opt_like}
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-    with ocp.StandardCheckpointer() as ckptr:
-        tree = ckptr.restore(source / "state", abstract)
+    try:
+        with ocp.StandardCheckpointer() as ckptr:
+            tree = ckptr.restore(source / "state", abstract)
+    except Exception as exc:  # tensorstore and orbax name missing or truncated files in many ways
+        raise _damaged(source, "state/", exc) from exc
     return _unkeyed(tree["params"]), tree["opt_state"]
+
+
+def _damaged(source: Path, part: str, exc: Exception) -> RequestError:
+    detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    return RequestError(
+        f"checkpoint {source.name!r} cannot be read: its {part} is damaged or incomplete ({detail}); "
+        "restore an earlier checkpoint",
+        "server",
+    )
 
 
 PARTIAL_MARKERS = (".tmp-", ".old-", "orbax-checkpoint-tmp", f".{META}.tmp")

@@ -261,14 +261,17 @@ class JaxRunner:
         if isinstance(p, LoadWeightsRequest):
             lora, _ = checkpoints.read_meta(self._path(p.source_dir))
             self._create(run_id, lora)
-            self._load(run_id, self._path(p.source_dir), p.with_optimizer)
+            try:
+                self._load(run_id, self._path(p.source_dir), p.with_optimizer)
+            except BaseException:
+                self._forget(run_id)  # a run that could not be restored does not keep its slot
+                raise
             return LoadResult(run_id, p.tinker_path)
         if isinstance(p, SaveSamplerRequest):
             return self._save_for_sampler(run_id, p)
         if item.kind == "unload_model":
             self._run(run_id)
-            self.trainer.drop_run(run_id)  # a paged-out run leaves the host store
-            self.bank.release(run_id) if run_id in self.slots else None
+            self._forget(run_id)
             return UnloadResult(run_id)
         raise RequestError(f"unsupported request kind {item.kind!r}", "server")
 
@@ -283,6 +286,10 @@ class JaxRunner:
         self._check_run_limit()
         slot = self.pager.claim(run_id, "run", lora, self._protect)
         self.trainer.create_lora_run(run_id, lora, slot, seed=lora.seed or 0)
+
+    def _forget(self, run_id: str) -> None:
+        self.trainer.drop_run(run_id)  # a paged-out run leaves the host store
+        self.bank.release(run_id) if run_id in self.slots else None
 
     def _check_run_limit(self) -> None:
         limit = self.bank.max_runs
