@@ -297,6 +297,12 @@ def test_a_damaged_checkpoint_fails_by_name_and_a_failed_restore_keeps_no_run(
             _error(result, "server", f"checkpoint {name!r} cannot be read")
     assert set(runner.trainer.runs) == runs
     assert all(f"from-{name}-{attempt}" not in runner.slots for name in "ab" for attempt in range(3))
+    peft = _item("save_weights_for_sampler", "source", SaveSamplerRequest("p", name="p", dest_dir=str(tmp_path / "p")))
+    assert isinstance(_run_all(runner, [peft])[peft.future_id], CheckpointResult)
+    for tensors in (tmp_path / "p").glob("*.safetensors"):
+        tensors.write_bytes(tensors.read_bytes()[:100])
+    with pytest.raises(RequestError, match="sampler checkpoint 'p' cannot be read: its files are damaged"):
+        runner.io.load_peft(tmp_path / "p", runner.bank, 1)  # fails before the slot is written
     _unload(runner, "source")
 
 

@@ -8,6 +8,7 @@ arrays and process 0 alone writes the files."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax
@@ -15,6 +16,7 @@ import numpy as np
 import psutil
 from flax import nnx
 from jax.sharding import Mesh
+from safetensors import SafetensorError
 
 from tx.engine.bank import AdapterBank
 from tx.engine.trainer import Trainer, lora_targets
@@ -24,7 +26,7 @@ from tx.lora.targets import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
 from tx.models.causal_lm import decode_layout
 from tx.models.config import ModelConfig
 from tx.models.weights import load_model, save_hf, text_module_name
-from tx.protocol import LoraConfig
+from tx.protocol import LoraConfig, RequestError
 from tx.tuning import Tuning
 
 # Families whose PEFT export writes the experts fused (`target_parameters`): the pinned peft converts a
@@ -66,7 +68,14 @@ class WeightsIO:
         )
 
     def load_peft(self, source: Path, bank: AdapterBank, slot: int) -> None:
-        config, weights = peft.load_peft(source, fused_gate_up=self.cfg.family == "gpt_oss")
+        try:
+            config, weights = peft.load_peft(source, fused_gate_up=self.cfg.family == "gpt_oss")
+        except (SafetensorError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(
+                f"sampler checkpoint {source.name!r} cannot be read: its files are damaged or incomplete "
+                f"({type(exc).__name__}: {str(exc)[:200]})",
+                "server",
+            ) from exc
         weights = {text_module_name(name, self.cfg): pair for name, pair in weights.items()}
         bank.write_peft(slot, config, weights, self.cfg.stacked_layer)
 
