@@ -7,6 +7,7 @@ checkpoint or sampler function so that it raises only for the request chosen as 
 from __future__ import annotations
 
 import errno
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,10 @@ def _unload(runner: JaxRunner, *names: str) -> None:
     assert not any(n in runner.slots or n in runner.trainer.runs for n in names)
 
 
+def _raise(exc: Exception) -> None:
+    raise exc
+
+
 def _error(result: Any, category: str, text: str) -> None:
     assert isinstance(result, RequestError) and result.category == category and text in result.message, result
 
@@ -301,8 +306,28 @@ def test_a_damaged_checkpoint_fails_by_name_and_a_failed_restore_keeps_no_run(
     assert isinstance(_run_all(runner, [peft])[peft.future_id], CheckpointResult)
     for tensors in (tmp_path / "p").glob("*.safetensors"):
         tensors.write_bytes(tensors.read_bytes()[:100])
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    for _ in range(2):  # the second try must not find a slot the first one claimed and left empty
+        ref = WeightsRef("p-on-disk", "source", str(tmp_path / "p"))
+        sample = _item("sample", "p-on-disk", SampleRequest([1, 2], 1, params, "m", weights=ref))
+        _error(_run_all(runner, [sample])[sample.future_id], "server", "sampler checkpoint 'p' cannot be read")
     with pytest.raises(RequestError, match="sampler checkpoint 'p' cannot be read: its files are damaged"):
         runner.io.load_peft(tmp_path / "p", runner.bank, 1)  # fails before the slot is written
+    whole = _item("save_weights_for_sampler", "source", SaveSamplerRequest("q", name="q", dest_dir=str(tmp_path / "q")))
+    assert isinstance(_run_all(runner, [whole])[whole.future_id], CheckpointResult)
+    monkeypatch.setattr(runner.io, "load_peft", lambda *args: _raise(OSError(5, "Input/output error")))
+    sample = _item(
+        "sample",
+        "q-on-disk",
+        SampleRequest([1, 2], 1, params, "m", weights=WeightsRef("q-on-disk", "source", str(tmp_path / "q"))),
+    )
+    _error(_run_all(runner, [sample])[sample.future_id], "server", "Input/output error")
+    assert "q-on-disk" not in runner.slots  # the slot claimed for the failed read is free again
+    merged = shutil.copytree(runner.io.model_dir, tmp_path / "merged")  # a full fine-tuning sampler checkpoint
+    for tensors in merged.glob("*.safetensors"):
+        tensors.write_bytes(tensors.read_bytes()[:100])
+    with pytest.raises(RequestError, match="sampler checkpoint 'merged' cannot be read: its files are damaged"):
+        runner.io.load_full(merged)
     _unload(runner, "source")
 
 

@@ -386,6 +386,10 @@ class JaxRunner:
         if directory and ref.checkpoint_type == "sampler":
             lora = self.io.peft_lora_config(directory)
             slot = self._sampler_slot_for(ref.snapshot_id, lora)
-            self.io.load_peft(directory, self.bank, slot)
+            try:
+                self.io.load_peft(directory, self.bank, slot)
+            except BaseException:  # a slot left claimed would serve the next sample of this snapshot empty
+                self.bank.clear(self.bank.release(ref.snapshot_id).slot)
+                raise
             return slot
         raise RequestError(f"sampler weights {ref.snapshot_id!r} are not available (not saved, or evicted)", "user")

@@ -25,6 +25,7 @@ from tx.lora import peft
 from tx.lora.targets import ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
 from tx.models.causal_lm import decode_layout
 from tx.models.config import ModelConfig
+from tx.models.safetensors_io import BadSafetensors
 from tx.models.weights import load_model, save_hf, text_module_name
 from tx.protocol import LoraConfig, RequestError
 from tx.tuning import Tuning
@@ -57,7 +58,10 @@ class WeightsIO:
         return sum(f.stat().st_size for f in dest.iterdir() if f.is_file())
 
     def peft_lora_config(self, source: Path) -> LoraConfig:
-        config, _ = peft.load_peft(source, fused_gate_up=self.cfg.family == "gpt_oss")
+        try:
+            config, _ = peft.load_peft(source, fused_gate_up=self.cfg.family == "gpt_oss")
+        except DAMAGED as exc:
+            raise _damaged(source, exc) from exc
         t = set(config.target_modules)
         return LoraConfig(
             rank=config.rank,
@@ -70,12 +74,8 @@ class WeightsIO:
     def load_peft(self, source: Path, bank: AdapterBank, slot: int) -> None:
         try:
             config, weights = peft.load_peft(source, fused_gate_up=self.cfg.family == "gpt_oss")
-        except (SafetensorError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestError(
-                f"sampler checkpoint {source.name!r} cannot be read: its files are damaged or incomplete "
-                f"({type(exc).__name__}: {str(exc)[:200]})",
-                "server",
-            ) from exc
+        except DAMAGED as exc:
+            raise _damaged(source, exc) from exc
         weights = {text_module_name(name, self.cfg): pair for name, pair in weights.items()}
         bank.write_peft(slot, config, weights, self.cfg.stacked_layer)
 
@@ -87,7 +87,10 @@ class WeightsIO:
         return (source / "config.json").is_file() and not (source / peft.CONFIG_NAME).is_file()
 
     def load_full(self, source: Path) -> dict:
-        model, _ = load_model(str(source), mesh=self.mesh, progress=False, tuning=self.tuning)
+        try:
+            model, _ = load_model(str(source), mesh=self.mesh, progress=False, tuning=self.tuning)
+        except DAMAGED as exc:
+            raise _damaged(source, exc) from exc
         _, base = nnx.split(model, nnx.Param)  # a full checkpoint has no adapter slots
         flat = {tuple(str(k) for k in p): v.get_value() for p, v in nnx.to_flat_state(base)}
         return decode_layout(flat, self.tuning)
@@ -113,3 +116,15 @@ def free_bytes(devices: set[jax.Device]) -> int:
     if not stats or any(not s or "bytes_limit" not in s for s in stats):
         return int(psutil.virtual_memory().available)
     return sum(int(s["bytes_limit"]) - int(s.get("bytes_in_use", 0)) for s in stats if s)
+
+
+# What reading a truncated or garbled weights file raises (our own checks name their fields instead).
+DAMAGED = (SafetensorError, BadSafetensors, json.JSONDecodeError, UnicodeDecodeError)
+
+
+def _damaged(source: Path, exc: Exception) -> RequestError:
+    return RequestError(
+        f"sampler checkpoint {source.name!r} cannot be read: its files are damaged or incomplete "
+        f"({type(exc).__name__}: {str(exc)[:200]})",
+        "server",
+    )
