@@ -311,7 +311,7 @@ def test_a_damaged_checkpoint_fails_by_name_and_a_failed_restore_keeps_no_run(
         ref = WeightsRef("p-on-disk", "source", str(tmp_path / "p"))
         sample = _item("sample", "p-on-disk", SampleRequest([1, 2], 1, params, "m", weights=ref))
         _error(_run_all(runner, [sample])[sample.future_id], "server", "sampler checkpoint 'p' cannot be read")
-    with pytest.raises(RequestError, match="sampler checkpoint 'p' cannot be read: its files are damaged"):
+    with pytest.raises(RequestError, match="sampler checkpoint 'p' cannot be read: damaged or incomplete files"):
         runner.io.load_peft(tmp_path / "p", runner.bank, 1)  # fails before the slot is written
     whole = _item("save_weights_for_sampler", "source", SaveSamplerRequest("q", name="q", dest_dir=str(tmp_path / "q")))
     assert isinstance(_run_all(runner, [whole])[whole.future_id], CheckpointResult)
@@ -326,7 +326,7 @@ def test_a_damaged_checkpoint_fails_by_name_and_a_failed_restore_keeps_no_run(
     merged = shutil.copytree(runner.io.model_dir, tmp_path / "merged")  # a full fine-tuning sampler checkpoint
     for tensors in merged.glob("*.safetensors"):
         tensors.write_bytes(tensors.read_bytes()[:100])
-    with pytest.raises(RequestError, match="sampler checkpoint 'merged' cannot be read: its files are damaged"):
+    with pytest.raises(RequestError, match="sampler checkpoint 'merged' cannot be read: damaged or incomplete files"):
         runner.io.load_full(merged)
     _unload(runner, "source")
 

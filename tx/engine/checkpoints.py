@@ -19,8 +19,9 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from tx.engine.errors import damaged_checkpoint
 from tx.gather import barrier, is_writer
-from tx.protocol import LoraConfig, RequestError
+from tx.protocol import LoraConfig
 
 META = "run.json"
 
@@ -72,7 +73,7 @@ def read_meta(source: Path) -> tuple[LoraConfig | None, int]:
             raise ValueError(f"rank {lora.rank!r}")
         return lora, int(meta.get("step", 0))
     except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as exc:
-        raise _damaged(source, META, exc) from exc
+        raise damaged_checkpoint("checkpoint", source, META, exc) from exc
 
 
 def restore(source: Path, params_like: dict, opt_like: Any) -> tuple[dict, Any]:
@@ -83,17 +84,8 @@ def restore(source: Path, params_like: dict, opt_like: Any) -> tuple[dict, Any]:
         with ocp.StandardCheckpointer() as ckptr:
             tree = ckptr.restore(source / "state", abstract)
     except Exception as exc:  # tensorstore and orbax name missing or truncated files in many ways
-        raise _damaged(source, "state/", exc) from exc
+        raise damaged_checkpoint("checkpoint", source, "state/", exc) from exc
     return _unkeyed(tree["params"]), tree["opt_state"]
-
-
-def _damaged(source: Path, part: str, exc: Exception) -> RequestError:
-    detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-    return RequestError(
-        f"checkpoint {source.name!r} cannot be read: its {part} is damaged or incomplete ({detail}); "
-        "restore an earlier checkpoint",
-        "server",
-    )
 
 
 PARTIAL_MARKERS = (".tmp-", ".old-", "orbax-checkpoint-tmp", f".{META}.tmp")

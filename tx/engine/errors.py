@@ -34,6 +34,16 @@ def out_of_space(err: BaseException) -> bool:
     return isinstance(err, ValueError) and "RESOURCE_EXHAUSTED" in str(err)
 
 
+def damaged_checkpoint(kind: str, source: Path, part: str, exc: Exception) -> RequestError:
+    """A checkpoint whose files cannot be read (truncated, garbled): named, with the reader's first line."""
+    detail = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return RequestError(
+        f"{kind} {source.name!r} cannot be read: damaged or incomplete {part} ({type(exc).__name__}: {detail}); "
+        "save it again or use an earlier one",
+        "server",
+    )
+
+
 def scrub_paths(message: str, roots: Iterable[Path]) -> str:
     """`message` without absolute server paths: `<root>/rest` becomes `rest`, others their last part."""
     for root in sorted((str(Path(r).resolve()) for r in roots), key=len, reverse=True):

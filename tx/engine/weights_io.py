@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from safetensors import SafetensorError
 
 from tx.engine.bank import AdapterBank
+from tx.engine.errors import damaged_checkpoint
 from tx.engine.trainer import Trainer, lora_targets
 from tx.gather import is_writer
 from tx.lora import peft
@@ -27,7 +28,7 @@ from tx.models.causal_lm import decode_layout
 from tx.models.config import ModelConfig
 from tx.models.safetensors_io import BadSafetensors
 from tx.models.weights import load_model, save_hf, text_module_name
-from tx.protocol import LoraConfig, RequestError
+from tx.protocol import LoraConfig
 from tx.tuning import Tuning
 
 # Families whose PEFT export writes the experts fused (`target_parameters`): the pinned peft converts a
@@ -57,11 +58,14 @@ class WeightsIO:
         peft.save_peft(dest, config, weights, fused_experts=self.cfg.family in FUSED_EXPERT_FAMILIES)
         return sum(f.stat().st_size for f in dest.iterdir() if f.is_file())
 
-    def peft_lora_config(self, source: Path) -> LoraConfig:
+    def _read_peft(self, source: Path) -> tuple[peft.AdapterConfig, peft.AdapterWeights]:
         try:
-            config, _ = peft.load_peft(source, fused_gate_up=self.cfg.family == "gpt_oss")
+            return peft.load_peft(source, fused_gate_up=self.cfg.family == "gpt_oss")
         except DAMAGED as exc:
-            raise _damaged(source, exc) from exc
+            raise damaged_checkpoint("sampler checkpoint", source, "files", exc) from exc
+
+    def peft_lora_config(self, source: Path) -> LoraConfig:
+        config, _ = self._read_peft(source)
         t = set(config.target_modules)
         return LoraConfig(
             rank=config.rank,
@@ -72,10 +76,7 @@ class WeightsIO:
         )
 
     def load_peft(self, source: Path, bank: AdapterBank, slot: int) -> None:
-        try:
-            config, weights = peft.load_peft(source, fused_gate_up=self.cfg.family == "gpt_oss")
-        except DAMAGED as exc:
-            raise _damaged(source, exc) from exc
+        config, weights = self._read_peft(source)
         weights = {text_module_name(name, self.cfg): pair for name, pair in weights.items()}
         bank.write_peft(slot, config, weights, self.cfg.stacked_layer)
 
@@ -90,7 +91,7 @@ class WeightsIO:
         try:
             model, _ = load_model(str(source), mesh=self.mesh, progress=False, tuning=self.tuning)
         except DAMAGED as exc:
-            raise _damaged(source, exc) from exc
+            raise damaged_checkpoint("sampler checkpoint", source, "files", exc) from exc
         _, base = nnx.split(model, nnx.Param)  # a full checkpoint has no adapter slots
         flat = {tuple(str(k) for k in p): v.get_value() for p, v in nnx.to_flat_state(base)}
         return decode_layout(flat, self.tuning)
@@ -120,11 +121,3 @@ def free_bytes(devices: set[jax.Device]) -> int:
 
 # What reading a truncated or garbled weights file raises (our own checks name their fields instead).
 DAMAGED = (SafetensorError, BadSafetensors, json.JSONDecodeError, UnicodeDecodeError)
-
-
-def _damaged(source: Path, exc: Exception) -> RequestError:
-    return RequestError(
-        f"sampler checkpoint {source.name!r} cannot be read: its files are damaged or incomplete "
-        f"({type(exc).__name__}: {str(exc)[:200]})",
-        "server",
-    )
