@@ -465,3 +465,26 @@ def test_postgres_notify_reaches_another_server(db: Database) -> None:
         assert row is not None and row.status == "failed" and time.monotonic() - start < 3.0
     finally:
         other.close()
+
+
+def test_opening_an_up_to_date_postgres_database_takes_no_table_locks(db: Database) -> None:
+    """A server starting beside live ones (an API server restarted mid-run) must not queue for an exclusive
+    lock on the tables they read: its no-op ALTER TABLEs once deadlocked against their queries."""
+    if db.engine.dialect.name != "postgresql":
+        pytest.skip("the migrations are Postgres ALTER TABLEs")
+    _submit(db, 1)
+    opened: list[Database] = []
+    with db.engine.connect() as reader:
+        reader.exec_driver_sql("BEGIN")
+        for table in ("futures", "checkpoints", "metrics"):  # a live server's open transaction
+            reader.exec_driver_sql(f"SELECT count(*) FROM {table}")
+        opener = threading.Thread(
+            target=lambda: opened.append(open_database(db.engine.url.render_as_string(hide_password=False), "."))
+        )
+        opener.start()
+        opener.join(20.0)
+        finished_under_the_reader = not opener.is_alive()
+        reader.exec_driver_sql("ROLLBACK")
+    opener.join()
+    opened[0].close()
+    assert finished_under_the_reader

@@ -69,8 +69,23 @@ def _widen_integers(engine: Engine, conn: Connection) -> None:
     """Postgres databases made before `checkpoints.size_bytes` and `futures.seq_id` were 64-bit (SQLite's
     integers always are): a checkpoint past 2 GiB or a seq_id past 2^31 failed to store."""
     if engine.dialect.name == "postgresql":
-        conn.exec_driver_sql("ALTER TABLE checkpoints ALTER COLUMN size_bytes TYPE BIGINT")
-        conn.exec_driver_sql("ALTER TABLE futures ALTER COLUMN seq_id TYPE BIGINT")
+        for table, column in (("checkpoints", "size_bytes"), ("futures", "seq_id")):
+            if _pg_column(conn, table, column)[0] != "bigint":
+                conn.exec_driver_sql(f"ALTER TABLE {table} ALTER COLUMN {column} TYPE BIGINT")
+
+
+def _pg_column(conn: Connection, table: str, column: str) -> tuple[str, str]:
+    """(data_type, is_nullable) of a column in the current schema. Read before any ALTER TABLE: an ALTER
+    takes an exclusive lock even when it changes nothing, and a server starting beside live ones (a
+    restarted API server) then deadlocks against their queries."""
+    row = conn.execute(
+        text(
+            "SELECT data_type, is_nullable FROM information_schema.columns"
+            " WHERE table_schema = current_schema() AND table_name = :table AND column_name = :column"
+        ),
+        {"table": table, "column": column},
+    ).one()
+    return str(row[0]), str(row[1])
 
 
 def _allow_nan_metrics(engine: Engine, conn: Connection) -> None:
@@ -85,7 +100,7 @@ def _allow_nan_metrics(engine: Engine, conn: Connection) -> None:
             tables.MetricRow.__table__.create(conn)  # type: ignore[attr-defined]
             conn.exec_driver_sql("INSERT INTO metrics SELECT * FROM metrics_old")
             conn.exec_driver_sql("DROP TABLE metrics_old")
-    elif engine.dialect.name == "postgresql":
+    elif engine.dialect.name == "postgresql" and _pg_column(conn, "metrics", "value")[1] == "NO":
         conn.exec_driver_sql("ALTER TABLE metrics ALTER COLUMN value DROP NOT NULL")
 
 
