@@ -67,6 +67,7 @@ TARGETS: dict[str, list[str]] = {
         "tests/e2e/test_peft_export.py",
     ],
     "tx/engine/planner.py": ["tests/engine/test_planner.py"],
+    "tx/engine/batching.py": ["tests/engine/test_batching.py", "tests/engine/test_trainer.py"],
     "tx/db/queue.py": ["tests/db/test_db_queue.py", "tests/db/test_db_engine_loop.py"],
     "tx/api/validate.py": ["tests/api/test_validate_rules.py", "tests/api/test_api_validation.py"],
 }

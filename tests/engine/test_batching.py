@@ -101,3 +101,34 @@ def test_padding_waste_below_ten_percent(num_datums: int) -> None:
     wastes = [micro_batches(pack_sequences(_uniform_lengths(num_datums, seed))).waste for seed in range(10)]
     print(f"padding waste, {num_datums} datums: mean {np.mean(wastes):.2%}, max {np.max(wastes):.2%}")
     assert max(wastes) < 0.10
+
+
+def test_a_lone_datum_round_trips_with_zero_padding() -> None:
+    """One datum, one batch: the shapes and dtypes of pack and unpack come from the only entry there is."""
+    plan = pack_sequences([5], row_tokens=8)
+    values = np.arange(1, 11, dtype=np.float32).reshape(5, 2)
+    (packed,) = pack([values], plan)
+    assert packed.shape == (1, 8, 2) and packed.dtype == np.float32
+    np.testing.assert_array_equal(packed[0, 5:], 0)  # the default fill
+    (restored,) = unpack([packed], plan)
+    np.testing.assert_array_equal(restored, values)
+
+
+def test_a_sequence_as_long_as_the_row_takes_a_plain_row() -> None:
+    plan = pack_sequences([8, 3, 5], row_tokens=8)
+    assert [b.shape for b in plan.batches] == [(2, 8)]
+    _check_layout(plan)
+
+
+def test_waste_counts_the_padding_slots() -> None:
+    plan = pack_sequences([3, 5, 2, 4], row_tokens=8)  # 14 tokens in two rows of 8
+    assert plan.padded_tokens == 16 and plan.waste == pytest.approx(2 / 16)
+    assert micro_batches(plan, max_tokens=8).padded_tokens == 16  # one row per piece, no padded rows
+
+
+def test_the_ladders_end_at_a_million_tokens() -> None:
+    """The largest shape a request can compile; one token more is refused by name."""
+    for ladder in (DEFAULT_BUCKETS, LENGTH_BUCKETS):
+        assert bucket_size(1 << 20, ladder) == 1 << 20
+        with pytest.raises(ValueError, match="exceeds the largest bucket 1048576"):
+            bucket_size((1 << 20) + 1, ladder)
