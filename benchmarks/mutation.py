@@ -68,6 +68,11 @@ TARGETS: dict[str, list[str]] = {
     ],
     "tx/engine/planner.py": ["tests/engine/test_planner.py"],
     "tx/engine/batching.py": ["tests/engine/test_batching.py", "tests/engine/test_trainer.py"],
+    "tx/engine/sampler_rows.py": [
+        "tests/engine/test_sampler_rows.py",
+        "tests/engine/test_sampler.py",
+        "tests/engine/test_prompt_cache.py",
+    ],
     "tx/db/queue.py": ["tests/db/test_db_queue.py", "tests/db/test_db_engine_loop.py"],
     "tx/api/validate.py": ["tests/api/test_validate_rules.py", "tests/api/test_api_validation.py"],
 }
