@@ -75,6 +75,7 @@ TARGETS: dict[str, list[str]] = {
     ],
     "tx/db/queue.py": ["tests/db/test_db_queue.py", "tests/db/test_db_engine_loop.py"],
     "tx/api/validate.py": ["tests/api/test_validate_rules.py", "tests/api/test_api_validation.py"],
+    "tx/loss_spec.py": ["tests/api/test_validate_rules.py", "tests/engine/test_losses.py"],
     # The naming rule and containment: what keeps a request's string from becoming a path outside the data dir.
     "tx/names.py": ["tests/test_names.py"],
     "tx/api/paths.py": ["tests/test_names.py"],

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tx import loss_spec
 from tx.api import validate
 from tx.api.limits import Limits
 from tx.protocol import AdamParams, Datum, ForwardBackwardRequest, ModelInfo, SampleRequest, SamplingParams
@@ -64,10 +65,26 @@ def test_loss_names_config_and_required_inputs() -> None:
     _refused("missing \\['advantages', 'logprobs'\\]", _fb, [_ce()], "ppo")
     rl = _ce(logprobs=np.zeros(3, np.float32), advantages=np.ones(3, np.float32))
     _fb([rl], "ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 0.5})  # equal bounds are allowed
+    gspo = _ce(logprobs=np.zeros(3, np.float32), advantages=np.ones(3), sequence_ratio_mask=np.array([0, 1.0, 1.0]))
+    _fb([gspo], "gspo")  # the mask is real-valued, like the other RL inputs
+    _refused("missing \\['sequence_ratio_mask'\\]", _fb, [rl], "gspo")
+
+
+def test_loss_config_defaults() -> None:
+    """The defaults a loss runs with when the client sends no loss_fn_config (the protocol's table)."""
+    assert loss_spec.validate_loss("ppo", None) == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    assert loss_spec.validate_loss("cispo", {}) == {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
+    assert loss_spec.validate_loss("cispo", {"clip_high_threshold": 2}) == {
+        "clip_low_threshold": 0.0, "clip_high_threshold": 2.0}  # fmt: skip
+    assert loss_spec.validate_loss("dro", None) == {"beta": 0.05}
+    assert loss_spec.validate_loss("cross_entropy", None) == {}
+    row = loss_spec.config_row("cispo", {"clip_low_threshold": 0.5})
+    assert row == [0.5, 4.0, 0.0, 0.0, 0.0]  # columns: clip low, clip high, beta, truncation, kl_coeff
 
 
 def test_input_shapes_dtypes_and_values() -> None:
     _fb([_ce(extra=np.zeros(3))])  # an input no loss reads: only its length is checked
+    _fb([_ce(weights=np.array([0.5, 1.0, 0.0], np.float32))])  # weights are real numbers, not token ids
     _refused("extra has length 2", _fb, [_ce(extra=np.zeros(2))])
     _refused("weights has a scalar", _fb, [_ce(weights=np.float32(1))])
     _refused("advantages has shape", _fb, [_ce(advantages=np.zeros((3, 1), np.float32))])
