@@ -75,6 +75,12 @@ TARGETS: dict[str, list[str]] = {
     ],
     "tx/db/queue.py": ["tests/db/test_db_queue.py", "tests/db/test_db_engine_loop.py"],
     "tx/api/validate.py": ["tests/api/test_validate_rules.py", "tests/api/test_api_validation.py"],
+    "tx/api/wire_decode.py": [
+        "tests/api/test_wire_decode.py",
+        "tests/api/test_api_wire.py",  # bodies encoded by the SDK's own converters
+        "tests/api/test_wire_fuzz.py",
+    ],
+    "tx/engine/prompt_cache.py": ["tests/engine/test_prompt_cache.py"],
     "tx/loss_spec.py": ["tests/api/test_validate_rules.py", "tests/engine/test_losses.py"],
     # The naming rule and containment: what keeps a request's string from becoming a path outside the data dir.
     "tx/names.py": ["tests/test_names.py"],
