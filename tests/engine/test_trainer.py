@@ -328,3 +328,16 @@ def test_forward_only_equals_forward_backward_and_leaves_the_gradients(setup):
     np.testing.assert_allclose(forward.metrics["loss:sum"], trained.metrics["loss:sum"], rtol=1e-6)
     for f, t in zip(forward.outputs, trained.outputs, strict=True):
         np.testing.assert_allclose(f["logprobs"], t["logprobs"], atol=1e-6)
+
+
+def test_the_bank_keeps_each_stacks_placement_as_built(setup):
+    """A slot's init and clear run programs whose outputs may spell a placement anew (`P(None, None)`
+    for `P()`: the same layout, another compile key for every program reading the stacks); the bank holds
+    each stack under the sharding it was built with."""
+    _, _, model, _ = setup
+    bank = AdapterBank.of(model)
+    built = {path: x.sharding for path, x in bank.arrays.items()}
+    bank.init(1, 4, 8.0, bank.targets(), seed=0)
+    bank.clear(1)
+    bank.init(2, 4, 8.0, bank.targets(), seed=1)
+    assert {path: x.sharding for path, x in bank.arrays.items()} == built

@@ -75,6 +75,8 @@ class AdapterBank:
         # Committed copies: the bank updates them in place (donated buffers), and an uncommitted input would
         # be another compile key for every program that reads them.
         self._arrays = {p: jax.device_put(jnp.array(v, copy=True), v.sharding) for p, v in ts.flat(lora).items()}
+        # Each stack's placement, spelled as built: every array the bank holds carries exactly this sharding.
+        self._placement = {p: x.sharding for p, x in self._arrays.items()}
         self._vars = [(tuple(str(k) for k in path), var) for path, var in nnx.to_flat_state(lora)]
         self.roles = AdapterRoles.of(lora)
         if not self.roles.a:
@@ -141,7 +143,7 @@ class AdapterBank:
         if width != self.stack_rank:
             resized = ts.resize_stacks(self._arrays, width, self.roles)
             # Placed as before (the rank axis is never sharded): a new placement would be a new compile key.
-            self._arrays = {p: jax.device_put(x, self._arrays[p].sharding) for p, x in resized.items()}
+            self._arrays = {p: jax.device_put(x, self._placement[p]) for p, x in resized.items()}
 
     def _cover(self, rank: int) -> None:
         """Widen (never narrow) the stacks to hold `rank` columns: a write to a slot the table may not list."""
@@ -155,8 +157,14 @@ class AdapterBank:
     # ---- slot writes ------------------------------------------------------------------------------
 
     def _replace(self, arrays: Flat) -> None:
-        self._arrays = arrays
+        """Take a program's output stacks. A program may spell a stack's placement anew (`P(None, None)` for
+        `P()`: the same layout, but another compile key for each program that reads it), so each is
+        re-labelled with the bank's own spelling."""
+        self._arrays = {p: self._placed(p, x) for p, x in arrays.items()}
         self.version += 1
+
+    def _placed(self, path: tuple[str, ...], x: jax.Array) -> jax.Array:
+        return x if x.sharding == self._placement[path] else jax.device_put(x, self._placement[path])
 
     def view(self) -> nnx.State:
         """The adapter weights as a typed nnx State (logical-axis metadata) for `tx.lora.adapters`."""
