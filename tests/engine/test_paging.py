@@ -4,6 +4,7 @@ a slot; `--max-runs` is refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -12,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from tx.engine.paging import Pager, PageStats
 from tx.engine.runner import JaxRunner
 from tx.protocol import (
     AdamParams,
@@ -105,6 +107,12 @@ def _unload(runner: JaxRunner, *names: str) -> None:
     assert not runner.bank.host and len(runner.slots) == 0
 
 
+def _assert_moves(stats: PageStats, before: PageStats, ins: int, outs: int, within_s: float) -> None:
+    """Exactly `ins` / `outs` page moves since `before`, timed: the seconds counted lie within the span."""
+    assert (stats.page_ins - before.page_ins, stats.page_outs - before.page_outs) == (ins, outs)
+    assert 0 < stats.seconds - before.seconds <= within_s
+
+
 def test_a_paged_out_run_continues_bit_for_bit(runner: JaxRunner) -> None:
     """Two runs with the same seed and data; one is paged out and back in between steps (to another slot):
     its logprobs, gradients, Adam moments and updated weights equal those of the run that stayed."""
@@ -113,15 +121,18 @@ def test_a_paged_out_run_continues_bit_for_bit(runner: JaxRunner) -> None:
     for name in ("stay", "moved"):
         _step(runner, name, [5, 6, 7, 8, 9])
     _touch(runner, "stay")
-    before = runner.pager.stats.page_outs
+    assert Pager(runner.trainer, set).stats == PageStats(page_ins=0, page_outs=0, seconds=0.0)  # counts from 0
+    before, start = dataclasses.replace(runner.pager.stats), time.perf_counter()
     _create(runner, "third")  # takes the least recently used slot: "moved" goes to host memory
     assert "moved" in runner.bank.host and not runner.trainer.runs["moved"].resident
-    assert runner.pager.stats.page_outs == before + 1 and runner.bank.host["moved"].nbytes > 0
+    assert runner.pager.stats.page_outs == before.page_outs + 1 and runner.bank.host["moved"].nbytes > 0
+    assert "1 runs, " in runner.pager.host_report() and "latest runs: moved " in runner.pager.host_report()
     _touch(runner, "stay")
     slot_of_stay = runner.trainer.runs["stay"].slot
     results = {name: _step(runner, name, [9, 3, 4, 11, 2, 7]) for name in ("moved", "stay")}
     assert runner.trainer.runs["stay"].slot == slot_of_stay and "stay" not in runner.bank.host
-    assert runner.pager.stats.page_ins >= 1 and "third" in runner.bank.host
+    assert "third" in runner.bank.host  # "moved" came back in its place: one move in, two out
+    _assert_moves(runner.pager.stats, before, ins=1, outs=2, within_s=time.perf_counter() - start)
     np.testing.assert_array_equal(results["moved"].outputs[0]["logprobs"], results["stay"].outputs[0]["logprobs"])
     for got, want in zip(_state(runner, "moved"), _state(runner, "stay"), strict=True):
         np.testing.assert_array_equal(got, want)
@@ -145,6 +156,9 @@ def test_snapshots_always_get_a_slot_and_come_back_from_host_memory(runner: JaxR
         assert isinstance(result, SampleResult)
         first[name] = result.sequences[0].tokens
     assert runner.bank.host_snapshots  # three snapshots and three runs on two slots
+    runs, snaps = runner.bank.host, runner.bank.host_snapshots
+    mib = (sum(h.nbytes for h in runs.values()) + sum(h.nbytes for h in snaps.values())) / 2**20
+    assert f"{len(runs)} runs, {len(snaps)} snapshots, {mib:.1f} MiB in all" in runner.pager.host_report()
     for name in ("r0", "r1", "r2"):
         sample = SampleRequest([1, 2, 3], 1, params, "m", weights=WeightsRef(f"snap-{name}"))
         assert _ok(runner, _item("sample", "s", sample))[0].sequences[0].tokens == first[name]
@@ -158,6 +172,9 @@ def test_max_runs_is_refused_by_name(runner: JaxRunner) -> None:
     names = [f"n{i}" for i in range(runner.bank.max_runs)]
     for name in names:
         _create(runner, name)
+    report = runner.pager.host_report()  # the log line of each page move: the host store's runs, latest last
+    listed = [part.split()[0] for part in report.split("latest runs: ")[1].split(", ")]
+    assert report.startswith("4 runs, ") and listed == names[:4], report
     refused = _run(runner, _item("create_model", "one-too-many", CreateModelRequest("m", LoraConfig(4, 8.0))))[0]
     assert isinstance(refused, RequestError) and refused.category == "user"
     assert "--max-runs 6" in str(refused) and "one-too-many" not in runner.trainer.runs
@@ -244,8 +261,10 @@ def test_a_snapshot_coming_back_never_pages_out_a_run_mid_request(runner: JaxRun
         done.update({c.future_id: c.result for c in runner.step()})  # r2 is now used later than "big"
         params = SamplingParams(max_tokens=2, temperature=0.0)
         sample = _item("sample", "s", SampleRequest([1, 2, 3], 1, params, "m", weights=WeightsRef("snap-back")))
+        before, start = dataclasses.replace(runner.pager.stats), time.perf_counter()
         done.update({future_id: result for future_id, (_, _, result) in _race(runner, sample).items()})
         assert isinstance(done[sample.future_id], SampleResult)
+        _assert_moves(runner.pager.stats, before, ins=1, outs=1, within_s=time.perf_counter() - start)  # r1 out
         result = done[large.future_id]
         assert isinstance(result, ForwardBackwardResult), result
         again = _ok(runner, _item("forward", "big", ForwardBackwardRequest(data, "cross_entropy", forward_only=True)))
