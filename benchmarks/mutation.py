@@ -7,7 +7,8 @@ axis of a two-dimensional array) and only moves (`-1` -> `-2`). Each runs in a s
 repository (the checkout is never written), as a fresh `pytest -x`; it is killed when the tests fail or
 time out. With `coverage` installed, one measured run of the module's tests first maps each line to the
 tests whose call executes it: a mutant runs those tests first and all of them only if those pass (a
-program compiled by one test may be what another asserts on), and a mutant on a line no test executes is
+program compiled by one test may be what another asserts on; a subset that fails together without any
+mutant, by test order, is found once and its mutants run every test instead), and a mutant on a line no test executes is
 a survivor without a run (`"executed": false`). Prints one JSON line per module: mutants, killed, score
 and the survivors (line, change) to kill with a test or explain as equivalent. Too slow for CI on 2
 cores; run it before resolving an issue that touches these modules:
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -305,12 +307,15 @@ def score_module(workdir: Path, module: str, tests: list[str], opts: argparse.Na
         picked = [i for i in picked if (points[i][2], points[i][1]) in alive]
     outcomes = {"killed": 0, "timeout": 0, "unexecuted": 0}
     survivors, run = [], 0
+    sound: dict[frozenset[str], bool] = {}  # subsets run on the unmutated module: did they pass?
     try:
         for index in picked:
             if opts.time_limit and time.monotonic() - start > opts.time_limit:
                 break
             node = points[index][0]
             subset = None if by_line is None else tests_for(spans[id(node)], by_line)
+            if subset and not _subset_passes(subset, sound, lambda: path.write_text(original), workdir, tests, timeout):
+                subset = None  # these tests fail together without any mutant (test order): run them all instead
             source, desc, line = mutate(original, index)
             path.write_text(source)
             run += 1
@@ -328,6 +333,27 @@ def score_module(workdir: Path, module: str, tests: list[str], opts: argparse.Na
         "unexecuted": outcomes["unexecuted"], "score": round(killed / run, 3) if run else None,
         "seconds": round(time.monotonic() - start), "survivors": survivors, "tests": tests,
     }  # fmt: skip
+
+
+def _subset_passes(
+    subset: set[str],
+    sound: dict[frozenset[str], bool],
+    restore: Callable[[], object],
+    workdir: Path,
+    tests: list[str],
+    timeout: float,
+) -> bool:
+    """Whether `subset` passes on the unmutated module (run once per subset): a subset that fails alone, by
+    test order (a test whose check depends on what ran before it in the process), would count every mutant
+    run on it as killed."""
+    key = frozenset(subset)
+    if key not in sound:
+        restore()
+        flags = [t for t in tests if t.startswith("-")]
+        sound[key] = run_tests(workdir, [*flags, *sorted(subset)], timeout) == "passed"
+        if not sound[key]:
+            print(f"tests failing together without a mutant: {sorted(subset)}", file=sys.stderr, flush=True)
+    return sound[key]
 
 
 def run_mutant(workdir: Path, tests: list[str], subset: set[str] | None, timeout: float) -> str:

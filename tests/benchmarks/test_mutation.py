@@ -91,3 +91,19 @@ def test_an_axis_counted_from_the_end_moves_but_keeps_its_sign() -> None:
     # axis=-1 and .shape[-2] only move; the index y[-1] and the argument -3 also lose their sign
     assert found == sorted(["1 -> 2", "1 -> 2", "2 -> 3", "3 -> 4", "drop USub", "drop USub", "Add -> Sub",
                             "Add -> Sub", "Sub -> Add"])  # fmt: skip
+
+
+def test_a_subset_that_fails_without_a_mutant_is_not_trusted(tmp_path: Path) -> None:
+    """Two test files that pass alone and fail together (the second checks state the first leaves in the process):
+    a mutant run on that pair would count as killed, so the pair is found unsound once and remembered."""
+    (tmp_path / "test_first.py").write_text("import os\n\n\ndef test_sets():\n    os.environ['LEFT_BEHIND'] = '1'\n")
+    (tmp_path / "test_second.py").write_text(
+        "import os\n\n\ndef test_reads():\n    assert 'LEFT_BEHIND' not in os.environ\n"
+    )
+    sound: dict[frozenset[str], bool] = {}
+    restored: list[int] = []
+    both, second = {"test_first.py", "test_second.py"}, {"test_second.py"}
+    assert not mutation._subset_passes(both, sound, lambda: restored.append(1), tmp_path, [], 60)
+    assert mutation._subset_passes(second, sound, lambda: restored.append(1), tmp_path, [], 60)
+    assert mutation._subset_passes(second, sound, lambda: restored.append(1), tmp_path, [], 60)  # remembered
+    assert sound == {frozenset(both): False, frozenset(second): True} and len(restored) == 2
