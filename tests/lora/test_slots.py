@@ -11,7 +11,7 @@ from tx.lora.adapters import copy_slot, init_slot, read_slot, write_slot
 from tx.lora.layers import LoRALinear, LoRASpec, lora_pair
 from tx.lora.params import LoRAA, LoRAParam
 from tx.lora.peft import AdapterConfig
-from tx.lora.slots import ALL_TARGETS, DEFAULT_ALPHA, SlotsExhausted, SlotTable, targets_from_flags
+from tx.lora.slots import ALL_TARGETS, DEFAULT_ALPHA, SlotInfo, SlotsExhausted, SlotTable, targets_from_flags
 from tx.models.sharding import make_mesh, state_shardings
 
 # ------------------------------------------------------------------------------------------ slot table
@@ -53,6 +53,22 @@ def test_rank_and_target_limits():
     with pytest.raises(ValueError, match="non-empty subset"):
         table.allocate("a", "run", 4, targets=frozenset({"embed_tokens"}))
     assert len(table) == 0
+    assert table.allocate("one", "run", 1).rank == 1 and table.allocate("top", "run", 8).rank == 8  # both edges
+
+
+def test_table_bounds_and_slot_info_defaults():
+    tiny = SlotTable(max_adapters=1, max_rank=1)  # the smallest table: one slot of rank 1
+    assert tiny.allocate("a", "run", 1).slot == 1
+    with pytest.raises(ValueError, match="--max-lora-adapters must be >= 1, got 0"):
+        SlotTable(max_adapters=0, max_rank=8)
+    with pytest.raises(ValueError, match="--max-lora-rank must be >= 1, got 0"):
+        SlotTable(max_adapters=2, max_rank=0)
+    info = tiny.lookup("a")
+    assert info.scaling == DEFAULT_ALPHA / 1 and not info.use_rslora  # plain LoRA unless asked: alpha / rank
+    assert SlotInfo(1, "o", "run", 4, alpha=8.0).scaling == 2.0
+    assert SlotInfo(1, "o", "run", 4, alpha=8.0, use_rslora=True).scaling == 4.0
+    with pytest.raises(AttributeError):
+        info.rank = 2  # type: ignore[misc]  # a record of the allocation, never edited in place
 
 
 def test_targets_from_flags():
