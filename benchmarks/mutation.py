@@ -85,6 +85,7 @@ TARGETS: dict[str, list[str]] = {
     "tx/engine/prompt_cache.py": ["tests/engine/test_prompt_cache.py"],
     "tx/engine/paging.py": ["tests/engine/test_paging.py", "tests/engine/test_ranks.py"],
     "tx/lora/slots.py": ["tests/lora/test_slots.py"],
+    "tx/upload_store.py": ["tests/test_upload_store.py"],
     "tx/loss_spec.py": ["tests/api/test_validate_rules.py", "tests/engine/test_losses.py"],
     # The naming rule and containment: what keeps a request's string from becoming a path outside the data dir.
     "tx/names.py": ["tests/test_names.py"],

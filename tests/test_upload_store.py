@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tx.names import BadName
-from tx.upload_store import MAX_CHUNK_BYTES, FileSpec, UploadError, UploadStore
+from tx.upload_store import MAX_CHUNK_BYTES, MAX_FILES, STALE_AFTER_S, FileSpec, UploadError, UploadStore, check_files
 
 OWNER, OTHER = "a" * 24, "b" * 24
 CONFIG = json.dumps({"architectures": ["Qwen3ForCausalLM"]}).encode()
@@ -219,3 +219,116 @@ def test_a_partial_upload_abandoned_for_a_week_is_removed_at_start(tmp_path):
     restarted = UploadStore(tmp_path, 10**6)
     assert restarted.received(OWNER, "m") is None and not (tmp_path / OWNER / ".staging" / "m").exists()
     assert restarted.received(OTHER, "m") == {"config.json": 0, "model.safetensors": 0}
+
+
+def _refused(status: int, fragment: str, call, *args) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(UploadError, match=fragment) as err:
+        call(*args)
+    assert err.value.status == status, err.value
+
+
+def test_declaration_edges_and_their_statuses():
+    """Each limit of a declaration at its edge, and the HTTP status each refusal carries."""
+    weights = [spec("config.json", CONFIG), spec("model.safetensors", WEIGHTS)]
+    total = len(CONFIG) + len(WEIGHTS)
+    assert check_files(weights, total) == total  # exactly the limit
+    _refused(413, r"over this server's --max-upload-gb 1e-06", check_files, weights, 1000)
+    many = weights + [FileSpec(f"f{i}", 0, "0" * 64) for i in range(MAX_FILES - 2)]
+    assert check_files(many, total) == total  # 1024 files, empty ones allowed
+    _refused(400, "1-1024 files, got 1025", check_files, [*many, FileSpec("one-more", 0, "0" * 64)], total)
+    _refused(400, "size must be an integer >= 0", check_files, [*weights, FileSpec("neg", -1, "0" * 64)], total)
+    _refused(400, "64 lowercase hex", check_files, [*weights, FileSpec("up", 1, "A" * 64)], total)
+    _refused(400, "unique", check_files, [*weights, weights[0]], total)
+    _refused(400, "needs config.json", check_files, weights[1:], total)
+    _refused(400, "needs config.json and .safetensors", check_files, weights[:1], total)
+    assert MAX_CHUNK_BYTES == 8 << 20 and STALE_AFTER_S == 7 * 86400
+
+
+def test_chunk_edges_and_operation_statuses(tmp_path):
+    store = UploadStore(tmp_path, 10**6)
+    _refused(404, "no upload 'm' in progress", store.finish, OWNER, "m", facts)
+    begin(store)
+    for offset, length in [(0, 0), (0, len(CONFIG) + 1)]:
+        _refused(
+            400, "bytes within", lambda o, n: store.chunk(OWNER, "m", "config.json", o, n).__enter__(), offset, length
+        )
+    _refused(404, "has no file 'nope' in progress", lambda: store.chunk(OWNER, "m", "nope", 0, 1).__enter__())
+    send(store, "config.json", CONFIG[:1], 0)  # one byte
+    send(store, "config.json", CONFIG[1:], 1)  # the rest: ends exactly at the declared size
+    with pytest.raises(UploadError, match="chunk ended after 3 of 4 bytes") as err:
+        with store.chunk(OWNER, "m", "model.safetensors", 0, 4) as writer:
+            writer.write(WEIGHTS[:3])
+            writer.commit(hashlib.sha256(WEIGHTS[:3]).hexdigest())
+    assert err.value.status == 400
+    send_all(store)
+    store.finish(OWNER, "m", facts)
+    _refused(409, "upload 'm' already exists", begin, store)
+    assert store.delete(OWNER, "m") and not store.delete(OWNER, "m")
+
+
+def test_a_partial_upload_touched_within_the_week_stays(tmp_path):
+    store = UploadStore(tmp_path, 10**6)
+    begin(store)
+    almost = time.time() - STALE_AFTER_S + 60
+    os.utime(tmp_path / OWNER / ".staging" / "m" / "state.json", (almost, almost))
+    assert UploadStore(tmp_path, 10**6).received(OWNER, "m") == {"config.json": 0, "model.safetensors": 0}
+
+
+def test_resuming_keeps_only_files_declared_alike(tmp_path):
+    """A second `begin` keeps the verified bytes of each file declared exactly as before; a changed file starts
+    over (its partial bytes go), a new one starts at 0, and an empty one exists at once."""
+    store = UploadStore(tmp_path, 10**6)
+    begin(store)
+    send(store, "model.safetensors", WEIGHTS[:4000], 0)
+    send(store, "config.json", CONFIG, 0)
+    model = tmp_path / OWNER / ".staging" / "m" / "model"
+    changed = FileSpec("config.json", len(CONFIG), "0" * 64)
+    resumed = store.begin(OWNER, "m", [changed, spec("model.safetensors", WEIGHTS), spec("empty.txt", b"")])
+    assert resumed == {"config.json": 0, "model.safetensors": 4000, "empty.txt": 0}
+    assert not (model / "config.json").exists() and (model / "model.safetensors").stat().st_size == 4000
+    assert (model / "empty.txt").read_bytes() == b""
+    assert {spec("a", b"x"), spec("a", b"x")} == {spec("a", b"x")}  # declarations are values
+
+
+def test_deletions_one_after_another_and_private_lock_files(tmp_path):
+    store = UploadStore(tmp_path, 10**6)
+    for name in ("first", "second"):  # the second finds the first's .trash folder in place
+        store.begin(OWNER, name, [spec(n, d) for n, d in FILES.items()])
+        assert store.delete(OWNER, name) and store.received(OWNER, name) is None
+    locks = list((tmp_path / OWNER / ".locks").iterdir())
+    assert locks and all(lock.stat().st_mode & 0o777 == 0o600 for lock in locks)
+
+
+def test_refused_chunks_and_uploads_are_client_errors(tmp_path):
+    store = UploadStore(tmp_path, 10**6)
+    store.begin(OWNER, "m", [spec("config.json", CONFIG), FileSpec("model.safetensors", len(WEIGHTS), "f" * 64)])
+
+    def chunk(data: bytes, declared: int, sha: str) -> None:
+        with store.chunk(OWNER, "m", "config.json", 0, declared) as writer:
+            writer.write(data)
+            writer.commit(sha)
+
+    _refused(400, "longer than its declared", chunk, CONFIG, len(CONFIG) - 1, "")
+    _refused(400, "does not match its X-Chunk-Sha256", chunk, CONFIG, len(CONFIG), "0" * 64)
+    _refused(400, "has 0 of", store.finish, OWNER, "m", facts)
+    send_all(store)
+    _refused(400, "does not match its sha256", store.finish, OWNER, "m", facts)
+    store.begin(OWNER, "m", [spec(n, d) for n, d in FILES.items()])
+    send_all(store)
+
+    def refuse(_model_dir: Path) -> dict:
+        raise ValueError("no")
+
+    _refused(400, "upload 'm' refused: no", store.finish, OWNER, "m", refuse)
+
+
+def test_a_chunk_left_without_commit_keeps_nothing_and_the_largest_chunk_fits(tmp_path):
+    store = UploadStore(tmp_path, 10**8)
+    big = bytes(MAX_CHUNK_BYTES + 1)
+    store.begin(OWNER, "m", [spec("config.json", CONFIG), spec("model.safetensors", big)])
+    with store.chunk(OWNER, "m", "model.safetensors", 0, 10) as writer:
+        writer.write(big[:10])  # the client went away: no commit
+    assert store.received(OWNER, "m") == {"config.json": 0, "model.safetensors": 0}
+    assert (tmp_path / OWNER / ".staging" / "m" / "model" / "model.safetensors").stat().st_size == 0
+    send(store, "model.safetensors", big[:MAX_CHUNK_BYTES], 0)  # exactly the chunk limit
+    assert store.received(OWNER, "m") == {"config.json": 0, "model.safetensors": MAX_CHUNK_BYTES}
