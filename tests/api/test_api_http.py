@@ -97,7 +97,7 @@ def test_long_poll_wakes_immediately(http: httpx.Client, model_id: str) -> None:
     future = http.post("/forward_backward", content=proto_body(model_id, 105, [1, 2]), headers=PROTO).json()
     start = time.monotonic()
     wait(http, future["request_id"])
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 0.9  # the hold is 1 s: the completion ended the wait, not the hold
 
 
 def test_failure_is_http_200_error_category(http: httpx.Client, model_id: str) -> None:
@@ -205,7 +205,7 @@ def test_another_keys_pending_future_is_404_at_once(
         start = time.monotonic()
         reply = other.post("/retrieve_future", json={"request_id": future["request_id"]})
         assert reply.status_code == 404
-        assert time.monotonic() - start < 0.5  # the hold is 1 s: the 404 did not wait for it
+        assert time.monotonic() - start < 0.9  # the hold is 1 s: the 404 did not wait for it
         assert server.db.queue.get(future["request_id"]).status in ("pending", "running")
     finally:
         server.runner.paused.clear()

@@ -138,7 +138,7 @@ def test_wait_for_work_wakes_on_submit(db: Database) -> None:
     threading.Timer(0.05, lambda: _submit(db, 1)).start()
     start = time.monotonic()
     db.queue.wait_for_work(5.0)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 2.5  # woken, not timed out after 5 s
     assert len(db.queue.claim(10)) == 1
 
 
@@ -155,7 +155,7 @@ def test_wait_finished_is_event_driven(db: Database) -> None:
         return row.status, time.monotonic() - start
 
     status, seconds = asyncio.run(wait())
-    assert status == "done" and seconds < 1.0
+    assert status == "done" and seconds < 5.0  # woken, not timed out after 10 s
     row = asyncio.run(db.queue.wait_finished(future_id, 10.0))  # results stay retrievable
     assert row is not None and row.status == "done" and row.payload is None
 

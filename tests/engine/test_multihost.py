@@ -99,7 +99,7 @@ def test_a_silent_follower_is_reported_within_the_timeout() -> None:
     while not lost and time.monotonic() - start < 10:
         time.sleep(0.05)
     assert lost == ["engine process 1 of 2 stopped answering (no heartbeat for 0.5 s)"]
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 5  # reported after the 0.5 s timeout, not the 10 s the loop allows
     sock.close()
 
 
