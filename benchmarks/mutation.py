@@ -90,6 +90,9 @@ TARGETS: dict[str, list[str]] = {
     # The naming rule and containment: what keeps a request's string from becoming a path outside the data dir.
     "tx/names.py": ["tests/test_names.py"],
     "tx/api/paths.py": ["tests/test_names.py"],
+    # Every accepted request and every result is stored through this codec: a wrong byte is a wrong answer.
+    "tx/db/codec.py": ["tests/db/test_db_codec.py", "tests/db/test_db_queue.py"],
+    "tx/api/wire_encode.py": ["tests/api/test_api_wire.py", "tests/api/test_wire_encode.py"],
 }
 SWAPS: dict[type, type] = {
     ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,

@@ -90,3 +90,58 @@ def test_the_blob_does_not_depend_on_map_order() -> None:
     assert back.keys() == other.data[0].loss_fn_inputs.keys()
     np.testing.assert_array_equal(back["weights"], weights)
     assert codec.encode({"b": 1, "a": {"d": 2, "c": 3}}) == codec.encode({"a": {"c": 3, "d": 2}, "b": 1})
+
+
+@pytest.mark.parametrize("edge", [2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**32, 2**63 - 1, -(2**63)])
+def test_long_int_lists_at_the_int32_edges_roundtrip_exactly(edge: int) -> None:
+    """Token lists are packed as int32 when every value fits, else int64: a value one past int32 must not
+    wrap around."""
+    for values in ([edge] + [0] * 40, [0] * 40 + [edge]):
+        back = codec.decode(codec.encode(values))
+        assert back == values and all(type(v) is int for v in back)
+
+
+def _header(blob: bytes) -> object:
+    (length,) = struct.unpack_from("<I", blob, 4)
+    return json.loads(blob[8 : 8 + length])
+
+
+def test_long_token_lists_are_stored_as_four_byte_ints_not_text() -> None:
+    """A forward_backward's token ids dominate its blob: a long list of small ints is raw int32 (4 bytes a
+    token), not JSON text or int64; a short one stays plain JSON."""
+    for tokens in (list(range(100_000, 101_000)), list(range(-1000, 0))):
+        blob = codec.encode(tokens)
+        assert len(blob) < 4 * len(tokens) + 100
+        assert codec.decode(blob) == tokens
+    longest_plain = list(range(codec._PACK_MIN))
+    assert _header(codec.encode(longest_plain)) == longest_plain
+    assert "__li" in _header(codec.encode([*longest_plain, 7]))  # type: ignore[operator]
+
+
+def test_arrays_keep_dtype_shape_and_order_one_after_another() -> None:
+    """Several arrays share the raw section: each spec's offset must point at its own bytes."""
+    arrays = {
+        "a": np.arange(6, dtype=np.int16).reshape(2, 3),
+        "b": np.array([True, False, True]),
+        "c": np.linspace(-1, 1, 5, dtype=np.float64),
+        "d": np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4)),
+        "e": np.zeros((0, 2), np.uint8),
+    }
+    back = codec.decode(codec.encode(arrays))
+    for name, array in arrays.items():
+        assert back[name].dtype == array.dtype and back[name].shape == array.shape, name
+        np.testing.assert_array_equal(back[name], array)
+
+
+def test_arrays_of_other_dtypes_are_refused_at_encode() -> None:
+    with pytest.raises(TypeError, match="cannot store arrays of dtype complex64"):
+        codec.encode({"x": np.zeros(2, np.complex64)})
+    with pytest.raises(TypeError, match="dtype object"):
+        codec.encode(np.array([{}], dtype=object))
+
+
+def test_nested_tuples_dicts_and_numpy_scalars() -> None:
+    obj = {"t": (1, (2.5, "x"), []), "s": np.float32(0.5), "n": None, "i": np.int64(3)}
+    back = codec.decode(codec.encode(obj))
+    assert back == {"t": (1, (2.5, "x"), []), "s": 0.5, "n": None, "i": 3}
+    assert type(back["i"]) is int and type(back["t"][1]) is tuple
