@@ -31,6 +31,7 @@ class LiveServer:
     torch_model: object
     data_dir: Path
     backend: str = "sqlite"
+    database_url: str | None = None  # None: SQLite in data_dir
 
 
 def _free_port() -> int:
@@ -114,7 +115,7 @@ def live(request, hf_models, tmp_path_factory) -> Iterator[LiveServer]:
     model_dir, torch_model = hf_models("qwen3", 2, False)
     data_dir = tmp_path_factory.mktemp(f"e2e-data-{request.param}")
     url, stop = start_server(model_dir, data_dir, database_url)
-    yield LiveServer(url, model_dir, str(model_dir), torch_model, data_dir, request.param)
+    yield LiveServer(url, model_dir, str(model_dir), torch_model, data_dir, request.param, database_url)
     stop()
 
 

@@ -8,7 +8,7 @@ copies are checked against what the engine wrote and what `peft` or a resumed ru
 import copy
 import io
 import tarfile
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import numpy as np
@@ -21,6 +21,9 @@ from e2e.conftest import KEY
 from e2e.test_peft_export import peft_logprobs
 from e2e.test_sdk_loops import sl_batch
 from tx.api.paths import checkpoint_dir, parse_tinker_path
+from tx.api.routes_rest import sweep_expired_checkpoints
+from tx.db import open_database, owner_of
+from tx.db.tables import utcnow
 
 pytestmark = pytest.mark.e2e
 
@@ -97,6 +100,40 @@ def test_ttl_and_publish_round_trip(trained):
     assert row().public is True
     rest.unpublish_checkpoint_from_tinker_path(path).result()
     assert row().public is False
+
+
+def _expire(db, path: str) -> None:
+    parsed = parse_tinker_path(path)
+    assert parsed is not None
+    row = db.records.get_checkpoint(parsed.run_id, parsed.checkpoint_id, owner_of(KEY))
+    assert row is not None
+    db.records.update_checkpoint(row, expires_at=utcnow() - timedelta(seconds=1))
+
+
+def test_an_expired_checkpoint_is_gone_its_name_free_and_the_sweep_removes_its_files(live, trained):
+    """A ttl means the checkpoint stops existing: not listed, not loadable, its name reusable without
+    overwrite, and its files removed by the server's sweep (which every API server runs with its reaper)."""
+    client, _, _, rest = trained
+    path = client.save_state("rest-expiring", ttl_seconds=3600).result().path
+    directory = directory_of(live, path)
+    db = open_database(live.database_url, live.data_dir)
+    try:
+        _expire(db, path)  # as if the hour had passed
+        assert path not in {c.tinker_path for c in rest.list_checkpoints(client.model_id).result().checkpoints}
+        with pytest.raises(tinker.TinkerError, match="unknown checkpoint"):
+            rest.delete_checkpoint_from_tinker_path(path).result()
+        with pytest.raises(tinker.TinkerError):
+            client.load_state(path).result()
+        assert client.save_state("rest-expiring").result().path == path  # the name is free again
+        [row] = [c for c in rest.list_checkpoints(client.model_id).result().checkpoints if c.tinker_path == path]
+        assert row.expires_at is None and row.size_bytes == disk_bytes(directory) > 10_000
+        client.load_state(path).result()
+        assert sweep_expired_checkpoints(db.records, live.data_dir) == 0 and directory.is_dir()
+        _expire(db, path)
+        assert sweep_expired_checkpoints(db.records, live.data_dir) == 1
+        assert not directory.exists() and sweep_expired_checkpoints(db.records, live.data_dir) == 0
+    finally:
+        db.close()
 
 
 def test_archive_of_a_sampler_checkpoint_is_the_trained_adapter(live, trained, tmp_path):

@@ -96,8 +96,9 @@ async def _reaper(ctx: AppContext) -> None:
         await asyncio.sleep(interval)
         try:
             await run_in_threadpool(reap_sessions, ctx)
+            await run_in_threadpool(routes_rest.sweep_expired_checkpoints, ctx.db.records, ctx.settings.data_dir)
         except Exception:
-            log.exception("session reaper failed")
+            log.exception("session and checkpoint reaper failed")
 
 
 def server_limits(models: ModelCatalog) -> Limits:

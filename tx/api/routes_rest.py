@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import shutil
 import tarfile
 import time
@@ -24,8 +25,11 @@ from fastapi.responses import FileResponse, RedirectResponse, Response
 from tx.api.context import AppContext, Ctx, Owner, not_found, user_error
 from tx.api.paths import KIND_TO_TYPE, checkpoints_root
 from tx.api.schemas import PageLimit, PageOffset, TtlRequest
+from tx.db.records import Records
 from tx.db.tables import CheckpointRow, TrainingRunRow, utcnow
-from tx.names import check_name, contained
+from tx.names import BadName, check_name, contained
+
+log = logging.getLogger("tx.api")
 
 router = APIRouter(prefix="/api/v1")
 
@@ -118,11 +122,29 @@ def _owned_checkpoint(ctx: AppContext, run_id: str, kind: str, name: str, owner:
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}", status_code=204)
 def delete_checkpoint(run_id: str, kind: str, name: str, ctx: Ctx, owner: Owner) -> Response:
-    row = _owned_checkpoint(ctx, run_id, kind, name, owner)
-    directory = contained(row.directory, checkpoints_root(ctx.settings.data_dir))
-    ctx.db.records.delete_checkpoint(row)
-    shutil.rmtree(directory, ignore_errors=True)
+    remove_checkpoint(ctx.db.records, ctx.settings.data_dir, _owned_checkpoint(ctx, run_id, kind, name, owner))
     return Response(status_code=204)
+
+
+def remove_checkpoint(records: Records, data_dir: Path, row: CheckpointRow) -> None:
+    """The row, then its files: a reader never finds a row whose files are half gone."""
+    directory = contained(row.directory, checkpoints_root(data_dir))
+    records.delete_checkpoint(row)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def sweep_expired_checkpoints(records: Records, data_dir: Path) -> int:
+    """Remove every checkpoint past its ttl, rows and files; one whose recorded directory lies outside the
+    checkpoint root loses its row and keeps the files (never delete what this server did not write)."""
+    rows = records.expired_checkpoints()
+    for row in rows:
+        log.info("checkpoint %s expired: removing it", row.tinker_path)
+        try:
+            remove_checkpoint(records, data_dir, row)
+        except BadName:
+            log.error("checkpoint %s: directory %r is outside the checkpoint root", row.tinker_path, row.directory)
+            records.delete_checkpoint(row)
+    return len(rows)
 
 
 @router.post("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", status_code=204)

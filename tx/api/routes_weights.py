@@ -20,6 +20,7 @@ from tx.api import schemas, validate
 from tx.api.context import AppContext, Ctx, Owner, not_found, run_model, submit, usable_run, user_error
 from tx.api.paths import TinkerPath, checkpoint_dir, parse_tinker_path
 from tx.api.routes_train import check_run_limit, new_run_row
+from tx.db.records import is_expired
 from tx.db.tables import CheckpointRow, SamplerSnapshotRow, SamplingSessionRow, TrainingRunRow, utcnow
 from tx.protocol import (
     DEFAULT_LORA_ALPHA,
@@ -55,10 +56,10 @@ def _checkpoint_row(
 def _claim_name(ctx: AppContext, path: TinkerPath, owner: str, overwrite: bool) -> None:
     """Free the checkpoint name, or refuse if it is taken and the caller did not ask to overwrite."""
     validate.check_checkpoint_name(path.name)
-    existing = ctx.db.records.get_checkpoint(path.run_id, path.checkpoint_id, owner, ready=False)
+    existing = ctx.db.records.get_checkpoint(path.run_id, path.checkpoint_id, owner, ready=False, expired=True)
     if existing is None:
         return
-    if not overwrite:
+    if not overwrite and not is_expired(existing):  # an expired one is gone to its owner: its name is free
         user_error(f"checkpoint {path.checkpoint_id!r} already exists for {path.run_id!r} (pass overwrite=True)")
     ctx.db.records.delete_checkpoint(existing)
 

@@ -15,7 +15,7 @@ import uuid
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func
+from sqlalchemy import func, or_
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, SQLModel, col, select
 
@@ -168,6 +168,7 @@ class Records:
                 col(TrainingRunRow.session_id).in_(session_ids),
                 CheckpointRow.owner == owner,
                 CheckpointRow.status == "ready",
+                _unexpired(),
             )
         )
         stats: dict[str, tuple[int, int]] = {}
@@ -229,8 +230,9 @@ class Records:
     # ---- checkpoints --------------------------------------------------------------------------
 
     def get_checkpoint(
-        self, run_id: str, checkpoint_id: str, owner: str, *, ready: bool = True
+        self, run_id: str, checkpoint_id: str, owner: str, *, ready: bool = True, expired: bool = False
     ) -> CheckpointRow | None:
+        """The owner's checkpoint by name; past its expiry it reads as missing unless `expired`."""
         query = select(CheckpointRow).where(
             CheckpointRow.run_id == run_id, CheckpointRow.checkpoint_id == checkpoint_id, CheckpointRow.owner == owner
         )
@@ -238,14 +240,24 @@ class Records:
             query = query.where(CheckpointRow.status == "ready")
         with self._session() as session:
             row = session.exec(query).first()
-        if row is not None and row.expires_at is not None and _aware(row.expires_at) < utcnow():
+        if row is not None and is_expired(row) and not expired:
             return None
         return row
+
+    def expired_checkpoints(self, limit: int = 1000) -> list[CheckpointRow]:
+        """Ready checkpoints past their expiry, every owner's, oldest expiry first: what the sweeper removes."""
+        query = (
+            select(CheckpointRow)
+            .where(CheckpointRow.status == "ready", col(CheckpointRow.expires_at) < utcnow())
+            .order_by(col(CheckpointRow.expires_at))
+        )
+        with self._session() as session:
+            return list(session.exec(query.limit(limit)).all())
 
     def list_checkpoints(
         self, owner: str, run_id: str | None, limit: int, offset: int
     ) -> tuple[list[CheckpointRow], int]:
-        conds = [CheckpointRow.owner == owner, CheckpointRow.status == "ready"]
+        conds = [CheckpointRow.owner == owner, CheckpointRow.status == "ready", _unexpired()]
         if run_id is not None:
             conds.append(CheckpointRow.run_id == run_id)
         query = select(CheckpointRow).where(*conds).order_by(col(CheckpointRow.created_at).desc())
@@ -276,6 +288,15 @@ class Records:
                 for name, value in values.items():
                     setattr(row, name, value)
                 session.commit()
+
+
+def is_expired(row: CheckpointRow) -> bool:
+    return row.expires_at is not None and _aware(row.expires_at) < utcnow()
+
+
+def _unexpired() -> Any:
+    """The SQL condition for a checkpoint not past its expiry (or without one)."""
+    return or_(col(CheckpointRow.expires_at).is_(None), col(CheckpointRow.expires_at) >= utcnow())
 
 
 def _aware(moment: datetime) -> datetime:
