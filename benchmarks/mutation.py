@@ -93,6 +93,8 @@ TARGETS: dict[str, list[str]] = {
     # Every accepted request and every result is stored through this codec: a wrong byte is a wrong answer.
     "tx/db/codec.py": ["tests/db/test_db_codec.py", "tests/db/test_db_queue.py"],
     "tx/api/wire_encode.py": ["tests/api/test_api_wire.py", "tests/api/test_wire_encode.py"],
+    # Every metadata read is scoped to its owner here: a slip shows one key's runs to another.
+    "tx/db/records.py": ["tests/db/test_records.py", "tests/db/test_db_queue.py", "tests/db/test_restart_hygiene.py"],
 }
 SWAPS: dict[type, type] = {
     ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
