@@ -74,9 +74,15 @@ def validate_loss(name: str, config: dict[str, Any] | None) -> dict[str, float]:
 
 
 def _as_float(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"loss_fn_config key {key!r} must be a finite number, got {value!r}")
-    return float(value)
+    """A finite float; an integer too large for a float (a 400-digit one) is refused like infinity."""
+    try:
+        number = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+        shown = repr(value)[:40]
+    except (OverflowError, ValueError):
+        number, shown = math.inf, "an integer too large for a float"
+    if not math.isfinite(number):
+        raise ValueError(f"loss_fn_config key {key!r} must be a finite number, got {shown}")
+    return number
 
 
 def config_row(name: str, config: dict[str, Any] | None) -> list[float]:

@@ -158,3 +158,45 @@ def test_search_sessions_scope_and_errors(http: httpx.Client, other: httpx.Clien
     _assert_400(http.post("/sessions/search", json={"statuses": [{"type": "paused"}]}), "statuses.0")
     naive = {"cursor": {"last_created_at": "2026-01-01T00:00:00", "last_session_id": "x"}}
     _assert_400(http.post("/sessions/search", json=naive), "cursor.last_created_at")
+
+
+# ---- bodies that once answered 500 ---------------------------------------------------------------
+
+
+def test_a_checkpoint_ttl_is_one_hour_to_ten_years_or_none(source: str, http: httpx.Client) -> None:
+    run_id, checkpoint_id = source.removeprefix("tinker://").split("/", 1)
+    url = f"/training_runs/{run_id}/checkpoints/{checkpoint_id}/ttl"
+    for bad in (10**14, -1, 0, 3599, 10 * 365 * 86400 + 1):  # 10^14 overflowed datetime; -1 expired it at once
+        _assert_400(http.put(url, json={"ttl_seconds": bad}), f"ttl_seconds {bad} is outside [3600, 315360000]")
+    for good in (3600, 10 * 365 * 86400, None):
+        assert http.put(url, json={"ttl_seconds": good}).status_code == 204
+    listed = http.get(f"/training_runs/{run_id}/checkpoints").json()["checkpoints"]
+    assert [c["expires_at"] for c in listed if c["tinker_path"] == source] == [None]
+
+
+def test_json_forward_bodies_out_of_range_are_400s(training, http: httpx.Client) -> None:
+    datum = {"model_input": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+             "loss_fn_inputs": {"target_tokens": {"data": [2, 3], "dtype": "int64", "shape": [2]}}}  # fmt: skip
+    body = {"model_id": training.model_id, "forward_backward_input": {"data": [datum], "loss_fn": "cross_entropy"}}
+    huge_int = b'{"model_id": "m", "seq_id": 1' + b"0" * 5000 + b"}"  # past Python's 4300-digit int parsing
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for raw in (huge_int, deep):
+        reply = http.post("/forward_backward", content=raw, headers={"content-type": "application/json"})
+        _assert_400(reply, "body is not valid JSON")
+    for seq_id in (1 << 64, -(1 << 63) - 1, "7", True, 1.5):
+        _assert_400(http.post("/forward_backward", json={**body, "seq_id": seq_id}), "seq_id must be a 64-bit integer")
+    ppo = {**body["forward_backward_input"], "loss_fn": "ppo", "loss_fn_config": {"clip_low_threshold": 10**400}}
+    datum_ppo = {**datum, "loss_fn_inputs": {**datum["loss_fn_inputs"],
+                 "logprobs": {"data": [0.0, 0.0], "dtype": "float32", "shape": [2]},
+                 "advantages": {"data": [1.0, 1.0], "dtype": "float32", "shape": [2]}}}  # fmt: skip
+    reply = http.post("/forward_backward", json={**body, "forward_backward_input": {**ppo, "data": [datum_ppo]}})
+    _assert_400(reply, "clip_low_threshold", "too large for a float")
+    assert http.post("/forward_backward", json={**body, "seq_id": (1 << 63) - 1}).status_code == 200
+
+
+def test_an_upload_config_with_zero_heads_or_a_huge_number_is_refused(http: httpx.Client) -> None:
+    config = {"architectures": ["Qwen3ForCausalLM"], "intermediate_size": 16, "vocab_size": 32, "hidden_size": 8,
+              "num_hidden_layers": 1, "num_attention_heads": 0}  # fmt: skip
+    _assert_400(http.post("/uploads/zero-heads", json={"files": [], "config": config}), "num_attention_heads")
+    huge = {**config, "num_attention_heads": 2, "rope_theta": 10**400}
+    _assert_400(http.post("/uploads/huge-theta", json={"files": [], "config": huge}), "too large")

@@ -136,6 +136,25 @@ def test_an_expired_checkpoint_is_gone_its_name_free_and_the_sweep_removes_its_f
         db.close()
 
 
+def test_a_sampler_name_saved_again_holds_the_newest_weights(live, trained):
+    """A loop that saves "latest" every evaluation: each save replaces the last (it was a 500 from the
+    second on, and the first checkpoint was unlisted), and a sampler made from the name samples."""
+    client, batch, _, rest = trained
+    first = client.save_weights_for_sampler("rest-latest").result().path
+    client.forward_backward(batch, "cross_entropy").result()
+    client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    second = client.save_weights_for_sampler("rest-latest").result().path
+    assert first == second
+    listed = [c for c in rest.list_checkpoints(client.model_id).result().checkpoints if c.tinker_path == first]
+    assert len(listed) == 1 and listed[0].size_bytes == disk_bytes(directory_of(live, first)) > 10_000
+    now = [o["logprobs"].to_numpy() for o in client.forward(batch, "cross_entropy").result().loss_fn_outputs]
+    assert_adapter_matches(live, directory_of(live, first), batch, now)
+    sampler = client.create_sampling_client(first)
+    prompt = types.ModelInput.from_ints([1, 2, 3])
+    out = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2, temperature=0.0)).result()
+    assert len(out.sequences[0].tokens) == 2
+
+
 def test_archive_of_a_sampler_checkpoint_is_the_trained_adapter(live, trained, tmp_path):
     client, batch, logprobs, _ = trained
     path = client.save_weights_for_sampler("rest-archive").result().path

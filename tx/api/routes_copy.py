@@ -30,8 +30,9 @@ from sqlalchemy.exc import IntegrityError
 
 from tx.api.context import AppContext, Ctx, Owner, not_found, user_error
 from tx.api.paths import TinkerPath, checkpoint_dir
-from tx.api.routes_weights import MAX_TTL_S, MIN_TTL_S, resolve_checkpoint
+from tx.api.routes_weights import resolve_checkpoint
 from tx.api.schemas import Int64
+from tx.api.validate import check_ttl
 from tx.db.tables import CheckpointRow, TrainingRunRow, utcnow
 
 log = logging.getLogger("tx.api")
@@ -80,8 +81,7 @@ def copy_weights(
             " copy a checkpoint of your own key and omit the token"
         )
     ttl = request.ttl_seconds
-    if ttl is not None and not MIN_TTL_S <= ttl <= MAX_TTL_S:
-        user_error(f"ttl_seconds: {ttl} is outside [{MIN_TTL_S}, {MAX_TTL_S}]")
+    check_ttl(ttl)
     source_path, source = resolve_checkpoint(ctx, request.source_path, owner)
     source_run = ctx.db.records.get_run(source_path.run_id, owner)
     if source_run is None:

@@ -25,6 +25,7 @@ from fastapi.responses import FileResponse, RedirectResponse, Response
 from tx.api.context import AppContext, Ctx, Owner, not_found, user_error
 from tx.api.paths import KIND_TO_TYPE, checkpoints_root
 from tx.api.schemas import PageLimit, PageOffset, TtlRequest
+from tx.api.validate import check_ttl
 from tx.db.records import Records
 from tx.db.tables import CheckpointRow, TrainingRunRow, utcnow
 from tx.names import BadName, check_name, contained
@@ -161,6 +162,7 @@ def unpublish_checkpoint(run_id: str, kind: str, name: str, ctx: Ctx, owner: Own
 
 @router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl", status_code=204)
 def set_checkpoint_ttl(run_id: str, kind: str, name: str, body: TtlRequest, ctx: Ctx, owner: Owner) -> Response:
+    check_ttl(body.ttl_seconds)
     row = _owned_checkpoint(ctx, run_id, kind, name, owner)
     expires = utcnow() + timedelta(seconds=body.ttl_seconds) if body.ttl_seconds else None
     ctx.db.records.update_checkpoint(row, expires_at=expires)

@@ -146,13 +146,15 @@ def _accept_proto_pass(ctx: AppContext, owner: str, raw: bytes, encoding: str | 
 def _accept_json_pass(ctx: AppContext, owner: str, raw: bytes, key: str) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise WireError(f"body is not valid JSON: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # also an integer past 4300 digits, or nesting past the stack
+        raise WireError(f"body is not valid JSON: {str(exc)[:200]}") from exc
     if not isinstance(body, dict) or not isinstance(body.get("model_id"), str):
         raise WireError("body must be a JSON object with a string 'model_id'")
     seq_id = body.get("seq_id")
+    if seq_id is not None and (type(seq_id) is not int or not -(1 << 63) <= seq_id < 1 << 63):
+        raise WireError(f"seq_id must be a 64-bit integer, got {str(seq_id)[:40]}")
     payload = parse_forward_backward_json(body, key, ctx.limits)
-    return _accept_pass(ctx, owner, body["model_id"], seq_id if isinstance(seq_id, int) else None, payload)
+    return _accept_pass(ctx, owner, body["model_id"], seq_id, payload)
 
 
 def _accept_pass(

@@ -33,14 +33,11 @@ from tx.protocol import (
 
 router = APIRouter(prefix="/api/v1")
 
-MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 86400
-
 
 def _checkpoint_row(
     ctx: AppContext, path: TinkerPath, owner: str, ttl: int | None, meta: dict[str, str] | None
 ) -> CheckpointRow:
-    if ttl is not None and not MIN_TTL_S <= ttl <= MAX_TTL_S:
-        user_error(f"ttl_seconds {ttl} is outside [{MIN_TTL_S}, {MAX_TTL_S}]")
+    validate.check_ttl(ttl)
     return CheckpointRow(
         run_id=path.run_id,
         checkpoint_id=path.checkpoint_id,
@@ -87,8 +84,9 @@ def save_weights_for_sampler(body: schemas.SaveWeightsForSamplerRequest, ctx: Ct
     rows: list[SQLModel]
     if body.path:
         path = TinkerPath(body.model_id, "sampler_weights", body.path)
-        if fresh:
+        if fresh:  # a save under a taken name replaces the checkpoint and the snapshot it names
             _claim_name(ctx, path, owner, overwrite=True)
+            ctx.db.records.delete_snapshot(str(path), owner)
         ckpt = _checkpoint_row(ctx, path, owner, body.ttl_seconds, body.user_metadata)
         payload = SaveSamplerRequest(str(path), body.kind, path.name, ckpt.directory, str(path))
         rows = [

@@ -122,6 +122,15 @@ def check_adam(adam: AdamParams) -> None:
             raise ValidationError(f"adam_params.{name} must be {rule}, got {getattr(adam, name)}")
 
 
+MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 86400
+
+
+def check_ttl(ttl: int | None) -> None:
+    """A checkpoint's time to live: absent (never expires) or one hour to ten years."""
+    if ttl is not None and not MIN_TTL_S <= ttl <= MAX_TTL_S:
+        raise ValidationError(f"ttl_seconds {ttl} is outside [{MIN_TTL_S}, {MAX_TTL_S}] (or null: never expires)")
+
+
 def check_checkpoint_name(name: str, field: str = "path") -> None:
     try:
         check_name(name, field)

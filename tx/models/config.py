@@ -245,6 +245,17 @@ class ModelConfig:
 
     @staticmethod
     def from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
+        """The config of a parsed config.json; `ValueError` naming the field when it is not one we build
+        (an uploaded config is a client's: zero heads or a rotary base past float range included)."""
+        try:
+            return ModelConfig._from_hf(hf, dtype)
+        except ZeroDivisionError:
+            raise ValueError("config.json: num_attention_heads and the other head counts must be >= 1") from None
+        except OverflowError as err:
+            raise ValueError(f"config.json has a number too large for its field ({err})") from None
+
+    @staticmethod
+    def _from_hf(hf: dict[str, Any], dtype: str | None) -> ModelConfig:
         family = family_of(hf)
         _check_whole_numbers(hf)
         if family in HYBRID_FAMILIES:
