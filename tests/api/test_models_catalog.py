@@ -47,6 +47,18 @@ def test_allow_globs_refuse_other_strings_but_not_preloaded_models(tmp_path: Pat
     assert catalog.get("alice", str(outside)).info.vocab_size == 300
 
 
+def test_a_glob_does_not_let_dot_dot_climb_out_of_its_directory(tmp_path: Path) -> None:
+    """fnmatch's `*` matches "/" and "..": `<root>/ok/*` matched `<root>/ok/../secret`, a directory the globs
+    never allowed (another tenant's full fine-tuning export under the data directory, say)."""
+    _model_dir(tmp_path, "ok/one", QWEN3)
+    _model_dir(tmp_path, "secret", QWEN3)
+    catalog = ModelCatalog(ModelRules(allow=(f"{tmp_path}/ok/*",), max_seq_len=4096))
+    for sneaky in (f"{tmp_path}/ok/../secret", f"{tmp_path}/ok/one/../../secret", f"{tmp_path}/ok/one/.."):
+        with pytest.raises(ValidationError, match="has a '..' part"):
+            catalog.get("alice", sneaky)
+    assert catalog.get("alice", f"{tmp_path}/ok/one").info.vocab_size == 300
+
+
 def test_uploads_are_private_to_their_owner_even_once_loaded(tmp_path: Path) -> None:
     mine = _model_dir(tmp_path, "store/alice/mine", QWEN3)
     uploads = {("alice", "upload:mine"): mine}

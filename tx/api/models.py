@@ -15,7 +15,7 @@ import fnmatch
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import NoReturn
 
 from fastapi import HTTPException
@@ -106,6 +106,8 @@ class ModelCatalog:
             served = ", ".join(repr(n) for n in self.preloaded)
             why = f" ({self.only_preloaded})" if self.only_preloaded else ""
             raise ValidationError(f"unknown base_model {name!r}; this server serves {served}{why}")
+        if ".." in PurePosixPath(name).parts:  # an --allow-models glob's * spans "/": /models/* matched /models/../x
+            raise ValidationError(f"base_model {name!r} has a '..' part; name the model's directory directly")
         if not is_upload and not self._allowed(name):
             raise HTTPException(
                 403, detail=f"base_model {name!r} is not allowed on this server (--allow-models {self._allow_text()})"
