@@ -200,3 +200,28 @@ def test_an_upload_config_with_zero_heads_or_a_huge_number_is_refused(http: http
     _assert_400(http.post("/uploads/zero-heads", json={"files": [], "config": config}), "num_attention_heads")
     huge = {**config, "num_attention_heads": 2, "rope_theta": 10**400}
     _assert_400(http.post("/uploads/huge-theta", json={"files": [], "config": huge}), "too large")
+
+
+def test_ids_taken_by_another_route_are_400s_naming_them(source: str, http: httpx.Client, training) -> None:
+    """A run id made by copy_weights, then asked for by create_model or create-from-state; a sampler seq id
+    used twice by save_weights_for_sampler: each insert hit a unique key and answered 500."""
+    session_id = http.post("/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+    assert http.post("/copy_weights", json={"source_path": source, "session_id": session_id, "model_seq_id": 3})
+    create = {"session_id": session_id, "model_seq_id": 3, "base_model": training.get_info().model_data.model_name,
+              "lora_config": {"rank": 8}}  # fmt: skip
+    taken = f"training run '{session_id}:train:3' already exists"
+    _assert_400(http.post("/create_model", json=create), taken)
+    load = {"path": source, "session_id": session_id, "model_seq_id": 3, "optimizer": False}
+    _assert_400(http.post("/load_weights", json=load), taken)
+    sampler = {"model_id": training.model_id, "sampling_session_seq_id": 41}
+    assert http.post("/save_weights_for_sampler", json=sampler).status_code == 200
+    _assert_400(http.post("/save_weights_for_sampler", json=sampler), "sampler", ":sample:41' already exists")
+    assert http.post("/create_model", json={**create, "model_seq_id": 4}).status_code == 200  # a free id works
+
+
+def test_a_finished_session_takes_no_new_run_from_a_checkpoint(source: str, http: httpx.Client) -> None:
+    session_id = http.post("/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+    assert http.post("/session_heartbeat", json={"session_id": session_id}).status_code == 200
+    assert http.post(f"/sessions/{session_id}/finish", json={}).status_code == 200
+    load = {"path": source, "session_id": session_id, "model_seq_id": 0, "optimizer": False}
+    _assert_400(http.post("/load_weights", json=load), f"session {session_id!r} is finished")

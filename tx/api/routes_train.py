@@ -37,7 +37,7 @@ def _seq_key(model_id: str, seq_id: int | None) -> str | None:
 @router.post("/create_model")
 def create_model(body: schemas.CreateModelRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
     if body.session_id is not None:
-        _check_live_session(ctx, body.session_id, owner)
+        check_live_session(ctx, body.session_id, owner)
     served = ctx.models.get(owner, body.base_model)
     lora_in = body.lora_config
     if body.optimizer_config is not None and body.optimizer_config.type != "adamw":
@@ -66,7 +66,7 @@ def create_model(body: schemas.CreateModelRequest, ctx: Ctx, owner: Owner) -> di
     )
 
 
-def _check_live_session(ctx: AppContext, session_id: str, owner: str) -> None:
+def check_live_session(ctx: AppContext, session_id: str, owner: str) -> None:
     session = ctx.db.records.get_session(session_id, owner)
     if session is None:
         not_found(f"unknown session_id {session_id!r}")

@@ -19,7 +19,7 @@ from sqlmodel import SQLModel
 from tx.api import schemas, validate
 from tx.api.context import AppContext, Ctx, Owner, not_found, run_model, submit, usable_run, user_error
 from tx.api.paths import TinkerPath, checkpoint_dir, parse_tinker_path
-from tx.api.routes_train import check_run_limit, new_run_row
+from tx.api.routes_train import check_live_session, check_run_limit, new_run_row
 from tx.db.records import is_expired
 from tx.db.tables import CheckpointRow, SamplerSnapshotRow, SamplingSessionRow, TrainingRunRow, utcnow
 from tx.protocol import (
@@ -177,9 +177,7 @@ def _create_from_state(
     ctx: AppContext, body: schemas.LoadWeightsRequest, owner: str, path: TinkerPath, ckpt: CheckpointRow
 ) -> dict[str, Any]:
     assert body.session_id is not None
-    session = ctx.db.records.get_session(body.session_id, owner)
-    if session is None:
-        not_found(f"unknown session_id {body.session_id!r}")
+    check_live_session(ctx, body.session_id, owner)  # a finished or expired session's run would never be reaped
     source = ctx.db.records.get_run(path.run_id, owner)
     if source is None:
         not_found(f"the training run of {body.path!r} no longer exists")
