@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import tarfile
 import time
 from datetime import timedelta
 from types import SimpleNamespace
@@ -135,7 +137,9 @@ def test_checkpoint_archive_download(http: httpx.Client, model_id: str, server: 
     reply = http.get(f"/training_runs/{model_id}/checkpoints/weights/arch/archive")
     assert reply.status_code == 302
     tar = httpx.get(reply.headers["location"])
-    assert tar.status_code == 200 and b"adapter_config.json" in tar.content
+    assert tar.status_code == 200 and int(tar.headers["content-length"]) == len(tar.content)
+    with tarfile.open(fileobj=io.BytesIO(tar.content)) as archive:
+        assert "adapter_config.json" in archive.getnames()
     dup = http.post("/save_weights", json={"model_id": model_id, "path": "arch", "seq_id": 109})
     assert dup.status_code == 400 and "already exists" in dup.json()["detail"]
 

@@ -66,10 +66,16 @@ class AppContext:
         return await asyncio.get_running_loop().run_in_executor(self.heavy_pool, fn, *args)
 
     def issue_download(self, directory: Path) -> str:
-        """A one-off unauthenticated token for downloading `directory` as a tar archive."""
+        """An unauthenticated token for downloading `directory` (as a tar archive, or file by file), valid for
+        `archive_url_ttl_s`. A directory with a link still good for half that gets the same token back: the
+        table holds one link per checkpoint, however often a client asks."""
         now = time.time()
         for stale in [t for t, (_, expires) in self.downloads.items() if expires < now]:
             del self.downloads[stale]  # expired links are purged as new ones are issued
+        half = now + self.settings.archive_url_ttl_s / 2
+        live = next((t for t, (d, expires) in self.downloads.items() if d == directory and expires > half), None)
+        if live is not None:
+            return live
         token = secrets.token_urlsafe(24)
         self.downloads[token] = (directory, now + self.settings.archive_url_ttl_s)
         return token

@@ -8,19 +8,19 @@ archive endpoint (SDK <= 0.33 download) redirects to a one-off, unauthenticated 
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import shutil
 import tarfile
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse, RedirectResponse, Response
+from fastapi.responses import FileResponse, RedirectResponse, Response, StreamingResponse
 
 from tx.api.context import AppContext, Ctx, Owner, not_found, user_error
 from tx.api.paths import KIND_TO_TYPE, checkpoints_root
@@ -216,14 +216,47 @@ async def download_archive(token: str, ctx: Ctx) -> Response:
     directory = entry[0]
     if not directory.is_dir():
         not_found("the checkpoint files are gone")
-    data = await run_in_threadpool(_tar_bytes, directory)
-    headers = {"Content-Disposition": f'attachment; filename="{directory.name}.tar"'}
-    return Response(data, media_type="application/x-tar", headers=headers)
+    members = await run_in_threadpool(_tar_members, directory)
+    headers = {
+        "Content-Disposition": f'attachment; filename="{directory.name}.tar"',
+        "Content-Length": str(sum(len(header) + _padded(info.size) for _, info, header in members) + TAR_END),
+    }
+    return StreamingResponse(_tar_stream(members), media_type="application/x-tar", headers=headers)
 
 
-def _tar_bytes(directory: Path) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        for path in sorted(directory.rglob("*")):
-            tar.add(path, arcname=str(path.relative_to(directory)), recursive=False)
-    return buffer.getvalue()
+TAR_BLOCK, TAR_END, TAR_CHUNK = 512, 1024, 1 << 20
+
+
+def _padded(size: int) -> int:
+    return -(-size // TAR_BLOCK) * TAR_BLOCK
+
+
+def _tar_members(directory: Path) -> list[tuple[Path, tarfile.TarInfo, bytes]]:
+    """(file, its tar entry, the entry's header) for the directory's regular files and folders, in name order;
+    links and anything else are left out (the server wrote the checkpoint: it holds neither)."""
+    members = []
+    for path in sorted(directory.rglob("*")):
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            continue
+        stat = path.stat()
+        info = tarfile.TarInfo(path.relative_to(directory).as_posix())
+        info.mtime, info.mode = int(stat.st_mtime), stat.st_mode & 0o777
+        info.type, info.size = (tarfile.DIRTYPE, 0) if path.is_dir() else (tarfile.REGTYPE, stat.st_size)
+        members.append((path, info, info.tobuf(tarfile.PAX_FORMAT)))
+    return members
+
+
+def _tar_stream(members: list[tuple[Path, tarfile.TarInfo, bytes]]) -> Iterator[bytes]:
+    """The archive a megabyte at a time: a checkpoint of any size downloads in constant memory. A file that
+    shrank since its header was written is padded with zeros, so the archive keeps its announced length."""
+    for path, info, header in members:
+        yield header
+        left = info.size
+        if left:
+            with path.open("rb") as file:
+                while left and (chunk := file.read(min(TAR_CHUNK, left))):
+                    left -= len(chunk)
+                    yield chunk
+        for start in range(0, left + _padded(info.size) - info.size, TAR_CHUNK):  # the padding, and any shortfall
+            yield bytes(min(TAR_CHUNK, left + _padded(info.size) - info.size - start))
+    yield bytes(TAR_END)

@@ -1,0 +1,67 @@
+"""Checkpoint archives are streamed: a tar of any size in pieces of at most a megabyte, exactly as announced."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+from api.harness import MODEL
+from tx.api.context import AppContext, Settings
+from tx.api.limits import limits_for
+from tx.api.routes_rest import TAR_CHUNK, _tar_members, _tar_stream
+from tx.upload_store import UploadStore
+
+SIZES = {"empty": 0, "a.json": 511, "b.bin": 512, "c.bin": 513, "nested/big.safetensors": 3 * TAR_CHUNK + 7}
+
+
+def _checkpoint(root: Path) -> Path:
+    for index, (name, size) in enumerate(SIZES.items()):
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bytes((index + i) % 251 for i in range(size)))
+    (root / "link").symlink_to(root / "a.json")  # never followed into the archive
+    return root
+
+
+def _announced(members: list) -> int:  # type: ignore[type-arg]
+    return sum(len(header) + -(-info.size // 512) * 512 for _, info, header in members) + 1024
+
+
+def test_the_stream_is_a_tar_of_every_file_in_bounded_pieces(tmp_path: Path) -> None:
+    directory = _checkpoint(tmp_path / "ckpt")
+    members = _tar_members(directory)
+    pieces = list(_tar_stream(members))
+    assert max(len(piece) for piece in pieces) <= TAR_CHUNK
+    data = b"".join(pieces)
+    assert len(data) == _announced(members) and len(data) % 512 == 0
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        names = {m.name: m for m in tar.getmembers()}
+        assert set(names) == {*SIZES, "nested"} and names["nested"].isdir()
+        for name, size in SIZES.items():
+            extracted = tar.extractfile(name)
+            assert extracted is not None and extracted.read() == (directory / name).read_bytes(), name
+            assert names[name].size == size
+
+
+def test_a_file_that_shrinks_mid_download_keeps_the_announced_length(tmp_path: Path) -> None:
+    directory = _checkpoint(tmp_path / "ckpt")
+    members = _tar_members(directory)
+    (directory / "nested/big.safetensors").write_bytes(b"x" * 10)  # overwritten after the headers were made
+    data = b"".join(_tar_stream(members))
+    assert len(data) == _announced(members)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        extracted = tar.extractfile("nested/big.safetensors")
+        assert extracted is not None and extracted.read() == b"x" * 10 + bytes(SIZES["nested/big.safetensors"] - 10)
+        a_json = tar.extractfile("a.json")
+        assert a_json is not None and a_json.read() == (directory / "a.json").read_bytes()
+
+
+def test_one_download_link_per_checkpoint_however_often_asked(tmp_path: Path) -> None:
+    uploads = UploadStore(tmp_path / "u", 0)
+    ctx = AppContext(Settings(archive_url_ttl_s=3600), None, MODEL, limits_for(MODEL), uploads)  # type: ignore[arg-type]
+    first = ctx.issue_download(tmp_path / "a")
+    assert all(ctx.issue_download(tmp_path / "a") == first for _ in range(100))
+    assert ctx.issue_download(tmp_path / "b") != first and len(ctx.downloads) == 2
+    ctx.downloads[first] = (tmp_path / "a", ctx.downloads[first][1] - 3000)  # less than half its time left
+    assert ctx.issue_download(tmp_path / "a") != first and len(ctx.downloads) == 3
