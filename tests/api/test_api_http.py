@@ -281,3 +281,27 @@ def test_a_database_that_takes_no_writes_is_a_503_and_a_full_disk_a_507(
     assert reply.status_code == 507 and "disk is full" in reply.json()["detail"] and "/srv" not in reply.text
     monkeypatch.setattr(server.db.records, "heartbeat", heartbeat)
     assert http.post("/session_heartbeat", json={"session_id": session_id}).status_code == 200
+
+
+def test_a_checkpoints_sampler_samples_only_while_the_checkpoint_exists(http: httpx.Client, model_id: str) -> None:
+    """Deleted (or expired) checkpoint: its sampling session and a pre-session SDK's model_path sampler both
+    answer 404 naming it, instead of sampling weights still cached in the engine (or failing there once
+    evicted). A sampler seq id holds one sampler: reusing it for other weights is a 400, a retry is not."""
+    saved = wait(http, http.post("/save_weights_for_sampler", json={"model_id": model_id, "path": "gone"}).json()[
+        "request_id"])["path"]  # fmt: skip
+    session_id = http.post("/create_session", json={}).json()["session_id"]
+    create = {"session_id": session_id, "sampling_session_seq_id": 0, "model_path": saved}
+    sampler = http.post("/create_sampling_session", json=create).json()["sampling_session_id"]
+    assert http.post("/create_sampling_session", json=create).json()["sampling_session_id"] == sampler  # a retry
+    reused = http.post("/create_sampling_session", json={**create, "model_path": None, "base_model": MODEL.base_model})
+    assert reused.status_code == 400 and "sampling_session_seq_id 0 of this session already names" in reused.text
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}
+    requests = [{"sampling_session_id": sampler}, {"model_path": saved}]
+    for weights in requests:
+        sample = {"prompt": prompt, "sampling_params": {"max_tokens": 2}, **weights}
+        assert len(wait(http, http.post("/asample", json=sample).json()["request_id"])["sequences"]) == 1
+    run_id, checkpoint_id = saved.removeprefix("tinker://").split("/", 1)
+    assert http.delete(f"/training_runs/{run_id}/checkpoints/{checkpoint_id}").status_code == 204
+    for weights in requests:
+        reply = http.post("/asample", json={"prompt": prompt, "sampling_params": {"max_tokens": 2}, **weights})
+        assert reply.status_code == 404 and "was deleted or has expired" in reply.json()["detail"], reply.text

@@ -17,6 +17,7 @@ from fastapi import APIRouter
 
 from tx.api import schemas, validate
 from tx.api.context import AppContext, Ctx, Owner, not_found, submit, user_error
+from tx.api.paths import parse_tinker_path
 from tx.api.routes_weights import resolve_checkpoint
 from tx.api.wire_decode import model_input_tokens, sampling_params
 from tx.db.tables import SamplingSessionRow
@@ -42,7 +43,12 @@ def create_sampling_session(body: schemas.CreateSamplingSessionRequest, ctx: Ctx
     sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
     row = _pinned(ctx, SamplingSessionRow(id=sampler_id, session_id=body.session_id, owner=owner, base_model=""),
                   body.model_path, body.base_model)  # fmt: skip
-    ctx.db.records.add_sampling_session(row)
+    kept = ctx.db.records.add_sampling_session(row)
+    if (kept.model_path, kept.base_model) != (row.model_path, row.base_model):  # not a retry of the same create
+        user_error(
+            f"sampling_session_seq_id {body.sampling_session_seq_id} of this session already names a sampler of "
+            f"{kept.model_path or kept.base_model!r}; use an unused sampling_session_seq_id"
+        )
     return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
 
 
@@ -94,6 +100,10 @@ def _only_model(ctx: AppContext) -> str:
 def _weights_of(ctx: AppContext, sampler: SamplingSessionRow) -> WeightsRef | None:
     if sampler.snapshot_id is None:
         return None
+    if sampler.model_path is not None:  # a named checkpoint's sampler samples while the checkpoint exists
+        path = parse_tinker_path(sampler.model_path)
+        if path is None or ctx.db.records.get_checkpoint(path.run_id, path.checkpoint_id, sampler.owner) is None:
+            not_found(f"checkpoint {sampler.model_path!r} was deleted or has expired: its sampler has no weights")
     if sampler.checkpoint_dir is None:  # ephemeral: exists only once its save succeeded
         snapshot = ctx.db.records.get_snapshot(sampler.snapshot_id)
         if snapshot is None or snapshot.status == "failed":
