@@ -191,7 +191,7 @@ class WeightsRef:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Generation controls. `stop_at_eos` is False when the caller passed an explicit stop list."""
+    """Generation controls. `stop_at_eos` is False only when the caller passed `stop=[]` (no stop at all)."""
 
     max_tokens: int
     temperature: float = 1.0

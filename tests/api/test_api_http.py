@@ -305,3 +305,17 @@ def test_a_checkpoints_sampler_samples_only_while_the_checkpoint_exists(http: ht
     for weights in requests:
         reply = http.post("/asample", json={"prompt": prompt, "sampling_params": {"max_tokens": 2}, **weights})
         assert reply.status_code == 404 and "was deleted or has expired" in reply.json()["detail"], reply.text
+
+
+def test_a_training_state_is_not_a_sampler(http: httpx.Client, model_id: str) -> None:
+    """A `weights/` path holds a training state the engine cannot sample from: refused when the sampler is
+    made (each sample failed later, saying the weights were "not saved, or evicted")."""
+    state = wait(http, http.post("/save_weights", json={"model_id": model_id, "path": "state-only"}).json()[
+        "request_id"])["path"]  # fmt: skip
+    session_id = http.post("/create_session", json={}).json()["session_id"]
+    create = {"session_id": session_id, "sampling_session_seq_id": 0, "model_path": state}
+    reply = http.post("/create_sampling_session", json=create)
+    assert reply.status_code == 400 and "is a training state" in reply.json()["detail"]
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}
+    reply = http.post("/asample", json={"prompt": prompt, "sampling_params": {"max_tokens": 2}, "model_path": state})
+    assert reply.status_code == 400 and "save_weights_for_sampler" in reply.json()["detail"]

@@ -158,6 +158,9 @@ def test_search_sessions_scope_and_errors(http: httpx.Client, other: httpx.Clien
     _assert_400(http.post("/sessions/search", json={"statuses": [{"type": "paused"}]}), "statuses.0")
     naive = {"cursor": {"last_created_at": "2026-01-01T00:00:00", "last_session_id": "x"}}
     _assert_400(http.post("/sessions/search", json=naive), "cursor.last_created_at")
+    for edge in ("0001-01-01T00:00:00+05:00", "9999-12-31T23:59:59-05:00"):  # outside datetime's range in UTC
+        cursor = {"cursor": {"last_created_at": edge, "last_session_id": "x"}}
+        _assert_400(http.post("/sessions/search", json=cursor), "cursor.last_created_at", "outside the datetime range")
 
 
 # ---- bodies that once answered 500 ---------------------------------------------------------------

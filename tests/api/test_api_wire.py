@@ -81,8 +81,10 @@ def test_stop_semantics() -> None:
     assert sampling_params({"max_tokens": 3}, 9).stop_at_eos
     empty = sampling_params({"stop": []}, 9)
     assert not empty.stop_at_eos and empty.max_tokens == 9
-    assert sampling_params({"stop": "\n"}, 9).stop_strings == ["\n"]
-    assert sampling_params({"stop": [7, 8]}, 9).stop_token_ids == [7, 8]
+    strings, ids = sampling_params({"stop": "\n"}, 9), sampling_params({"stop": [7, 8]}, 9)
+    assert strings.stop_strings == ["\n"] and strings.stop_at_eos  # a stop list adds to EOS (§8.2: only [] ends it)
+    assert ids.stop_token_ids == [7, 8] and ids.stop_at_eos
+    assert sampling_params({"stop": ["a", "b"]}, 9).stop_at_eos and sampling_params({"stop": None}, 9).stop_at_eos
 
 
 def test_metric_keys_repaired() -> None:

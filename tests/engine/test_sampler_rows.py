@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from tx.engine.batching import DEFAULT_BUCKETS, LENGTH_BUCKETS
-from tx.engine.sampler_rows import Job, Row, copy_sources, prefill_batch
+from tx.engine.sampler_rows import Job, Row, copy_sources, decode_rows, prefill_batch
 from tx.engine.sampling import StopChecker
 from tx.protocol import SampledSequence, SampleRequest, SamplingParams
 
@@ -55,3 +55,14 @@ def test_only_newly_admitted_rows_copy_their_prefilled_prompt() -> None:
     pieces = {id(old_job): 0, id(new_job): 1}
     assert copy_sources([old, None, new], [new], pieces).tolist() == [-1, -1, 1]
     assert copy_sources([new], [new], {}).tolist() == [-1]  # its prompt came from the prompt cache
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily() -> None:
+    """2e-38 passed validation (finite, >= 0), and 1 / T = 5e37 sent every logit above ~7 to +inf, so the
+    arg-max picked the lowest such token id instead of the largest logit."""
+    rows = []
+    for temperature in (2e-38, 9.9e-6, 1e-5, 0.7, 0.0):
+        req = SampleRequest([1, 2], 1, SamplingParams(max_tokens=2, temperature=temperature), "m")
+        rows.append(Row.start(Job("r", req, slot=0, seeds=[0], stop=StopChecker([], [], lambda ids: "", 2)), 0))
+    temperatures = decode_rows([*rows, None], 8).temperature
+    np.testing.assert_array_equal(temperatures, np.array([0.0, 0.0, 1e-5, 0.7, 0.0, 0.0], np.float32))

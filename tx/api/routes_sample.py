@@ -56,6 +56,11 @@ def _pinned(ctx: AppContext, row: SamplingSessionRow, model_path: str | None, ba
     """`row` with the weights it samples: the checkpoint at `model_path`, else the base model."""
     if model_path:
         path, ckpt = resolve_checkpoint(ctx, model_path, row.owner)
+        if ckpt.checkpoint_type == "training":  # a training state holds no sampler weights the engine can load
+            user_error(
+                f"model_path {model_path!r} is a training state (weights/...): sample from a sampler checkpoint "
+                "(save_weights_for_sampler), or load the state into a training client first"
+            )
         row.model_path, row.model_id, row.snapshot_id = str(path), path.run_id, str(path)
         row.checkpoint_dir, row.checkpoint_type = ckpt.directory, ckpt.checkpoint_type
         source = ctx.db.records.get_run(path.run_id, row.owner)
@@ -108,8 +113,6 @@ def _weights_of(ctx: AppContext, sampler: SamplingSessionRow) -> WeightsRef | No
         snapshot = ctx.db.records.get_snapshot(sampler.snapshot_id)
         if snapshot is None or snapshot.status == "failed":
             user_error(f"sampler {sampler.id!r} has no weights: its save_weights_for_sampler failed")
-    if sampler.checkpoint_type == "training":
-        return WeightsRef(sampler.snapshot_id, sampler.model_id, sampler.checkpoint_dir, "training")
     return WeightsRef(sampler.snapshot_id, sampler.model_id, sampler.checkpoint_dir, "sampler")
 
 

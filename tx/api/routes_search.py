@@ -77,7 +77,10 @@ def search_sessions(ctx: Ctx, owner: Owner, body: Annotated[Any, Body()] = None)
 
     rows = [row for row in ctx.db.records.owner_sessions(owner) if _matches(row, request)]
     if request.cursor is not None:
-        after = (request.cursor.last_created_at.astimezone(UTC), request.cursor.last_session_id)
+        try:
+            after = (request.cursor.last_created_at.astimezone(UTC), request.cursor.last_session_id)
+        except OverflowError:  # year 1 at +05:00 lies before datetime's range in UTC
+            user_error(f"cursor.last_created_at {request.cursor.last_created_at} is outside the datetime range in UTC")
         rows = [row for row in rows if (_created(row), row.id) < after]
     page = rows[: request.limit]
     stats = ctx.db.records.session_checkpoint_stats(owner, [row.id for row in page])

@@ -285,8 +285,9 @@ def _densify(values: np.ndarray, crow: np.ndarray, cols: np.ndarray, shape: list
 
 @wire_errors
 def sampling_params(raw: Any, default_max_tokens: int) -> SamplingParams:
-    """SamplingParams from JSON; `stop=None` stops at EOS, an explicit list (even []) replaces it. A missing
-    or null field takes its default; a field of the wrong type is a `WireError` naming it."""
+    """SamplingParams from JSON; `stop=None` stops at EOS, stop strings or token ids stop there and at EOS,
+    and `stop=[]` disables every stop, EOS included (generate to max_tokens). A missing or null field takes
+    its default; a field of the wrong type is a `WireError` naming it."""
     if not isinstance(raw, dict):
         raise WireError("sampling_params must be an object")
     stop = raw.get("stop")
@@ -311,7 +312,7 @@ def sampling_params(raw: Any, default_max_tokens: int) -> SamplingParams:
         seed=_field(raw, "seed", int, None),
         stop_token_ids=stop_ids,
         stop_strings=stop_strings,
-        stop_at_eos=stop is None,
+        stop_at_eos=stop != [],
     )
 
 

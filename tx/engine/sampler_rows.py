@@ -16,7 +16,7 @@ import numpy as np
 
 from tx.engine.batching import bucket_size
 from tx.engine.decode_steps import DecodeRows, PrefillBatch, PromptScores
-from tx.engine.sampling import StopChecker
+from tx.engine.sampling import StopChecker, greedy_below
 from tx.gather import to_host
 from tx.protocol import SampledSequence, SampleRequest, SampleResult
 
@@ -99,7 +99,7 @@ def decode_rows(table: Sequence[Row | None], length: int) -> DecodeRows:
         p = row.job.req.params
         token[i], position[i], step[i] = row.token, row.position, len(row.tokens)
         seed[i] = row.job.seeds[row.sample]
-        temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+        temperature[i], top_k[i], top_p[i] = greedy_below(p.temperature), p.top_k, p.top_p
     return DecodeRows(token, position, step, seed, temperature, top_k, top_p)  # type: ignore[arg-type]
 
 

@@ -233,6 +233,14 @@ class Finish:
     reason: StopReason
 
 
+MIN_TEMPERATURE = 1e-5  # below it, logits / T leaves float32's range (every large logit +inf): greedy instead
+
+
+def greedy_below(temperature: float) -> float:
+    """The temperature a row samples at: a positive one too small to divide by is greedy (0)."""
+    return temperature if temperature >= MIN_TEMPERATURE else 0.0
+
+
 class StopChecker:
     """Host-side end-of-generation test for the rows of one request, run after each decode chunk.
 
