@@ -138,21 +138,29 @@ def test_an_expired_checkpoint_is_gone_its_name_free_and_the_sweep_removes_its_f
 
 def test_a_sampler_name_saved_again_holds_the_newest_weights(live, trained):
     """A loop that saves "latest" every evaluation: each save replaces the last (it was a 500 from the
-    second on, and the first checkpoint was unlisted), and a sampler made from the name samples."""
-    client, batch, _, rest = trained
-    first = client.save_weights_for_sampler("rest-latest").result().path
-    client.forward_backward(batch, "cross_entropy").result()
-    client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
-    second = client.save_weights_for_sampler("rest-latest").result().path
-    assert first == second
-    listed = [c for c in rest.list_checkpoints(client.model_id).result().checkpoints if c.tinker_path == first]
-    assert len(listed) == 1 and listed[0].size_bytes == disk_bytes(directory_of(live, first)) > 10_000
-    now = [o["logprobs"].to_numpy() for o in client.forward(batch, "cross_entropy").result().loss_fn_outputs]
-    assert_adapter_matches(live, directory_of(live, first), batch, now)
-    sampler = client.create_sampling_client(first)
-    prompt = types.ModelInput.from_ints([1, 2, 3])
-    out = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2, temperature=0.0)).result()
-    assert len(out.sequences[0].tokens) == 2
+    second on, and the first checkpoint was unlisted), and a sampler made from the name samples. The shared
+    run trains one step here and is put back as it was (the later tests compare against its weights)."""
+    client, batch, logprobs, rest = trained
+    before = client.save_state("rest-before-latest").result().path
+    try:
+        first = client.save_weights_for_sampler("rest-latest").result().path
+        client.forward_backward(batch, "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        second = client.save_weights_for_sampler("rest-latest").result().path
+        assert first == second
+        listed = [c for c in rest.list_checkpoints(client.model_id).result().checkpoints if c.tinker_path == first]
+        assert len(listed) == 1 and listed[0].size_bytes == disk_bytes(directory_of(live, first)) > 10_000
+        now = [o["logprobs"].to_numpy() for o in client.forward(batch, "cross_entropy").result().loss_fn_outputs]
+        assert_adapter_matches(live, directory_of(live, first), batch, now)
+        sampler = client.create_sampling_client(first)
+        prompt = types.ModelInput.from_ints([1, 2, 3])
+        out = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2, temperature=0.0)).result()
+        assert len(out.sequences[0].tokens) == 2
+    finally:
+        client.load_state_with_optimizer(before).result()
+    restored = [o["logprobs"].to_numpy() for o in client.forward(batch, "cross_entropy").result().loss_fn_outputs]
+    for got, want in zip(restored, logprobs, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_archive_of_a_sampler_checkpoint_is_the_trained_adapter(live, trained, tmp_path):
