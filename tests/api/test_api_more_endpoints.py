@@ -228,3 +228,21 @@ def test_a_finished_session_takes_no_new_run_from_a_checkpoint(source: str, http
     assert http.post(f"/sessions/{session_id}/finish", json={}).status_code == 200
     load = {"path": source, "session_id": session_id, "model_seq_id": 0, "optimizer": False}
     _assert_400(http.post("/load_weights", json=load), f"session {session_id!r} is finished")
+
+
+def test_stored_metadata_and_tags_are_bounded(http: httpx.Client, training) -> None:
+    """What a client stores with a session, run or checkpoint is read back by every listing and search: a
+    body-sized (8 MiB+) user_metadata per session made each search read gigabytes."""
+    big = {"k": "x" * (64 << 10)}
+    for reply in (
+        http.post("/create_session", json={"user_metadata": big}),
+        http.post("/create_session", json={"tags": ["t"] * 65}),
+        http.post("/create_session", json={"tags": ["x" * 257]}),
+        http.post("/create_session", json={"sdk_version": "9" * 65}),
+        http.post("/save_weights", json={"model_id": training.model_id, "path": "meta", "user_metadata": big}),
+    ):
+        assert reply.status_code == 422, reply.text
+        assert any(field in reply.text for field in ("user_metadata", "tags", "sdk_version")), reply.text
+    fits = {"k": "x" * ((64 << 10) - 20)}
+    ok = http.post("/create_session", json={"user_metadata": fits, "tags": ["t"] * 64, "sdk_version": "0.38.0"})
+    assert ok.status_code == 200, ok.text

@@ -6,10 +6,11 @@ Optional fields mirror what older SDKs may omit. FastAPI rejects a body that doe
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from fastapi import Query
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 
 from tx.protocol import AdamParams
 
@@ -17,6 +18,20 @@ from tx.protocol import AdamParams
 Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 PageLimit = Annotated[int, Query(ge=1, le=1000)]
 PageOffset = Annotated[int, Query(ge=0, lt=2**63)]
+MAX_METADATA_BYTES = 64 << 10
+
+
+def _bounded_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Metadata is stored with its row and read back by listings and searches: at most 64 KiB as JSON."""
+    if value is not None and len(json.dumps(value)) > MAX_METADATA_BYTES:
+        raise ValueError(f"user_metadata is over {MAX_METADATA_BYTES} bytes as JSON")
+    return value
+
+
+# The user_metadata of a session, run or checkpoint; tags of a session: bounded, like everything stored.
+Metadata = Annotated[dict[str, Any] | None, AfterValidator(_bounded_metadata)]
+StringMetadata = Annotated[dict[str, str] | None, AfterValidator(_bounded_metadata)]
+Tags = Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=64)]
 
 
 class ClientConfigRequest(BaseModel):
@@ -24,9 +39,9 @@ class ClientConfigRequest(BaseModel):
 
 
 class CreateSessionRequest(BaseModel):
-    tags: list[str] = Field(default_factory=list)
-    user_metadata: dict[str, Any] | None = None
-    sdk_version: str | None = None
+    tags: Tags = Field(default_factory=list)
+    user_metadata: Metadata = None
+    sdk_version: Annotated[str, Field(max_length=64)] | None = None
 
 
 class SessionRef(BaseModel):
@@ -59,7 +74,7 @@ class CreateModelRequest(BaseModel):
     model_seq_id: Int64 = 0
     base_model: str
     lora_config: LoraConfigIn = Field(default_factory=LoraConfigIn)
-    user_metadata: dict[str, str] | None = None
+    user_metadata: StringMetadata = None
     optimizer_config: OptimizerConfig | None = None
 
 
@@ -93,7 +108,7 @@ class SaveWeightsRequest(BaseModel):
     seq_id: Int64 | None = None
     overwrite: bool = False
     ttl_seconds: Int64 | None = None
-    user_metadata: dict[str, str] | None = None
+    user_metadata: StringMetadata = None
 
 
 class SaveWeightsForSamplerRequest(BaseModel):
@@ -103,7 +118,7 @@ class SaveWeightsForSamplerRequest(BaseModel):
     sampling_session_seq_id: Int64 | None = None
     kind: Literal["snapshot", "inflight"] = "snapshot"
     ttl_seconds: Int64 | None = None
-    user_metadata: dict[str, str] | None = None
+    user_metadata: StringMetadata = None
 
 
 class LoadWeightsRequest(BaseModel):
@@ -113,7 +128,7 @@ class LoadWeightsRequest(BaseModel):
     session_id: str | None = None
     model_seq_id: Int64 | None = None
     base_model: str | None = None
-    user_metadata: dict[str, str] | None = None
+    user_metadata: StringMetadata = None
     optimizer: bool = False
 
 
