@@ -10,6 +10,7 @@ HTTP errors whose JSON body names the problem (never an empty 400: the SDK would
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 import time
 from collections.abc import Callable
@@ -143,16 +144,18 @@ def submit(
     """Queue one request and return the future reply (blocking: call from a worker thread). A row it would
     create that already exists is a 400 naming it, unless a concurrent retry of the same request made it
     (then this is that retry, answered with its future)."""
-    request = dict(kind=kind, payload=payload, owner=owner, model_id=model_id, seq_id=seq_id, dedupe_key=dedupe_key,
-                   sequence_ids=sequence_ids or [], rows=rows or [])  # fmt: skip
+    queue = functools.partial(
+        ctx.db.queue.submit, kind=kind, payload=payload, owner=owner, model_id=model_id, seq_id=seq_id,
+        dedupe_key=dedupe_key, sequence_ids=sequence_ids or [], rows=rows or [],
+    )  # fmt: skip
     try:
         try:
-            submitted = ctx.db.queue.submit(**request)  # type: ignore[arg-type]
+            submitted = queue()
         except IntegrityError:
             if dedupe_key is None or ctx.db.queue.get_by_key(dedupe_key) is None:
                 user_error(f"{_names(rows or [])} already exists; pick an unused model_seq_id, "
                            "sampling_session_seq_id or checkpoint name")  # fmt: skip
-            submitted = ctx.db.queue.submit(**request)  # type: ignore[arg-type]
+            submitted = queue()
     except DuplicateRequestError as exc:
         user_error(str(exc))
     return future_reply(submitted.future_id, model_id if kind != "sample" else None, submitted.sequence_ids)
@@ -162,10 +165,8 @@ def _names(rows: list[SQLModel]) -> str:
     """What a request's new rows are to its caller: 'training run 's:train:3'', 'sampler ...'."""
     kinds = {"training_runs": "training run", "sampling_sessions": "sampler", "sampler_snapshots": "sampler weights",
              "checkpoints": "checkpoint"}  # fmt: skip
-    named = [
-        f"{kinds.get(str(getattr(r, '__tablename__', '')), 'a record')} {getattr(r, 'tinker_path', None) or r.id!r}"  # type: ignore[attr-defined]
-        for r in rows
-    ]
+    names = [getattr(r, "tinker_path", None) or getattr(r, "id", None) for r in rows]
+    named = [f"{kinds.get(str(r.__tablename__), 'a record')} {name!r}" for r, name in zip(rows, names, strict=True)]
     return " or ".join(dict.fromkeys(named)) or "a record of this request"
 
 
