@@ -19,7 +19,7 @@ from adapter_view import FixedAdapters
 from conftest import build_hf_model
 from flax import nnx
 
-from tx.engine.decode_steps import DecodeRows
+from tx.engine.decode_steps import DecodePrograms, DecodeRows
 from tx.engine.sampler import Sampler, SamplerConfig, plan_admission
 from tx.engine.train_step import flat
 from tx.lora.layers import LoRASpec
@@ -369,6 +369,41 @@ def test_prompt_logprobs_match_teacher_forcing(qwen):
     assert results["plain"].prompt_logprobs is None and results["plain"].topk_prompt_logprobs is None
 
 
+def test_prompt_scores_in_blocks_only_for_the_rows_that_asked(qwen):
+    """Scores computed 16 positions at a time over a 24-position prompt bucket (padded to two blocks)
+    equal teacher forcing; the prompts that did not ask are prefilled apart, without scores."""
+    cfg = dataclasses.replace(CFG, length_buckets=(24, 64))
+    V = qwen.cfg.vocab_size
+    programs = DecodePrograms(qwen.graphdef, cfg.chunk_steps, cfg.k_cap, qwen.roles, score_elements=2 * 16 * V)
+    calls: list[tuple[int, bool]] = []
+    prefill = programs.prefill
+
+    def recorded(state, adapters, batch, *, scores, topk):
+        calls.append((batch.tokens.shape[0], scores))
+        return prefill(state, adapters, batch, scores=scores, topk=topk)
+
+    programs.prefill = recorded
+    sampler = Sampler(qwen.graphdef, lambda: qwen.weights, qwen.cfg, cfg, (), char_decode, qwen.fixed(), programs)
+    long_prompt = [(7 * i + 3) % V for i in range(20)]
+    asks = {"a": (long_prompt, LORA_SLOT), "b": (PROMPTS[3], 0)}
+    requests = {name: (make_req(prompt, 2), slot) for name, (prompt, slot) in asks.items()}
+    for req, _ in requests.values():
+        req.prompt_logprobs, req.topk_prompt_logprobs = True, 2
+    plain = [PROMPTS[0], PROMPTS[2], [5, 6, 7, 8]]
+    requests.update({f"plain{i}": (make_req(prompt, 2), 0) for i, prompt in enumerate(plain)})
+    results, _ = run(sampler, requests)
+    assert sorted(calls) == [(2, True), (4, False)]
+    for name, (prompt, slot) in asks.items():
+        logp = qwen.logprobs(prompt, slot)
+        got = results[name]
+        np.testing.assert_allclose(
+            got.prompt_logprobs[1:], [logp[j - 1, prompt[j]] for j in range(1, len(prompt))], atol=2e-4
+        )
+        for j in range(1, len(prompt)):
+            assert [t for t, _ in got.topk_prompt_logprobs[j]] == list(np.argsort(-logp[j - 1])[:2])
+    assert all(results[f"plain{i}"].prompt_logprobs is None for i in range(3))
+
+
 def test_invalid_requests_are_user_errors(qwen):
     results, _ = run(
         qwen.sampler,
@@ -515,6 +550,9 @@ def test_plan_admission_is_fifo_and_bounded():
     assert plan_admission([(20, 10), (1, 10)], free_rows=5, max_rows=8, prefill_budget=100) == [5]
     assert plan_admission([(1, 90), (1, 90)], free_rows=4, max_rows=8, prefill_budget=100) == [1]
     assert plan_admission([(1, 900)], free_rows=4, max_rows=8, prefill_budget=100) == [1]
+    # the budget counts padded tokens: every admitted prompt is padded to the longest
+    assert plan_admission([(1, 40)] + [(1, 5)] * 6, free_rows=8, max_rows=8, prefill_budget=100) == [1, 1]
+    assert plan_admission([(1, 5)] * 3 + [(1, 40)], free_rows=8, max_rows=8, prefill_budget=100) == [1, 1, 1]
 
 
 def test_a_split_burst_takes_the_next_compiled_bucket(qwen):

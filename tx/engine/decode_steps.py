@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,18 @@ from tx.models.config import ModelConfig
 Weights = nnx.State | dict
 Cache = LayerCache | KVCache | HybridCache
 Fresh = KVCache | HybridCache  # what a prefill writes: the stacked form of every layer's state
+# Prompt scores build full-vocabulary logits a block of positions at a time, at most this many at once
+# (128 MiB of float32 logits, as much again of log-probabilities). All positions at once were N x P x V
+# (8 prompts of 4096 tokens over Qwen's 152k vocabulary: 20 GB, and twice that with the log-softmax).
+SCORE_ELEMENTS = 1 << 25
+
+
+def score_block(rows: int, length: int, vocab: int, elements: int) -> int:
+    """Positions per block of prompt scores: the largest power of two whose [rows, block, vocab] logits
+    fit in `elements` (at least 1), and no more than `length` needs."""
+    fit = max(1, elements // (rows * vocab))
+    block = 1 << (fit.bit_length() - 1)
+    return min(block, length)
 
 
 @jax.tree_util.register_dataclass
@@ -74,8 +87,16 @@ class DecodePrograms:
     """The compiled programs for one model graph. `compile_count` counts traces, i.e. new shapes compiled.
     `roles`: which weights are LoRA factors (`AdapterRoles`; None for a model without adapters)."""
 
-    def __init__(self, graphdef: nnx.GraphDef, chunk_steps: int, k_cap: int, roles: AdapterRoles | None = None) -> None:
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        chunk_steps: int,
+        k_cap: int,
+        roles: AdapterRoles | None = None,
+        score_elements: int = SCORE_ELEMENTS,
+    ) -> None:
         self.graphdef = graphdef
+        self.score_elements = score_elements
         self.roles = roles
         self.chunk_steps = chunk_steps
         self.k_cap = k_cap
@@ -148,11 +169,29 @@ class DecodePrograms:
         assert fresh is not None
         if not scores:
             return fresh, None
-        # Full-vocabulary logits for every prompt position: only built when a request asked for them.
-        logp_NPV = jax.nn.log_softmax(model.logits(h_NPD, lora), axis=-1)
-        target_NP = jnp.take_along_axis(logp_NPV, batch.targets[..., None], axis=-1)[..., 0]
-        top_lp, top_ids = jax.lax.top_k(logp_NPV, topk) if topk else (logp_NPV[..., :0], batch.targets[..., :0])
-        return fresh, PromptScores(target_NP, top_ids.astype(jnp.int32), top_lp)
+        return fresh, self._scores(model, h_NPD, lora, batch.targets, topk)
+
+    def _scores(
+        self, model: Any, h_NPD: jax.Array, lora: LoRARows | None, targets_NP: jax.Array, topk: int
+    ) -> PromptScores:
+        """Every prompt position's scores, a block of C positions at a time: only one block's
+        full-vocabulary logits [N, C, V] (at most `score_elements` of them) exist at once."""
+        N, P, D = h_NPD.shape
+        C = score_block(N, P, model.config.vocab_size, self.score_elements)
+        blocks = -(-P // C)
+        h_BNCD = jnp.pad(h_NPD, ((0, 0), (0, blocks * C - P), (0, 0))).reshape(N, blocks, C, D).swapaxes(0, 1)
+        t_BNC = jnp.pad(targets_NP, ((0, 0), (0, blocks * C - P))).reshape(N, blocks, C).swapaxes(0, 1)
+
+        def block(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+            h_NCD, t_NC = args
+            logp_NCV = jax.nn.log_softmax(model.logits(h_NCD, lora), axis=-1)
+            target_NC = jnp.take_along_axis(logp_NCV, t_NC[..., None], axis=-1)[..., 0]
+            top_lp, top_ids = jax.lax.top_k(logp_NCV, topk) if topk else (logp_NCV[..., :0], t_NC[..., None][..., :0])
+            return target_NC, top_ids.astype(jnp.int32), top_lp
+
+        out = jax.lax.map(block, (h_BNCD, t_BNC))
+        target_NP, ids_NPK, lp_NPK = (x.swapaxes(0, 1).reshape(N, blocks * C, *x.shape[3:])[:, :P] for x in out)
+        return PromptScores(target_NP, ids_NPK, lp_NPK)
 
     def _insert(self, cache: Cache, fresh: Fresh, source: jax.Array) -> Cache:
         """Copy prefill row `source[b]` into the head of decode row b; rows with -1 keep their cache."""

@@ -69,7 +69,7 @@ class SamplerConfig:
     max_seq_len: int = 2048  # prompt + generated tokens per row at most
     chunk_steps: int = 16  # decode steps per jitted call
     k_cap: int = 64  # widest top-k served without a full-vocabulary sort
-    max_prefill_tokens: int = 8192  # prompt tokens prefilled per step (the first request always goes)
+    max_prefill_tokens: int = 8192  # padded prompt tokens prefilled per step (the first request always goes)
     prompt_cache_bytes: int = 256 << 20  # prefilled prompts kept for reuse (0 = off)
     row_buckets: tuple[int, ...] = ()  # decode (and prefill) row counts
     length_buckets: tuple[int, ...] = ()  # cache lengths and prompt lengths
@@ -100,18 +100,20 @@ def plan_admission(waiting: Sequence[tuple[int, int]], free_rows: int, max_rows:
 
     A request is admitted whole so that its prompt is prefilled once; one with more samples than
     `max_rows` can never fit and takes whatever rows are free (its later pieces prefill again). The
-    queue stops at the first request that does not fit, so large requests are not starved. Prompt
-    tokens per step stay within `prefill_budget`, except that the first admitted request always goes.
+    queue stops at the first request that does not fit, so large requests are not starved. The prefill
+    pads every prompt to the longest admitted one, so it is the padded count (admitted prompts x the
+    longest) that stays within `prefill_budget`, except that the first admitted request always goes: one
+    long prompt among many short ones would otherwise make a prefill many times the budget.
     """
     counts: list[int] = []
-    tokens = 0
+    longest = 0
     for samples, prompt_len in waiting:
         take = min(samples, free_rows) if samples > max_rows else (samples if samples <= free_rows else 0)
-        if take == 0 or (counts and tokens + prompt_len > prefill_budget):
+        if take == 0 or (counts and (len(counts) + 1) * max(longest, prompt_len) > prefill_budget):
             break
         counts.append(take)
         free_rows -= take
-        tokens += prompt_len
+        longest = max(longest, prompt_len)
     return counts
 
 
@@ -169,7 +171,8 @@ class Sampler:
         self._rows: list[Row | None] = []  # one entry per cache row
         self._cache: Cache | None = None
         self._decoded: set[tuple[int, int]] = set()  # (rows, length) decode shapes used so far
-        self._prefilled: set[tuple[int, int]] = set()  # (rows, prompt length) prefill shapes used so far
+        # (rows, prompt length) prefill shapes used so far, without and with prompt scores
+        self._prefilled: dict[bool, set[tuple[int, int]]] = {False: set(), True: set()}
 
     @property
     def compile_count(self) -> int:
@@ -318,14 +321,27 @@ class Sampler:
             self._cache = self.programs.insert(self._cache, entry, source)
 
     def _prefill_pieces(self, pieces: list[Job], source: np.ndarray, keys: dict[Key, int]) -> None:
+        """Prefill the prompts that asked for their scores apart from the rest, so that only their rows
+        compute full-vocabulary logits. `source` and `keys` index `pieces`; each group gets its own."""
+        wants = [job.wants_prompt_scores() for job in pieces]
+        for scored in (False, True):
+            group = [i for i, want in enumerate(wants) if want == scored]
+            if not group:
+                continue
+            local = {piece: j for j, piece in enumerate(group)}
+            group_source = np.array([local.get(int(piece), -1) for piece in source], np.int32)
+            group_keys = {key: local[i] for key, i in keys.items() if i in local}
+            self._prefill_group([pieces[i] for i in group], group_source, group_keys, scored)
+
+    def _prefill_group(self, pieces: list[Job], source: np.ndarray, keys: dict[Key, int], scored: bool) -> None:
         assert self._cache is not None
-        batch, slots = prefill_batch(pieces, self.cfg.row_buckets, self.cfg.length_buckets, self._prefilled)
-        self._prefilled.add((batch.tokens.shape[0], batch.tokens.shape[1]))
-        scored = [job for job in pieces if job.wants_prompt_scores()]
-        topk = max((job.req.topk_prompt_logprobs for job in scored), default=0)
+        used = self._prefilled[scored]
+        batch, slots = prefill_batch(pieces, self.cfg.row_buckets, self.cfg.length_buckets, used)
+        used.add((batch.tokens.shape[0], batch.tokens.shape[1]))
+        topk = max((job.req.topk_prompt_logprobs for job in pieces), default=0) if scored else 0
         topk = min(bucket_size(topk), self.model_cfg.vocab_size) if topk else 0
         adapters = self._adapters(slots)
-        fresh, scores = self.programs.prefill(self.get_state(), adapters, batch, scores=bool(scored), topk=topk)
+        fresh, scores = self.programs.prefill(self.get_state(), adapters, batch, scores=scored, topk=topk)
         self._cache = self.programs.insert(self._cache, fresh, source)
         self.prefill_count += len(pieces)
         for key, index in keys.items():  # keep each prompt's own length bucket of its rows
