@@ -276,3 +276,36 @@ def test_a_snapshot_coming_back_never_pages_out_a_run_mid_request(runner: JaxRun
     runner.bank.host_snapshots.clear()
     for info in list(runner.slots):
         runner.bank.clear(runner.bank.release(info.owner).slot)
+
+
+def test_a_backlog_of_samples_leaves_training_a_slot(runner: JaxRunner) -> None:
+    """Two snapshots on the two slots, each with a backlog of samples (several times the sampler's rows), and
+    a training step of a third run submitted after them: sampling reads one slot at a time, so the step
+    runs within the first rounds instead of after the backlog drains, and every sample equals a lone one."""
+    for name in ("a", "b", "t"):
+        _create(runner, name)
+        _step(runner, name, [4, 5, 6, 7] if name == "a" else [9, 8, 7, 6])
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=7)  # seeded: the same tokens every time
+
+    def sample(name: str) -> WorkItem:
+        return _item("sample", "s", SampleRequest([1, 2, 3], 1, params, "m", weights=WeightsRef(f"snap-{name}")))
+
+    alone = {}
+    for name in ("a", "b"):
+        _ok(runner, _item("save_weights_for_sampler", name, SaveSamplerRequest(f"snap-{name}")))
+        alone[name] = _ok(runner, sample(name))[0].sequences[0]
+    assert not np.allclose(alone["a"].logprobs, alone["b"].logprobs, atol=1e-5)
+    backlog = [(name, sample(name)) for _ in range(12) for name in ("a", "b")]
+    train = _item("forward_backward", "t", _fb([3, 1, 4, 1, 5]))
+    finished = _race(runner, *(item for _, item in backlog), train)
+    rounds = sorted(finished[item.future_id][0] for _, item in backlog)
+    assert finished[train.future_id][0] < rounds[len(rounds) // 4], (finished[train.future_id][0], rounds)
+    assert isinstance(finished[train.future_id][2], ForwardBackwardResult)
+    for name, item in backlog:
+        got = finished[item.future_id][2].sequences[0]
+        assert got.tokens == alone[name].tokens
+        np.testing.assert_allclose(got.logprobs, alone[name].logprobs, atol=1e-5)
+    _unload(runner, "a", "b", "t")
+    runner.bank.host_snapshots.clear()
+    for info in list(runner.slots):
+        runner.bank.clear(runner.bank.release(info.owner).slot)

@@ -102,7 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-lora-adapters",
         type=int,
         default=8,
-        help="LoRA adapter slots on the device (default 8); training runs beyond them are paged to host memory",
+        help="LoRA adapter slots on the device (default 8); runs and sampler snapshots beyond them are paged to "
+        "host memory; sampling reads all slots but one at most, so training always has one",
     )
     p.add_argument(
         "--max-runs",

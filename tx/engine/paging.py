@@ -5,7 +5,8 @@ a new run, a sampler snapshot) needs one and none is free, the least recently us
 moved out to the bank's host store, bit for bit: a training run (`Trainer.page_out`: adapter, gradients,
 Adam moments, step) or a sampler snapshot (`AdapterBank.stash_snapshot`), which comes back when it is
 next sampled. Never moved: the runs of the round being executed (`protect`) and the snapshots the
-sampler is decoding from. A run is paged back in (`Trainer.page_in`) before its next item runs.
+sampler is decoding from, which hold at most all slots but one (`check_sampling_room`), so training
+always has one. A run is paged back in (`Trainer.page_in`) before its next item runs.
 """
 
 from __future__ import annotations
@@ -84,6 +85,19 @@ class Pager:
         self.stats.seconds += time.perf_counter() - start
         log.info("paged %s out to %.2f MiB of host memory (%s)", victim, nbytes / 2**20, self.host_report())
 
+    def check_sampling_room(self, snapshot_id: str) -> None:
+        """Sampling reads at most `max_adapters - 1` adapter slots at once (the one slot, with one), so a
+        training run always finds a slot: a backlog of samples over as many snapshots as slots held them all
+        and training waited until it drained. Raises `SlotsExhausted` (the sample waits for a later step)
+        when reading `snapshot_id` would make one slot too many."""
+        slots = self.bank.slots
+        info = slots.get(snapshot_id)
+        busy = self.busy() - {0}
+        if (info is not None and info.slot in busy) or slots.max_adapters == 1:
+            return
+        if len(busy) >= slots.max_adapters - 1:
+            raise SlotsExhausted(f"{len(busy)} snapshots are being sampled: one slot stays free for training")
+
     def host_report(self) -> str:
         """What the host store holds: runs and snapshots, and their bytes (each run's too)."""
         runs, snaps = self.bank.host, self.bank.host_snapshots
@@ -97,6 +111,7 @@ class Pager:
         host = self.bank.host_snapshots.get(snapshot_id)
         if host is None:
             return None
+        self.check_sampling_room(snapshot_id)
         start = time.perf_counter()
         info = host.info
         self._make_room(protect | {snapshot_id})

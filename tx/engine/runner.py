@@ -358,7 +358,7 @@ class JaxRunner:
         assert isinstance(req, SampleRequest)
         try:
             slot = self._resolve_weights(req)
-        except SlotsExhausted:  # its snapshot is in host memory and every slot is being read: wait for one
+        except SlotsExhausted:  # its snapshot would read one slot too many (`check_sampling_room`): wait
             self.slot_waiting.append(item)
             return
         except Exception as err:  # contained: this request fails, nothing else does
@@ -374,6 +374,7 @@ class JaxRunner:
             return 0
         info = self.slots.get(ref.snapshot_id)
         if info is not None:
+            self.pager.check_sampling_room(ref.snapshot_id)
             self.slots.touch(ref.snapshot_id)
             return info.slot
         restored = self.pager.restore_snapshot(ref.snapshot_id, self._protect)
@@ -385,6 +386,7 @@ class JaxRunner:
             return 0
         if directory and ref.checkpoint_type == "sampler":
             lora = self.io.peft_lora_config(directory)
+            self.pager.check_sampling_room(ref.snapshot_id)
             slot = self._sampler_slot_for(ref.snapshot_id, lora)
             try:
                 self.io.load_peft(directory, self.bank, slot)
