@@ -192,6 +192,14 @@ def test_completion_updates_linked_rows(db: Database) -> None:
     again = db.queue.get(created.future_id)
     assert again is not None and (again.status, again.result) == ("done", first.result)
     assert db.records.get_run(run.id, OWNER).status == "ready"  # type: ignore[union-attr]
+    # A finished future keeps its first outcome: a late failure leaves it done and its run ready, a late
+    # result leaves a failed save failed (and its checkpoint gone).
+    db.queue.fail(created.future_id, RequestError("late", "server"))
+    assert db.queue.get(created.future_id).status == "done"  # type: ignore[union-attr]
+    assert db.records.get_run(run.id, OWNER).status == "ready"  # type: ignore[union-attr]
+    db.queue.complete(save.future_id, CheckpointResult(path="p", size_bytes=3))
+    assert db.queue.get(save.future_id).status == "failed"  # type: ignore[union-attr]
+    assert db.records.get_checkpoint(run.id, "weights/a", OWNER, ready=False) is None
     # Completing a future that was never submitted is ignored, not an error.
     db.queue.complete("987654", CheckpointResult(path="p"))
     assert db.queue.get("987654") is None

@@ -348,3 +348,19 @@ def test_sampler_weights_being_sampled_are_not_replaced(runner: JaxRunner) -> No
     later = _item("save_weights_for_sampler", "snapper", SaveSamplerRequest("snap-a"))
     assert isinstance(_run_all(runner, [later])[later.future_id], CheckpointResult)
     _unload(runner, "snapper")
+
+
+def test_a_sample_the_engine_loop_failed_is_dropped_by_the_sampler(runner: JaxRunner) -> None:
+    """After an unexpected step error the engine loop fails every request in flight and tells the runner to
+    discard them: a sample being decoded (and one still waiting for rows) stops there, reports nothing
+    later, and the next request samples as usual."""
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    decoding = _item("sample", "s", SampleRequest(prompt=[1, 2, 3], num_samples=4, params=params, base_model="m"))
+    waiting = _item("sample", "s", SampleRequest(prompt=[4, 5], num_samples=2, params=params, base_model="m"))
+    runner.submit([decoding, waiting])
+    assert runner.step() == [] and not runner.idle()  # one chunk of 40 tokens decoded, rows full
+    runner.discard([decoding.future_id, waiting.future_id])
+    assert runner.idle() and runner.step() == []
+    after = _item("sample", "s", SampleRequest(prompt=[1, 2, 3], num_samples=1, params=params, base_model="m"))
+    result = _run_all(runner, [after])[after.future_id]
+    assert isinstance(result, SampleResult) and len(result.sequences[0].tokens) == 40

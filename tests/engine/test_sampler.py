@@ -462,6 +462,28 @@ def test_a_failed_device_call_fails_what_the_cache_held_and_sampling_goes_on(qwe
     assert qwen.sampler.idle() and qwen.sampler.cache_shape is None
 
 
+def test_a_failed_cache_allocation_fails_the_requests_it_admitted(qwen, monkeypatch):
+    """Allocating the decode cache raises once (out of memory, say) in the step that admits two requests:
+    both fail with the cause (none is left without an outcome), and the next request samples as usual."""
+    programs = qwen.sampler.programs
+    empty, calls = programs.empty, []
+
+    def faulty(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("planted allocation fault")
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(programs, "empty", faulty)
+    assert qwen.sampler.idle() and qwen.sampler.cache_shape is None
+    reqs = {"a": (make_req(PROMPTS[0], 4, n=2), 0), "b": (make_req(PROMPTS[2], 4), 0)}
+    results, _ = run(qwen.sampler, reqs)
+    for name in reqs:
+        assert results[name] == RequestError("sampling failed: MemoryError: planted allocation fault", "server")
+    results, _ = run(qwen.sampler, {"next": (make_req(PROMPTS[2], 8, temperature=0.0), 0)})
+    assert tokens_of(results["next"]) == [qwen.hf_greedy(PROMPTS[2], 8)]
+
+
 def test_replayed_workload_compiles_nothing_new(qwen):
     def workload() -> dict:
         reqs = {

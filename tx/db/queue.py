@@ -195,12 +195,14 @@ class SqlQueue:
         """Record results and failures in one transaction (a decode chunk finishes many requests at once),
         then wake their long polls. All or nothing: on an error none is recorded. The rows are read in one
         query and their linked rows flipped in one statement per table (8 results: 1 + 3 statements, not
-        8 + 24)."""
+        8 + 24). A future already finished keeps its first outcome (a request the engine failed while a
+        sampler still held it must not turn done later, nor flip the rows it made)."""
         blobs = [None if isinstance(out, RequestError) else codec.encode(out) for _, out in outcomes]
         with self.write_lock.held(), Session(self.engine) as session:
             ids = [int(future_id) for future_id, _ in outcomes]
             rows = {row.id: row for row in session.exec(select(FutureRow).where(col(FutureRow.id).in_(ids)))}
-            found = [(f, out, blob) for (f, out), blob in zip(outcomes, blobs, strict=True) if int(f) in rows]
+            open_ = {row_id for row_id, row in rows.items() if row.status not in FINISHED}
+            found = [(f, out, blob) for (f, out), blob in zip(outcomes, blobs, strict=True) if int(f) in open_]
             linking = [(f, out) for f, out, _ in found if rows[int(f)].kind not in UNLINKED_KINDS]
             # Linked rows first: an unload finished after its run's creation leaves the run unloaded.
             self._mark_linked(session, [f for f, out in linking if not isinstance(out, RequestError)], "ready")
@@ -217,7 +219,7 @@ class SqlQueue:
             if metrics:
                 session.execute(METRICS.insert(), metrics)
             session.commit()
-        for future_id, _ in outcomes:
+        for future_id, _, _ in found:
             self.notifier.result_ready(future_id)
 
     def _complete_row(self, session: Session, row: FutureRow, result: Result, blob: bytes | None) -> None:

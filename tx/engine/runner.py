@@ -106,6 +106,8 @@ class JaxRunner:
         self.pending = [i for i in self.pending if i.future_id not in gone]
         self.outbox = [c for c in self.outbox if c.future_id not in gone]
         self.slot_waiting = [i for i in self.slot_waiting if i.future_id not in gone]
+        for sampler in self._samplers():
+            sampler.discard(gone)
         self.long.discard(gone)
         self.notes.forget(gone)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -209,15 +209,17 @@ class Sampler:
     def step(self) -> list[Outcome]:
         """Admit waiting requests, run one decode chunk, return the requests that finished."""
         out, self._outbox = self._outbox, []
+        new_rows = self._admit()
         try:
-            new_rows = self._admit()
+            if new_rows or any(self._rows):
+                self._fit_cache([row for row in self._rows if row is not None], new_rows)
             if new_rows:
                 self._prefill(new_rows)
             if any(self._rows):
                 out.extend(self._decode_chunk())
         except Exception as err:  # a failed device call loses the cache: fail what it held, keep serving
             log.exception("sampler step failed")
-            out.extend(self._fail_active(f"sampling failed: {type(err).__name__}: {err}"))
+            out.extend(self._fail_active(f"sampling failed: {type(err).__name__}: {err}", new_rows))
         if not any(self._rows):
             self._cache, self._rows = None, []  # give the cache's memory back while idle
         return out
@@ -241,7 +243,7 @@ class Sampler:
             raise RequestError(f"adapter slot {slot} does not exist (the model has {slots})", "server")
 
     def _admit(self) -> list[Row]:
-        """Take waiting requests into free rows and fit the cache to the new active set."""
+        """Take waiting requests into new rows (host bookkeeping only: `_fit_cache` places them)."""
         active = [row for row in self._rows if row is not None]
         waiting = [(job.req.num_samples - job.admitted, len(job.req.prompt)) for job in self._waiting]
         counts = plan_admission(
@@ -254,8 +256,6 @@ class Sampler:
             job.admitted += take
             if job.admitted == job.req.num_samples:
                 self._waiting.popleft()
-        if active or new_rows:
-            self._fit_cache(active, new_rows)
         return new_rows
 
     def _fit_cache(self, active: list[Row], new_rows: list[Row]) -> None:
@@ -383,16 +383,24 @@ class Sampler:
 
     def _retire(self, job: Job, message: str) -> Outcome:
         """Drop every row and waiting entry of `job` and fail it."""
-        self._rows = [None if row is not None and row.job is job else row for row in self._rows]
-        self._waiting = deque(j for j in self._waiting if j is not job)
+        self.discard({job.request_id})
         return job.request_id, RequestError(message, "server")
+
+    def discard(self, request_ids: Collection[str]) -> None:
+        """Forget requests failed elsewhere (by the engine loop, after an unexpected error): their rows stop
+        and are free, their waiting samples never start, and no outcome is reported for them."""
+        self._rows = [None if row is not None and row.job.request_id in request_ids else row for row in self._rows]
+        self._waiting = deque(job for job in self._waiting if job.request_id not in request_ids)
+        self._outbox = [outcome for outcome in self._outbox if outcome[0] not in request_ids]
 
     def _adapters(self, slots: np.ndarray) -> Selection | None:
         return None if self.lora_scale is None else select(slots, np.asarray(self.lora_scale()))
 
-    def _fail_active(self, message: str) -> list[Outcome]:
-        """Fail every request with a row in the cache (the cache is gone)."""
-        jobs = {row.job.request_id: row.job for row in self._rows if row is not None}
+    def _fail_active(self, message: str, new_rows: Sequence[Row]) -> list[Outcome]:
+        """Fail every request with a row in the cache (the cache is gone), and those given rows this step
+        (`new_rows`, which may not be in the table yet)."""
+        held = [row for row in self._rows if row is not None] + list(new_rows)
+        jobs = {row.job.request_id: row.job for row in held}
         self._waiting = deque(job for job in self._waiting if job.request_id not in jobs)
         self._rows, self._cache = [], None
         return [(request_id, RequestError(message, "server")) for request_id in jobs]
