@@ -140,6 +140,39 @@ def test_search_sessions_with_the_sdk(http: httpx.Client, rest: tinker.RestClien
     assert mine.checkpoints_count >= 1 and (mine.checkpoint_storage_bytes or 0) >= 8
 
 
+def test_search_pages_through_sessions_read_a_batch_at_a_time(
+    http: httpx.Client, server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database is read 4 sessions at a time (the route's batch, made small), never the owner's whole
+    history: a filter matching every third of 30 sessions, paged 3 at a time, returns each match once,
+    newest first, across the batches, and the last page has no cursor."""
+    from tx.api import routes_search
+
+    monkeypatch.setattr(routes_search, "SCAN_BATCH", 4)
+    read, owner_sessions = [], server.db.records.owner_sessions
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        rows = owner_sessions(*args, **kwargs)
+        read.append(len(rows))
+        return rows
+
+    monkeypatch.setattr(server.db.records, "owner_sessions", counted)
+    tag = uuid.uuid4().hex
+    ids = [_create(http, {"batch": tag if n % 3 == 0 else "other"}) for n in range(30)]
+    found, body = [], {"user_metadata": {"batch": tag}, "limit": 3}
+    for _ in range(10):
+        reply = http.post("/sessions/search", json=body).json()
+        found += [s["session_id"] for s in reply["sessions"]]
+        if reply["next_cursor"] is None:
+            break
+        body = {**body, "cursor": reply["next_cursor"]}
+    assert found == [ids[n] for n in range(27, -1, -3)]
+    assert max(read) == 4 and sum(read) < 2 * len(ids) + 8 * len(read), read
+    assert reply["next_cursor"] is None
+    one = http.post("/sessions/search", json={"session_id": ids[5], "limit": 1}).json()
+    assert [s["session_id"] for s in one["sessions"]] == [ids[5]] and one["next_cursor"] is None
+
+
 def test_search_sessions_scope_and_errors(http: httpx.Client, other: httpx.Client) -> None:
     tag = uuid.uuid4().hex
     session_id = _create(http, {"scope": tag})

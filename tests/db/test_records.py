@@ -132,7 +132,16 @@ def test_listings_show_only_visible_rows_newest_first_with_totals(db: Database) 
     records._update(SessionRow, later, created_at=utcnow() + timedelta(seconds=5))
     assert records.list_sessions(ME, 10, 0) == [later, session_id] and records.list_sessions(ME, 1, 1) == [session_id]
     assert [row.id for row in records.owner_sessions(ME)] == [later, session_id]
-    assert sorted(records.session_children(session_id)[0]) == sorted(r.id for r in runs)
+    # a session lists the runs a reader can open: not those still being created or never created
+    assert sorted(records.session_children(session_id)[0]) == sorted(runs[i].id for i in (0, 2, 4))
+    # the search's reads: after a (created_at, id) cursor, by id, bounded
+    assert [row.id for row in records.owner_sessions(ME, limit=1)] == [later]
+    cursor = (records.get_session(later, ME).created_at, later)  # type: ignore[union-attr]
+    assert [row.id for row in records.owner_sessions(ME, before=cursor)] == [session_id]
+    tie = [row.id for row in records.owner_sessions(ME, before=(cursor[0], "\uffff"))]  # same time, larger id
+    assert tie == [later, session_id]
+    assert [row.id for row in records.owner_sessions(ME, session_id=later)] == [later]
+    assert records.owner_sessions(OTHER, session_id=later) == []
 
 
 def test_checkpoint_listing_lookup_expiry_and_stats(db: Database) -> None:

@@ -11,7 +11,9 @@ Every session reports `project_id` "default".
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -20,12 +22,14 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from tx.api.context import Ctx, Owner, user_error
 from tx.api.routes_copy import parse_body
+from tx.db.records import Records
 from tx.db.tables import LIVE_SESSION, SessionRow
 
 router = APIRouter(prefix="/api/v1")
 
 DEFAULT_PROJECT = "default"
 FINISH_REASONS = ("success", "errored", "interrupted")
+SCAN_BATCH = 200  # sessions read per query while filtering
 
 
 class _Owner(BaseModel):
@@ -75,13 +79,13 @@ def search_sessions(ctx: Ctx, owner: Owner, body: Annotated[Any, Body()] = None)
         if owner not in request.owner.owner_urns:
             return {"sessions": [], "next_cursor": None}  # other owners' sessions are never visible
 
-    rows = [row for row in ctx.db.records.owner_sessions(owner) if _matches(row, request)]
+    after = None
     if request.cursor is not None:
         try:
             after = (request.cursor.last_created_at.astimezone(UTC), request.cursor.last_session_id)
         except OverflowError:  # year 1 at +05:00 lies before datetime's range in UTC
             user_error(f"cursor.last_created_at {request.cursor.last_created_at} is outside the datetime range in UTC")
-        rows = [row for row in rows if (_created(row), row.id) < after]
+    rows = list(itertools.islice(_matching(ctx.db.records, owner, request, after), request.limit + 1))
     page = rows[: request.limit]
     stats = ctx.db.records.session_checkpoint_stats(owner, [row.id for row in page])
     next_cursor = None
@@ -89,6 +93,19 @@ def search_sessions(ctx: Ctx, owner: Owner, body: Annotated[Any, Body()] = None)
         last = page[-1]
         next_cursor = {"last_created_at": _iso(_created(last)), "last_session_id": last.id}
     return {"sessions": [_summary(row, owner, stats.get(row.id, (0, 0))) for row in page], "next_cursor": next_cursor}
+
+
+def _matching(
+    records: Records, owner: str, request: SessionSearchRequest, after: tuple[datetime, str] | None
+) -> Iterator[SessionRow]:
+    """The owner's sessions that match, newest first, read `SCAN_BATCH` rows at a time: an owner's whole
+    history (each with up to 64 KiB of metadata) is never in memory at once."""
+    while True:
+        batch = records.owner_sessions(owner, before=after, session_id=request.session_id, limit=SCAN_BATCH)
+        yield from (row for row in batch if _matches(row, request))
+        if len(batch) < SCAN_BATCH:
+            return
+        after = (_created(batch[-1]), batch[-1].id)
 
 
 def _matches(row: SessionRow, request: SessionSearchRequest) -> bool:

@@ -15,7 +15,7 @@ import uuid
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, or_
+from sqlalchemy import and_, func, or_
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, SQLModel, col, select
 
@@ -139,18 +139,32 @@ class Records:
             return list(session.exec(query.offset(offset).limit(limit)).all())
 
     def session_children(self, session_id: str) -> tuple[list[str], list[str]]:
+        """The session's training runs (those `get_run` readers see: created, not pending or failed) and its
+        sampling sessions."""
+        visible = col(TrainingRunRow.status).in_(["ready", "unloaded"])
         with self._session() as session:
-            runs = session.exec(select(TrainingRunRow.id).where(TrainingRunRow.session_id == session_id)).all()
+            runs = session.exec(select(TrainingRunRow.id).where(TrainingRunRow.session_id == session_id, visible)).all()
             samplers = session.exec(select(SamplingSessionRow.id).where(SamplingSessionRow.session_id == session_id))
             return list(runs), list(samplers.all())
 
-    def owner_sessions(self, owner: str) -> list[SessionRow]:
-        """All of the owner's sessions, newest first (ties by id, descending), expiry applied."""
-        query = (
-            select(SessionRow)
-            .where(SessionRow.owner == owner)
-            .order_by(col(SessionRow.created_at).desc(), col(SessionRow.id).desc())
-        )
+    def owner_sessions(
+        self,
+        owner: str,
+        *,
+        before: tuple[datetime, str] | None = None,
+        session_id: str | None = None,
+        limit: int | None = None,
+    ) -> list[SessionRow]:
+        """The owner's sessions, newest first (ties by id, descending), expiry applied: those strictly after
+        the `before` = (created_at, id) cursor in that order, only `session_id` if given, at most `limit`."""
+        query = select(SessionRow).where(SessionRow.owner == owner)
+        if session_id is not None:
+            query = query.where(SessionRow.id == session_id)
+        if before is not None:
+            moment, last_id = before
+            created = col(SessionRow.created_at)
+            query = query.where(or_(created < moment, and_(created == moment, col(SessionRow.id) < last_id)))
+        query = query.order_by(col(SessionRow.created_at).desc(), col(SessionRow.id).desc()).limit(limit)
         with self._session() as session:
             rows = list(session.exec(query).all())
         now = utcnow()
