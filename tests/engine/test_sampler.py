@@ -20,7 +20,8 @@ from conftest import build_hf_model
 from flax import nnx
 
 from tx.engine.decode_steps import DecodePrograms, DecodeRows
-from tx.engine.sampler import Sampler, SamplerConfig, plan_admission
+from tx.engine.sampler import Sampler, SamplerConfig
+from tx.engine.sampler_rows import plan_admission
 from tx.engine.train_step import flat
 from tx.lora.layers import LoRASpec
 from tx.lora.params import AdapterRoles, LoRAParam, LoRARows, slot_scale

@@ -34,6 +34,7 @@ from tx.engine.sampler_rows import (
     Row,
     copy_sources,
     decode_rows,
+    plan_admission,
     prefill_batch,
     prompt_results,
     row_slots,
@@ -93,28 +94,6 @@ class SamplerConfig:
             self.length_buckets
         ):
             raise ValueError("buckets must be sorted ascending")
-
-
-def plan_admission(waiting: Sequence[tuple[int, int]], free_rows: int, max_rows: int, prefill_budget: int) -> list[int]:
-    """How many samples of each waiting (samples left, prompt length) entry to admit now, FIFO.
-
-    A request is admitted whole so that its prompt is prefilled once; one with more samples than
-    `max_rows` can never fit and takes whatever rows are free (its later pieces prefill again). The
-    queue stops at the first request that does not fit, so large requests are not starved. The prefill
-    pads every prompt to the longest admitted one, so it is the padded count (admitted prompts x the
-    longest) that stays within `prefill_budget`, except that the first admitted request always goes: one
-    long prompt among many short ones would otherwise make a prefill many times the budget.
-    """
-    counts: list[int] = []
-    longest = 0
-    for samples, prompt_len in waiting:
-        take = min(samples, free_rows) if samples > max_rows else (samples if samples <= free_rows else 0)
-        if take == 0 or (counts and (len(counts) + 1) * max(longest, prompt_len) > prefill_budget):
-            break
-        counts.append(take)
-        free_rows -= take
-        longest = max(longest, prompt_len)
-    return counts
 
 
 class AdapterView(Protocol):
