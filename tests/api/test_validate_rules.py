@@ -115,6 +115,10 @@ def test_top_k_targets() -> None:
         ("beta2", 0.999, -0.1),
         ("beta2", 0.0, 1.0),
         ("eps", 1e-30, 0.0),
+        ("eps", 1e-8, 1e-300),  # 0 in float32: 0 / 0 on a zero gradient
+        ("learning_rate", 3e38, 1e300),  # inf in float32
+        ("weight_decay", 0.1, 1e39),
+        ("grad_clip_norm", 1.0, 1e39),
         ("weight_decay", 0.0, -1e-9),
         ("grad_clip_norm", 0.0, -1.0),
         ("learning_rate", 1.0, math.nan),

@@ -225,6 +225,27 @@ def test_a_gradient_that_is_not_finite_is_refused_and_leaves_the_run_as_it_was(s
     assert all(np.isfinite(np.asarray(v)).all() for v in trainer.run_params(run).values()) and run.step == 2
 
 
+def test_an_update_that_overflows_is_refused_and_leaves_the_run_as_it_was(setup):
+    """A finite gradient under weight_decay 1e38 (within float32, so validation lets it through) makes an
+    update of inf: the step is a user error naming the adam_params, the run keeps its finite weights and
+    moments, and the next step with sane parameters trains."""
+    _, _, model, cfg = setup
+    trainer = Trainer(model, AdapterBank.of(model))
+    run = trainer.create_lora_run("a", LoraConfig(rank=4, train_unembed=False), slot=1)
+    random_lora(trainer, run, 6)
+    params = {p: np.asarray(v) for p, v in trainer.run_params(run).items()}
+    trainer.forward_backward([("a", sft_batch(cfg, 1))])
+    with pytest.raises(RequestError, match="update is not finite with these adam_params") as err:
+        trainer.optim_step("a", AdamParams(learning_rate=10.0, weight_decay=1e38))
+    assert err.value.category == "user" and run.step == 0
+    for p, v in trainer.run_params(run).items():
+        np.testing.assert_array_equal(np.asarray(v), params[p])
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(run.opt_state))
+    trainer.forward_backward([("a", sft_batch(cfg, 3))])
+    trainer.optim_step("a", AdamParams(learning_rate=1e-2))
+    assert all(np.isfinite(np.asarray(v)).all() for v in trainer.run_params(run).values()) and run.step == 1
+
+
 def test_micro_batches_equal_one_batch(setup):
     _, _, model, cfg = setup
     big, small = (

@@ -105,17 +105,21 @@ def check_lora_rank(rank: int, info: ModelInfo) -> None:
         )
 
 
+FLOAT32_MAX = 3.4e38  # the optimizer computes in float32: a larger value is inf there
+MIN_EPS = 1e-30  # smaller ones round to 0 (or a denormal) in float32, and 0 divides 0 by 0 on a zero gradient
+
+
 def check_adam(adam: AdamParams) -> None:
     for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
         if not math.isfinite(getattr(adam, name)):
             raise ValidationError(f"adam_params.{name} must be a finite number, got {getattr(adam, name)}")
     rules = {
-        "learning_rate": (adam.learning_rate >= 0, ">= 0"),
+        "learning_rate": (0 <= adam.learning_rate <= FLOAT32_MAX, f"in [0, {FLOAT32_MAX:g}]"),
         "beta1": (0.0 <= adam.beta1 < 1.0, "in [0, 1)"),
         "beta2": (0.0 <= adam.beta2 < 1.0, "in [0, 1)"),
-        "eps": (adam.eps > 0, "> 0"),
-        "weight_decay": (adam.weight_decay >= 0, ">= 0"),
-        "grad_clip_norm": (adam.grad_clip_norm >= 0, ">= 0 (0 = no clipping)"),
+        "eps": (MIN_EPS <= adam.eps <= FLOAT32_MAX, f"in [{MIN_EPS:g}, {FLOAT32_MAX:g}]"),
+        "weight_decay": (0 <= adam.weight_decay <= FLOAT32_MAX, f"in [0, {FLOAT32_MAX:g}]"),
+        "grad_clip_norm": (0 <= adam.grad_clip_norm <= FLOAT32_MAX, f"in [0, {FLOAT32_MAX:g}] (0 = no clipping)"),
     }
     for name, (ok, rule) in rules.items():
         if not ok:

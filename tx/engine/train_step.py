@@ -215,10 +215,14 @@ def fresh_state(params: Flat, grad_dtype: Any = None) -> tuple[Flat, Any]:
 
 
 @functools.partial(_jit, donate_argnums=(0, 1, 2))
-def adam_step(params: Flat, opt_state: Any, grads: Flat, hp: dict[str, jax.Array]) -> tuple[Flat, Any, Flat, jax.Array]:
-    """One AdamW step; returns new params, optimizer state, zeroed grads and the pre-clip grad norm. A gradient
-    that is not finite (inf or NaN anywhere) leaves the params and optimizer state as they were: one update
-    with it would turn every weight of the run into NaN for good."""
+def adam_step(
+    params: Flat, opt_state: Any, grads: Flat, hp: dict[str, jax.Array]
+) -> tuple[Flat, Any, Flat, jax.Array, jax.Array]:
+    """One AdamW step; returns new params, optimizer state, zeroed grads, the pre-clip grad norm and whether
+    the step was applied. A gradient that is not finite (inf or NaN anywhere), or an update that is not (a
+    finite gradient under hyper-parameters that overflow float32), leaves the params and optimizer state as
+    they were: one such update would turn every weight of the run into NaN for good, and NaN adapter
+    weights poison the products of every adapter batched beside them (0 * NaN is NaN)."""
     norm = optax.global_norm(grads)
     clip = hp["grad_clip_norm"]
     factor = jnp.where((clip > 0) & (norm > clip), clip / jnp.maximum(norm, 1e-30), 1.0)
@@ -227,6 +231,8 @@ def adam_step(params: Flat, opt_state: Any, grads: Flat, hp: dict[str, jax.Array
         opt_state.hyperparams[name] = hp[name]
     updates, new_state = make_optimizer().update(grads32, opt_state, params)
     new_params = jax.tree.map(lambda p, u: (p.astype(jnp.float32) + u).astype(p.dtype), params, updates)
-    keep = functools.partial(jnp.where, jnp.isfinite(norm))
+    finite = [jnp.isfinite(p).all() for p in jax.tree.leaves(new_params)]
+    applied = jnp.isfinite(norm) & jnp.all(jnp.stack(finite))
+    keep = functools.partial(jnp.where, applied)
     params, opt_state = jax.tree.map(keep, (new_params, new_state), (params, opt_state))
-    return params, opt_state, jax.tree.map(jnp.zeros_like, grads), norm
+    return params, opt_state, jax.tree.map(jnp.zeros_like, grads), norm, applied

@@ -356,7 +356,7 @@ class Trainer:
             "grad_clip_norm": adam.grad_clip_norm,
         }
         assert tuple(hp) == HYPER_PARAMS
-        params, run.opt_state, run.grads, norm = ts.adam_step(
+        params, run.opt_state, run.grads, norm, applied = ts.adam_step(
             self.run_params(run), run.opt_state, run.grads, _hyper_params(hp)
         )
         self.set_run_params(run, params)
@@ -364,6 +364,13 @@ class Trainer:
             raise RequestError(
                 f"the accumulated gradient is not finite (norm {norm}): the step was not applied and the gradient "
                 "was dropped; look for extreme values in the batches' loss_fn_inputs (weights, advantages)",
+                "user",
+            )
+        if not bool(applied):
+            raise RequestError(
+                f"the update is not finite with these adam_params (learning_rate {adam.learning_rate}, eps "
+                f"{adam.eps}, weight_decay {adam.weight_decay}; gradient norm {norm}): the step was not applied "
+                "and the gradient was dropped",
                 "user",
             )
         run.step += 1

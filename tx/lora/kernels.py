@@ -53,7 +53,9 @@ def _decode(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array) -> jax.Arr
     mask = (pick[:, :, None] * rows.scale.astype(x.dtype)[None]).reshape(B, G * R)
     a_cat = a.astype(x.dtype).transpose(1, 0, 2).reshape(I, G * R)
     b_cat = b.astype(x.dtype).reshape(G * R, b.shape[-1])
-    xa = (x[:, 0] @ a_cat) * mask
+    # `where`, not a product with the mask: another slot's columns may overflow for this row (a huge finite
+    # adapter), and inf * 0 would be NaN in every row of the batch.
+    xa = jnp.where(mask != 0, (x[:, 0] @ a_cat) * mask, 0)
     return (xa @ b_cat)[:, None]
 
 
