@@ -364,3 +364,30 @@ def test_a_sample_the_engine_loop_failed_is_dropped_by_the_sampler(runner: JaxRu
     after = _item("sample", "s", SampleRequest(prompt=[1, 2, 3], num_samples=1, params=params, base_model="m"))
     result = _run_all(runner, [after])[after.future_id]
     assert isinstance(result, SampleResult) and len(result.sequences[0].tokens) == 40
+
+
+def test_a_checkpoint_holding_nan_is_refused_by_name(runner: JaxRunner, monkeypatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A training state and a sampler checkpoint saved from weights holding a NaN (as a diverged step of an
+    earlier version could leave them) are refused when loaded, as the user's error, before any slot is
+    written: in a slot, a NaN poisons every adapter batched beside it."""
+    monkeypatch.setattr(runner, "checkpoint_root", None)
+    _create(runner, "diverged")
+    run = runner.trainer.runs["diverged"]
+    params = runner.trainer.run_params(run)
+    first = sorted(params)[0]
+    runner.trainer.set_run_params(run, {**params, first: params[first].at[(0,) * params[first].ndim].set(np.nan)})
+    saves = [
+        _item("save_state", "diverged", SaveStateRequest("s", str(tmp_path / "s"), "tinker://d/weights/s")),
+        _item("save_weights_for_sampler", "diverged", SaveSamplerRequest("p", name="p", dest_dir=str(tmp_path / "p"))),
+    ]
+    assert all(isinstance(r, CheckpointResult) for r in _run_all(runner, saves).values())
+    request = LoadWeightsRequest("m", LoraConfig(4, 8.0, seed=3), str(tmp_path / "s"), "tinker://d/weights/s")
+    load = _item("load_weights", "from-nan", request)
+    _error(_run_all(runner, [load])[load.future_id], "user", "checkpoint 's' holds values that are not finite")
+    assert "from-nan" not in runner.trainer.runs and "from-nan" not in runner.slots
+    ref = WeightsRef("p-on-disk", "diverged", str(tmp_path / "p"))
+    params_ = SamplingParams(max_tokens=2, temperature=0.0)
+    sample = _item("sample", "p-on-disk", SampleRequest([1, 2], 1, params_, "m", weights=ref))
+    _error(_run_all(runner, [sample])[sample.future_id], "user", "sampler checkpoint 'p' holds values that are not")
+    assert "p-on-disk" not in runner.slots
+    _unload(runner, "diverged")

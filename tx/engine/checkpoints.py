@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from tx.engine.errors import damaged_checkpoint
+from tx.engine.errors import check_finite, damaged_checkpoint
 from tx.gather import barrier, is_writer
 from tx.protocol import LoraConfig
 
@@ -85,6 +85,7 @@ def restore(source: Path, params_like: dict, opt_like: Any) -> tuple[dict, Any]:
             tree = ckptr.restore(source / "state", abstract)
     except Exception as exc:  # tensorstore and orbax name missing or truncated files in many ways
         raise damaged_checkpoint("checkpoint", source, "state/", exc) from exc
+    check_finite("checkpoint", source, jax.tree.leaves(tree))
     return _unkeyed(tree["params"]), tree["opt_state"]
 
 

@@ -11,7 +11,13 @@ import errno
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tx.gather import to_host
 from tx.lora.slots import SlotsExhausted
 from tx.names import BadName
 from tx.protocol import ErrorCategory, RequestError
@@ -42,6 +48,23 @@ def damaged_checkpoint(kind: str, source: Path, part: str, exc: Exception) -> Re
         "save it again or use an earlier one",
         "server",
     )
+
+
+def check_finite(kind: str, source: Path, arrays: Iterable[Any]) -> None:
+    """Refuse a checkpoint holding NaN or inf: loaded into an adapter slot, it would poison the products
+    of every adapter batched beside it (0 * NaN is NaN), and a training step would never make it finite."""
+    if not all(_finite(x) for x in arrays):
+        raise RequestError(
+            f"{kind} {source.name!r} holds values that are not finite (NaN or inf); it cannot be loaded (an "
+            "earlier version could save such weights after a diverged step): use an earlier checkpoint",
+            "user",
+        )
+
+
+def _finite(x: Any) -> bool:
+    if isinstance(x, jax.Array):  # reduced where it lives (a sharded weight is never gathered)
+        return bool(to_host(jnp.isfinite(x).all()))
+    return bool(np.isfinite(np.asarray(x)).all())
 
 
 def scrub_paths(message: str, roots: Iterable[Path]) -> str:

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from safetensors import SafetensorError
 
 from tx.engine.bank import AdapterBank
-from tx.engine.errors import damaged_checkpoint
+from tx.engine.errors import check_finite, damaged_checkpoint
 from tx.engine.trainer import Trainer, lora_targets
 from tx.gather import is_writer
 from tx.lora import peft
@@ -60,9 +60,11 @@ class WeightsIO:
 
     def _read_peft(self, source: Path) -> tuple[peft.AdapterConfig, peft.AdapterWeights]:
         try:
-            return peft.load_peft(source, fused_gate_up=self.cfg.family == "gpt_oss")
+            config, weights = peft.load_peft(source, fused_gate_up=self.cfg.family == "gpt_oss")
         except DAMAGED as exc:
             raise damaged_checkpoint("sampler checkpoint", source, "files", exc) from exc
+        check_finite("sampler checkpoint", source, [x for pair in weights.values() for x in pair])
+        return config, weights
 
     def peft_lora_config(self, source: Path) -> LoraConfig:
         config, _ = self._read_peft(source)
