@@ -391,3 +391,36 @@ def test_a_checkpoint_holding_nan_is_refused_by_name(runner: JaxRunner, monkeypa
     _error(_run_all(runner, [sample])[sample.future_id], "user", "sampler checkpoint 'p' holds values that are not")
     assert "p-on-disk" not in runner.slots
     _unload(runner, "diverged")
+
+
+def test_a_sample_that_fails_on_submission_fails_alone(runner: JaxRunner, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Handing a sample to its sampler raises (a full snapshot that does not fit back on the device, say):
+    that request fails through the next step, and `submit` itself does not raise, so the engine never
+    submits the batch's other items a second time."""
+    submit = runner.sampler.submit
+
+    def faulty(request_id, req, slot):  # type: ignore[no-untyped-def]
+        if req.prompt[0] == CULPRIT:
+            raise MemoryError("planted: no room on the device")
+        return submit(request_id, req, slot)
+
+    monkeypatch.setattr(runner.sampler, "submit", faulty)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    good = _item("sample", "s", SampleRequest(prompt=[1, 2, 3], num_samples=1, params=params, base_model="m"))
+    bad = _item("sample", "s", SampleRequest(prompt=[CULPRIT, 2], num_samples=1, params=params, base_model="m"))
+    results = _run_all(runner, [bad, good])
+    _error(results[bad.future_id], "user", "planted: no room on the device")
+    assert isinstance(results[good.future_id], SampleResult)
+
+
+def test_a_run_whose_creation_fails_keeps_no_slot(runner: JaxRunner, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Creating the adapter fails after its slot was claimed (out of memory, say): the slot is free again
+    and the run unknown, so a later eviction never picks a slot whose run the trainer does not hold."""
+    create = runner.trainer.create_lora_run
+    monkeypatch.setattr(runner.trainer, "create_lora_run", lambda *args, **kwargs: _raise(MemoryError("planted")))
+    item = _item("create_model", "no-room", CreateModelRequest("m", LoraConfig(4, 8.0, seed=3)))
+    _error(_run_all(runner, [item])[item.future_id], "user", "planted")
+    assert "no-room" not in runner.slots and "no-room" not in runner.trainer.runs
+    monkeypatch.setattr(runner.trainer, "create_lora_run", create)
+    _create(runner, "no-room")
+    _unload(runner, "no-room")

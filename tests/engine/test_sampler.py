@@ -485,6 +485,29 @@ def test_a_failed_cache_allocation_fails_the_requests_it_admitted(qwen, monkeypa
     assert tokens_of(results["next"]) == [qwen.hf_greedy(PROMPTS[2], 8)]
 
 
+def test_a_request_whose_rows_fail_fails_once(qwen, monkeypatch):
+    """Both sample rows of one request fail their bookkeeping in the same chunk: the request fails once
+    (its second row is not reported again), the request beside it finishes as usual."""
+    from tx.engine import sampler_rows
+
+    advance = sampler_rows.Row.advance
+
+    def faulty(self, tokens, logprobs):
+        if self.job.request_id == "bad":
+            raise RuntimeError("planted row fault")
+        return advance(self, tokens, logprobs)
+
+    monkeypatch.setattr(sampler_rows.Row, "advance", faulty)
+    reqs = {"bad": (make_req(PROMPTS[0], 4, n=2), 0), "good": (make_req(PROMPTS[2], 4, temperature=0.0), 0)}
+    for request_id, (req, slot) in reqs.items():
+        qwen.sampler.submit(request_id, req, slot)
+    outcomes = []
+    while not qwen.sampler.idle():
+        outcomes += qwen.sampler.step()
+    assert sorted(request_id for request_id, _ in outcomes) == ["bad", "good"]
+    assert dict(outcomes)["bad"] == RequestError("sampling failed: RuntimeError: planted row fault", "server")
+
+
 def test_replayed_workload_compiles_nothing_new(qwen):
     def workload() -> dict:
         reqs = {

@@ -67,7 +67,10 @@ class Runner(Protocol):
     """Executes work items in bounded steps (one training batch or one decode chunk per `step`)."""
 
     def submit(self, items: Sequence[WorkItem]) -> None:
-        """Take ownership of claimed items; the runner decides order, batching and barriers."""
+        """Take ownership of claimed items; the runner decides order, batching and barriers. An item it
+        cannot take fails through a later `step` (or a `StepError` naming it, the others taken); any other
+        exception means no item was taken (the engine submits each again alone, so one that was taken
+        would run twice)."""
         ...
 
     def step(self) -> list[Completion]:

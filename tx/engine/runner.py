@@ -287,7 +287,12 @@ class JaxRunner:
             return
         self._check_run_limit()
         slot = self.pager.claim(run_id, "run", lora, self._protect)
-        self.trainer.create_lora_run(run_id, lora, slot, seed=lora.seed or 0)
+        try:
+            self.trainer.create_lora_run(run_id, lora, slot, seed=lora.seed or 0)
+        except BaseException:  # a slot held for a run the trainer does not know would fail its eviction later
+            self.trainer.runs.pop(run_id, None)
+            self.bank.clear(self.bank.release(run_id).slot)
+            raise
 
     def _forget(self, run_id: str) -> None:
         self.trainer.drop_run(run_id)  # a paged-out run leaves the host store
@@ -356,19 +361,19 @@ class JaxRunner:
         return slot
 
     def _submit_sample(self, item: WorkItem) -> None:
+        """Hand a sample to the sampler of its weights. Whatever fails here fails this request alone, reported
+        by the next step (a full snapshot moved back to the device may not fit, say): `submit` never raises."""
         req = item.payload
         assert isinstance(req, SampleRequest)
         try:
             slot = self._resolve_weights(req)
+            snapshot = req.weights.snapshot_id if req.weights else None
+            full = self.full.use(snapshot) if snapshot else None
+            (full or self.sampler).submit(item.future_id, req, 0 if full else slot)
         except SlotsExhausted:  # its snapshot would read one slot too many (`check_sampling_room`): wait
             self.slot_waiting.append(item)
-            return
         except Exception as err:  # contained: this request fails, nothing else does
             self.outbox.append(Completion(item.future_id, self._error(err)))
-            return
-        snapshot = req.weights.snapshot_id if req.weights else None
-        full = self.full.use(snapshot) if snapshot else None
-        (full or self.sampler).submit(item.future_id, req, 0 if full else slot)
 
     def _resolve_weights(self, req: SampleRequest) -> int:
         ref = req.weights

@@ -348,7 +348,7 @@ class Sampler:
         tokens_BC, logprobs_BC = to_host(tokens_BC), to_host(logprobs_BC)
         out: list[Outcome] = []
         for index, row in enumerate(self._rows):
-            if row is None:
+            if row is None or self._rows[index] is not row:  # empty, or its request was retired meanwhile
                 continue
             try:
                 if row.advance(tokens_BC[index], logprobs_BC[index]):

@@ -68,8 +68,8 @@ class FullSnapshots:
 
     def use(self, snapshot_id: str) -> Sampler | None:
         """The sampler of `snapshot_id` (back on the device if it was held), now the most recently used."""
-        held = self._host.pop(snapshot_id, None)
-        if held is not None:
+        held = self._host.get(snapshot_id)
+        if held is not None:  # `add` drops the host copy once it is back (a device out of memory keeps it)
             self.add(snapshot_id, held.on_device())
         entry = self._device.pop(snapshot_id, None)
         if entry is None:
