@@ -253,6 +253,30 @@ def test_max_runs_bounds_the_servers_live_runs_and_a_retry_is_not_a_new_run(tmp_
         assert create(client, mine, 1).status_code == 200  # an unloaded run gives its place back
 
 
+def test_a_lora_sampler_save_on_a_one_slot_server_is_refused_before_queueing(tmp_path) -> None:
+    """With --max-lora-adapters 1 a LoRA run's sampler copy can never have its own slot: the save is a
+    400 naming the flag (it waited for a slot for good, and the run's later requests behind it), while an
+    export, which takes no slot, is queued."""
+    import dataclasses
+
+    from api.fake_runner import FakeRunner
+    from api.harness import running_server
+
+    one_slot = dataclasses.replace(MODEL, max_lora_adapters=1)
+    with running_server(FakeRunner(), one_slot, tmp_path) as (url, _db):
+        client = httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": KEY}, timeout=30)
+        session = client.post("/create_session", json={"tags": []}).json()["session_id"]
+        body = {"session_id": session, "model_seq_id": 0, "base_model": MODEL.base_model, "lora_config": {"rank": 4}}
+        made = client.post("/create_model", json=body).json()
+        wait(client, made["request_id"])
+        refused = client.post("/save_weights_for_sampler", json={"model_id": made["model_id"], "path": "s"})
+        assert refused.status_code == 400 and "--max-lora-adapters 1" in refused.json()["detail"], refused.text
+        seq = {"model_id": made["model_id"], "sampling_session_seq_id": 0}
+        assert client.post("/save_weights_for_sampler", json=seq).status_code == 400
+        export = client.post("/save_weights_external", json={"model_id": made["model_id"], "path": "e"})
+        assert export.status_code == 200, export.text
+
+
 def test_a_database_that_takes_no_writes_is_a_503_and_a_full_disk_a_507(
     http: httpx.Client, server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -424,3 +424,36 @@ def test_a_run_whose_creation_fails_keeps_no_slot(runner: JaxRunner, monkeypatch
     monkeypatch.setattr(runner.trainer, "create_lora_run", create)
     _create(runner, "no-room")
     _unload(runner, "no-room")
+
+
+def test_an_export_takes_no_slot_and_no_sampler_copy(runner: JaxRunner, monkeypatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """save_weights_external writes the run's files (PEFT for LoRA, a HF directory for full fine-tuning)
+    straight from the run: no adapter slot and no full snapshot is left behind, and the exported adapter
+    samples as the run's sampler save does."""
+    monkeypatch.setattr(runner, "checkpoint_root", None)
+    _create(runner, "exporter")
+    full = _item("create_model", "full-exporter", CreateModelRequest("m", None))
+    assert not isinstance(_run_all(runner, [full])[full.future_id], RequestError)
+    slots, snapshots = {info.owner for info in runner.slots}, len(runner.full)
+    requests = {
+        run: SaveSamplerRequest(f"tinker://{run}/x", "snapshot", "x", str(tmp_path / run))
+        for run in ("exporter", "full-exporter")
+    }
+    exports = [_item("save_weights_external", run, request) for run, request in requests.items()]
+    assert all(isinstance(r, CheckpointResult) and r.size_bytes for r in _run_all(runner, exports).values())
+    assert {info.owner for info in runner.slots} == slots and len(runner.full) == snapshots
+    assert {f.name for f in (tmp_path / "exporter").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    assert {"config.json", "model.safetensors"} <= {f.name for f in (tmp_path / "full-exporter").iterdir()}
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    save = _item("save_weights_for_sampler", "exporter", SaveSamplerRequest("exporter-snap"))
+    assert isinstance(_run_all(runner, [save])[save.future_id], CheckpointResult)
+    samples = [
+        _item("sample", "s", SampleRequest([1, 2, 3], 1, params, "m", weights=ref))
+        for ref in (WeightsRef("exporter-snap"), WeightsRef("exported", "exporter", str(tmp_path / "exporter")))
+    ]
+    results = _run_all(runner, samples)
+    tokens = [results[s.future_id].sequences[0].tokens for s in samples]
+    assert tokens[0] == tokens[1]
+    _unload(runner, "exporter", "full-exporter")
+    for snapshot in ("exporter-snap", "exported"):
+        runner.bank.clear(runner.bank.release(snapshot).slot)

@@ -79,6 +79,12 @@ def save_weights(body: schemas.SaveWeightsRequest, ctx: Ctx, owner: Owner) -> di
 @router.post("/save_weights_for_sampler")
 def save_weights_for_sampler(body: schemas.SaveWeightsForSamplerRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
     run = usable_run(ctx, body.model_id, owner)
+    if run.lora_rank is not None and run_model(ctx, run).info.max_lora_adapters < 2:  # it would wait for good
+        user_error(
+            "save_weights_for_sampler: a LoRA run's sampler copy takes an adapter slot of its own, and this server "
+            "has one (--max-lora-adapters 1); restart it with --max-lora-adapters 2 or more, or export the "
+            "weights with save_weights_external"
+        )
     dedupe = f"{body.model_id}#{body.seq_id}" if body.seq_id else None
     fresh = dedupe is None or ctx.db.queue.get_by_key(dedupe) is None
     rows: list[SQLModel]

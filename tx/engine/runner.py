@@ -269,6 +269,8 @@ class JaxRunner:
                 self._forget(run_id)  # a run that could not be restored does not keep its slot
                 raise
             return LoadResult(run_id, p.tinker_path)
+        if isinstance(p, SaveSamplerRequest) and item.kind == "save_weights_external":
+            return self._export(run_id, p)
         if isinstance(p, SaveSamplerRequest):
             return self._save_for_sampler(run_id, p)
         if item.kind == "unload_model":
@@ -335,6 +337,17 @@ class JaxRunner:
         if p.dest_dir:
             size = self.io.save_peft(self._path(p.dest_dir), self.bank, slot, run.lora)
         return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
+
+    def _export(self, run_id: str, p: SaveSamplerRequest) -> CheckpointResult:
+        """`save_weights_external`: the files a named sampler save writes (PEFT, or a HF directory), straight
+        from the run: an export is not sampled, so it takes no adapter slot and no sampler copy."""
+        run = self._run(run_id)
+        assert p.dest_dir is not None
+        dest = self._path(p.dest_dir)
+        if run.lora is None:
+            assert run.params is not None
+            return CheckpointResult(p.tinker_path, size_bytes=self.io.save_full(dest, run.params, self.trainer.config))
+        return CheckpointResult(p.tinker_path, size_bytes=self.io.save_peft(dest, self.bank, run.slot, run.lora))
 
     def _save_full_for_sampler(self, run: Run, p: SaveSamplerRequest) -> CheckpointResult:
         """A full fine-tuning run's sampler copy: its own weight set and a sampler over it."""
