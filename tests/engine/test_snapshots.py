@@ -5,11 +5,15 @@ import numpy as np
 import pytest
 
 from tx.engine.snapshots import FullSnapshots, HostWeights
+from tx.lora.slots import SlotsExhausted
 
 
 class _Sampler:
+    def __init__(self) -> None:
+        self.busy = False
+
     def idle(self) -> bool:
-        return True
+        return not self.busy
 
 
 def test_a_held_snapshot_that_does_not_fit_back_stays_held(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -27,3 +31,23 @@ def test_a_held_snapshot_that_does_not_fit_back_stays_held(monkeypatch: pytest.M
     assert "snap" in snapshots and len(snapshots) == 1  # still held: the next use can bring it back
     assert snapshots.use("snap") is not None
     np.testing.assert_array_equal(np.asarray(snapshots.to_host()["snap"].arrays[("w",)]), np.arange(4.0))
+
+
+def test_a_copy_beyond_the_kept_ones_waits_while_they_are_all_sampled() -> None:
+    """Two kept snapshots, both being sampled: a third save (or a held one coming back) waits, as
+    `SlotsExhausted`, instead of a third device copy and a third decode chunk per step; once one is idle it
+    makes room for the new one."""
+    snapshots = FullSnapshots(lambda get_weights: _Sampler(), max_kept=2)  # type: ignore[arg-type, return-value]
+    weights = {("w",): jnp.zeros(2)}
+    for sid in ("a", "b"):
+        snapshots.add(sid, weights)
+        snapshots.use(sid).busy = True  # type: ignore[union-attr]
+    snapshots.adopt({"held": HostWeights.of(weights)})
+    with pytest.raises(SlotsExhausted):
+        snapshots.add("c", weights)
+    with pytest.raises(SlotsExhausted):
+        snapshots.use("held")
+    assert "c" not in snapshots and "held" in snapshots and len(snapshots.samplers()) == 2
+    snapshots.use("a").busy = False  # type: ignore[union-attr]
+    snapshots.add("c", weights)
+    assert "a" not in snapshots and "c" in snapshots and len(snapshots.samplers()) == 2

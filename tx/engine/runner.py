@@ -352,6 +352,7 @@ class JaxRunner:
     def _save_full_for_sampler(self, run: Run, p: SaveSamplerRequest) -> CheckpointResult:
         """A full fine-tuning run's sampler copy: its own weight set and a sampler over it."""
         assert run.params is not None
+        self.full.check_room(p.snapshot_id)  # before the copy: a save that must wait copies nothing
         snapshot = decode_layout(run.params, self.io.tuning, copy=True)
         self.full.add(p.snapshot_id, snapshot)
         size = None
@@ -402,6 +403,7 @@ class JaxRunner:
             return restored
         directory = self._path(ref.checkpoint_dir) if ref.checkpoint_dir else None
         if directory and ref.checkpoint_type == "sampler" and self.io.is_full(directory):
+            self.full.check_room(ref.snapshot_id)  # before the load: a sample that must wait loads nothing
             self.full.add(ref.snapshot_id, self.io.load_full(directory))
             return 0
         if directory and ref.checkpoint_type == "sampler":

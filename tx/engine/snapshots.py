@@ -2,7 +2,8 @@
 
 A full fine-tuning snapshot is a whole weight set with a `Sampler` of its own (sharing the base sampler's
 compiled programs). At most `max_kept` stay on the device, least recently used first to go, never one being
-sampled; a named one evicted this way reloads from its checkpoint on its next use, an ephemeral one is gone.
+sampled (a save or sample that needs another copy while all of them are waits); a named one evicted this
+way reloads from its checkpoint on its next use, an ephemeral one is gone.
 
 When the pool unloads an idle model to make room, its snapshots would go with it and the sampling clients
 made from them would fail. So the runner hands them over as `HeldSnapshots` (host copies, bit for bit: the
@@ -23,6 +24,7 @@ from tx.engine.bank import HostSnapshot
 from tx.engine.sampler import Sampler
 from tx.engine.trainer import Flat
 from tx.gather import tree_to_host
+from tx.lora.slots import SlotsExhausted
 from tx.protocol import RequestError
 
 SamplerFactory = Callable[[Callable[[], Flat]], Sampler]
@@ -77,10 +79,19 @@ class FullSnapshots:
         self._device[snapshot_id] = entry
         return entry[0]
 
+    def check_room(self, snapshot_id: str) -> None:
+        """Raise `SlotsExhausted` (the request waits for a later round) when `snapshot_id` would be a device
+        copy beyond `max_kept` because every kept one is being sampled: each is a whole weight set, and each
+        busy one adds a decode chunk to every engine step."""
+        busy = sum(not sampler.idle() for sid, (sampler, _) in self._device.items() if sid != snapshot_id)
+        if snapshot_id not in self._device and busy >= self.max_kept:
+            raise SlotsExhausted(f"all {self.max_kept} full fine-tuning snapshots kept are being sampled")
+
     def add(self, snapshot_id: str, weights: Flat) -> None:
         """Sample `weights` as `snapshot_id` (replacing an idle snapshot of that id), evicting beyond `max_kept`."""
         if self.make_sampler is None:
             raise RequestError("this server cannot sample full fine-tuning snapshots", "user")
+        self.check_room(snapshot_id)
         old = self._device.pop(snapshot_id, None)
         if old is not None and not old[0].idle():
             self._device[snapshot_id] = old
