@@ -50,7 +50,8 @@ def test_adam_step_clips_the_global_norm_then_steps_like_torch(clip: float) -> N
     params = {p: jnp.asarray(v) for p, v in params_np.items()}
     grads, opt_state = ts.fresh_state(params)
     grads = {p: jnp.asarray(v) for p, v in grads_np.items()}
-    new, _, zeroed, norm = ts.adam_step(params, opt_state, grads, {k: jnp.float32(v) for k, v in hp.items()})
+    new, _, zeroed, norm, applied = ts.adam_step(params, opt_state, grads, {k: jnp.float32(v) for k, v in hp.items()})
+    assert bool(applied)
 
     tensors = [torch.tensor(params_np[p], requires_grad=True) for p in sorted(params_np)]
     for tensor, p in zip(tensors, sorted(params_np), strict=True):
