@@ -20,8 +20,10 @@ def _run(session_id: str, seq: int, owner: str = ME, status: str = "ready", **kw
                           status=status, **kw)  # fmt: skip
 
 
-def _checkpoint(run_id: str, name: str, owner: str = ME, status: str = "ready", **kw: object) -> CheckpointRow:
-    return CheckpointRow(run_id=run_id, checkpoint_id=f"weights/{name}", checkpoint_type="training",
+def _checkpoint(
+    run_id: str, name: str, owner: str = ME, status: str = "ready", checkpoint_type: str = "training", **kw: object
+) -> CheckpointRow:
+    return CheckpointRow(run_id=run_id, checkpoint_id=f"weights/{name}", checkpoint_type=checkpoint_type,
                          tinker_path=f"tinker://{run_id}/weights/{name}", owner=owner, directory="/d", status=status,
                          **kw)  # fmt: skip
 
@@ -142,6 +144,33 @@ def test_listings_show_only_visible_rows_newest_first_with_totals(db: Database) 
     assert tie == [later, session_id]
     assert [row.id for row in records.owner_sessions(ME, session_id=later)] == [later]
     assert records.owner_sessions(OTHER, session_id=later) == []
+
+
+def test_each_runs_newest_checkpoint_of_each_type(db: Database) -> None:
+    """What a listing of runs shows as last_checkpoint / last_sampler_checkpoint: per run and type the newest
+    listed one (not pending, not expired, not another owner's), in one call for every run."""
+    records = db.records
+    session_id = records.create_session(ME, [], {}, None)
+    runs = [_run(session_id, i) for i in range(3)]
+    start = utcnow()
+
+    def at(run: TrainingRunRow, name: str, seconds: int, kind: str = "training", **kw: object) -> CheckpointRow:
+        return _checkpoint(run.id, name, created_at=start + timedelta(seconds=seconds), checkpoint_type=kind, **kw)
+
+    rows = [
+        at(runs[0], "a", 0), at(runs[0], "b", 2), at(runs[0], "s", 1, "sampler"), at(runs[0], "s2", 3, "sampler"),
+        at(runs[0], "later", 9, status="pending"), at(runs[0], "gone", 8, expires_at=start - timedelta(seconds=1)),
+        at(runs[1], "only", 5, "sampler"),
+    ]  # fmt: skip
+    records.add_rows([*runs, *rows])
+    latest = {key: row.checkpoint_id for key, row in records.latest_checkpoints(ME, [r.id for r in runs]).items()}
+    assert latest == {
+        (runs[0].id, "training"): "weights/b",
+        (runs[0].id, "sampler"): "weights/s2",
+        (runs[1].id, "sampler"): "weights/only",
+    }
+    assert records.latest_checkpoints(OTHER, [r.id for r in runs]) == {}
+    assert records.latest_checkpoints(ME, []) == {}
 
 
 def test_checkpoint_listing_lookup_expiry_and_stats(db: Database) -> None:

@@ -55,11 +55,13 @@ def checkpoint_json(row: CheckpointRow) -> dict[str, Any]:
     }
 
 
-def run_json(ctx: AppContext, run: TrainingRunRow, owner: str) -> dict[str, Any]:
-    checkpoints, _ = ctx.db.records.list_checkpoints(owner, run.id, 1000, 0)
-    latest = {
-        kind: next((c for c in checkpoints if c.checkpoint_type == kind), None) for kind in ("training", "sampler")
-    }
+def runs_json(ctx: AppContext, runs: list[TrainingRunRow], owner: str) -> list[dict[str, Any]]:
+    newest = ctx.db.records.latest_checkpoints(owner, [run.id for run in runs])
+    return [run_json(run, owner, newest) for run in runs]
+
+
+def run_json(run: TrainingRunRow, owner: str, newest: dict[tuple[str, str], CheckpointRow]) -> dict[str, Any]:
+    latest = {kind: newest.get((run.id, kind)) for kind in ("training", "sampler")}
     return {
         "training_run_id": run.id,
         "base_model": run.base_model,
@@ -78,7 +80,7 @@ def run_json(ctx: AppContext, run: TrainingRunRow, owner: str) -> dict[str, Any]
 def list_training_runs(ctx: Ctx, owner: Owner, limit: PageLimit = 20, offset: PageOffset = 0) -> dict[str, Any]:
     runs, total = ctx.db.records.list_runs(owner, limit, offset)
     cursor = {"offset": offset, "limit": limit, "total_count": total}
-    return {"training_runs": [run_json(ctx, run, owner) for run in runs], "cursor": cursor}
+    return {"training_runs": runs_json(ctx, runs, owner), "cursor": cursor}
 
 
 @router.get("/training_runs/{run_id}")
@@ -86,7 +88,7 @@ def get_training_run(run_id: str, ctx: Ctx, owner: Owner) -> dict[str, Any]:
     run = ctx.db.records.get_run(run_id, owner)
     if run is None or run.status in ("pending", "failed"):
         not_found(f"unknown training run {run_id!r}")
-    return run_json(ctx, run, owner)
+    return runs_json(ctx, [run], owner)[0]
 
 
 @router.get("/training_runs/{run_id}/checkpoints")

@@ -287,6 +287,24 @@ class Records:
             total = session.exec(select(func.count()).select_from(CheckpointRow).where(*conds)).one()
             return list(session.exec(query.offset(offset).limit(limit)).all()), int(total)
 
+    def latest_checkpoints(self, owner: str, run_ids: list[str]) -> dict[tuple[str, str], CheckpointRow]:
+        """(run id, checkpoint type) -> that run's newest listed checkpoint of that type, in two queries
+        however many checkpoints the runs hold (a listing of runs read every checkpoint of each)."""
+        conds = [CheckpointRow.owner == owner, CheckpointRow.status == "ready", _unexpired()]
+        conds.append(col(CheckpointRow.run_id).in_(run_ids))
+        kind, run = col(CheckpointRow.checkpoint_type), col(CheckpointRow.run_id)
+        newest = (
+            select(run, kind, func.max(CheckpointRow.created_at).label("at")).where(*conds).group_by(run, kind)
+        ).subquery()
+        at = col(CheckpointRow.created_at)
+        on = and_(run == newest.c.run_id, kind == newest.c.checkpoint_type, at == newest.c.at)
+        with self._session() as session:
+            rows = session.exec(select(CheckpointRow).join(newest, on).where(*conds)).all()
+        latest: dict[tuple[str, str], CheckpointRow] = {}
+        for row in rows:  # two saved within one clock tick: either is the newest
+            latest.setdefault((row.run_id, row.checkpoint_type), row)
+        return latest
+
     def add_rows(self, rows: list[SQLModel]) -> None:
         """Insert rows in one transaction (all or none); raises IntegrityError on a taken key."""
         with self.write_lock.held(), self._session() as session:
