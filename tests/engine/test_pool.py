@@ -17,7 +17,7 @@ import pytest
 from tx.engine import AdapterConfig, EngineConfig, build_runner
 from tx.engine.build import estimate_bytes
 from tx.engine.compiles import compile_count
-from tx.engine.pool import ModelPool
+from tx.engine.pool import ModelPool, gb
 from tx.engine.sampler import SamplerConfig
 from tx.protocol import (
     AdamParams,
@@ -220,6 +220,38 @@ def test_a_model_keyed_by_its_hub_name_is_fetched_then_loaded(dirs, tmp_path: Pa
     assert by_name.sequences[0].logprobs == by_dir.sequences[0].logprobs
     (missing,) = _drain(pool, [_sample("org/absent")]).values()
     assert isinstance(missing, RequestError) and "'org/absent' is not a local directory" in missing.message
+
+
+def test_a_hub_model_over_the_budget_is_refused_before_its_download(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Only the config of a hub model is local (as the API fetched it): the pool sizes the model from it
+    (an 8B-parameter Qwen3 here: 30 GB in float32, twice that on CPU with the sampler's copy) and refuses it against the budget without downloading a
+    byte of its weights, which would fill the disk before the refusal."""
+    import json
+
+    config = json.loads((dirs["qwen"] / "config.json").read_text())
+    config.update(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, head_dim=128,
+                  num_attention_heads=32, num_key_value_heads=8)  # fmt: skip
+    (tmp_path / "config-only").mkdir()
+    (tmp_path / "config-only" / "config.json").write_text(json.dumps(config))
+    fetched: list[str] = []
+
+    def locate(name: str) -> Path:
+        fetched.append(name)
+        raise AssertionError("the weights were fetched")
+
+    pool = ModelPool(
+        lambda name, model_dir: None,  # type: ignore[arg-type, return-value]
+        lambda d: estimate_bytes(d, "float32"),
+        100 * MB,
+        locate=locate,
+        locate_config=lambda name: tmp_path / "config-only",
+    )
+    (refused,) = _drain(pool, [_sample("org/huge")]).values()
+    assert isinstance(refused, RequestError) and refused.category == "user", refused
+    needed = gb(estimate_bytes(tmp_path / "config-only", "float32"))
+    assert f"'org/huge' needs about {needed}, more than the memory budget 100.00 MB" in refused.message
+    assert estimate_bytes(tmp_path / "config-only", "float32") >= 30e9
+    assert fetched == [] and not pool.fetching
 
 
 def test_other_models_keep_running_while_one_loads(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

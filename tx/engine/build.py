@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,9 @@ from tx.engine.trainer import Trainer
 from tx.engine.weights_io import WeightsIO
 from tx.lora.layers import LoRASpec
 from tx.lora.select import rank_bucket
-from tx.models.catalog import describe_model, locate_model, weight_bytes
+from tx.models.catalog import DTYPE_BYTES, describe_model, has_weights, locate_model, weight_bytes
 from tx.models.causal_lm import decode_layout
+from tx.models.checkpoint_check import expected_weights
 from tx.models.config import HYBRID_FAMILIES, ModelConfig, load_hf_config
 from tx.models.sharding import make_mesh
 from tx.models.weights import load_model
@@ -38,10 +40,20 @@ def resolve_dtype(dtype: str | None, tuning: Tuning) -> str | None:
 
 def estimate_bytes(model_dir: Path, dtype: str | None) -> int:
     """Device bytes a model will take before it is loaded: its weights in the dtype they load in, twice
-    where the sampler keeps its own per-layer copy (`Tuning.per_layer_decode`, CPU)."""
+    where the sampler keeps its own per-layer copy (`Tuning.per_layer_decode`, CPU). A directory with only
+    its `config.json` (a hub model not downloaded yet) is sized from the config."""
     tuning = for_backend()
-    weights = weight_bytes(model_dir, resolve_dtype(dtype, tuning))
+    loaded = resolve_dtype(dtype, tuning)
+    weights = weight_bytes(model_dir, loaded) if has_weights(model_dir) else config_weight_bytes(model_dir, loaded)
     return weights * (2 if tuning.per_layer_decode else 1)
+
+
+def config_weight_bytes(model_dir: Path, dtype: str | None) -> int:
+    """The text model's weight bytes from its `config.json` alone: the parameter count of the abstract model
+    (shapes only) in `dtype`, or in the config's own dtype when None."""
+    cfg = load_hf_config(model_dir, dtype)
+    count: int = sum(math.prod(var.get_value().shape) for var in expected_weights(cfg).values())
+    return count * DTYPE_BYTES[cfg.dtype]
 
 
 def machine_tuning(cfg: ModelConfig, max_rows: int, store: Path | None = None) -> Tuning:

@@ -38,7 +38,7 @@ import jax
 from tx.engine.errors import as_request_error
 from tx.engine.loop import Completion, Runner
 from tx.engine.snapshots import HeldSnapshots
-from tx.models.catalog import locate_model
+from tx.models.catalog import locate_config, locate_model
 from tx.protocol import CreateModelRequest, LoadWeightsRequest, ModelInfo, RequestError, SampleRequest, WorkItem
 
 log = logging.getLogger("tx.engine")
@@ -95,9 +95,12 @@ class ModelPool:
         budget_bytes: int,
         locate: Callable[[str], Path] = locate_model,
         no_loads: str = "",
+        locate_config: Callable[[str], Path] = locate_config,
     ) -> None:
-        """`no_loads`: why models may not load on demand (an engine over several processes), or ""."""
+        """`no_loads`: why models may not load on demand (an engine over several processes), or "".
+        `locate`: a model's weights (downloading them); `locate_config`: its config alone."""
         self._build, self._estimate, self.budget_bytes, self._locate = build, estimate, budget_bytes, locate
+        self._locate_config = locate_config
         self.no_loads = no_loads
         self.models: dict[str, PoolModel] = {}
         self._loaded: dict[str, ModelInfo] = {}  # replaced, never mutated: other threads read it (capabilities)
@@ -160,15 +163,19 @@ class ModelPool:
         # Models no sampling client reads go first; a model holding sampler snapshots only if that is not enough.
         return sorted(idle, key=lambda m: (m.runner.snapshot_count() > 0, m.last_used))
 
+    def _check_budget(self, key: str, needed: int) -> None:
+        """A user error when a model needs more than the whole memory budget."""
+        if needed > self.budget_bytes:
+            raise RequestError(
+                f"model {self.names.get(key, key)!r} needs about {gb(needed)}, more than the memory budget "
+                f"{gb(self.budget_bytes)} (--memory-budget-gb)",
+                "user",
+            )
+
     def _make_room(self, key: str, needed: int) -> None:
         """Unload idle models, least recently used first, until `needed` more bytes fit; else a user error."""
         name = self.names.get(key, key)
-        if needed > self.budget_bytes:
-            raise RequestError(
-                f"model {name!r} needs about {gb(needed)}, more than the memory budget {gb(self.budget_bytes)} "
-                "(--memory-budget-gb)",
-                "user",
-            )
+        self._check_budget(key, needed)
         for victim in self._evictable(key):
             if self._in_use() + needed <= self.budget_bytes:
                 break
@@ -194,6 +201,11 @@ class ModelPool:
                 continue
             directory = self._directory(key)
             if directory is None:
+                try:  # sized from its config before its weights are downloaded (a 470 GB fetch, then refused)
+                    self._check_budget(key, self._estimate(self._locate_config(key)))
+                except Exception as err:
+                    self._fail_waiting(key, err)
+                    continue
                 log.info("fetching %s for %d waiting requests", self.names[key], len(self.waiting[key]))
                 self.fetching[key] = self._fetcher.submit(self._locate, key)
                 continue

@@ -35,7 +35,7 @@ def check_checkpoint(model_dir: Path) -> ModelConfig:
     """The directory's `ModelConfig`, after checking every tensor against the model; `ValueError` (or
     `FileNotFoundError` for a missing config or weights file) naming the first problem."""
     cfg = load_hf_config(model_dir)
-    expected = _expected_weights(cfg)
+    expected = expected_weights(cfg)
     weight_map = _read_index(model_dir)
     files = shard_files(model_dir)
     _check_size(cfg, expected, files)
@@ -59,7 +59,8 @@ def check_checkpoint(model_dir: Path) -> ModelConfig:
     return cfg
 
 
-def _expected_weights(cfg: ModelConfig) -> dict[Path_, nnx.Variable]:
+def expected_weights(cfg: ModelConfig) -> dict[Path_, nnx.Variable]:
+    """The base weights (shapes only) a model of `cfg` holds, by path: nothing is allocated."""
     _, state = nnx.split(abstract_for(cfg, None, False))
     flat = {tuple(map(str, p)): v for p, v in nnx.to_flat_state(state)}
     return {p: v for p, v in flat.items() if not isinstance(v, LoRAParam)}
