@@ -27,6 +27,7 @@ def test_sweep_removes_partial_directories_only(tmp_path: Path) -> None:
         _make(run / "sampler_weights" / ".snap.tmp-x1", {"a": ""}),
         _make(run / "sampler_weights" / ".snap.old-y2", {"a": ""}),
         _make(run / "external_weights" / ".exp.tmp-0f", {}),
+        _make(run / "sampler_weights" / ".full.tmp", {"model.safetensors": ""}),  # an older full save's temp
         _make(finished / "state.orbax-checkpoint-tmp-123", {"x": ""}),
     ]
     (finished / ".run.json.tmp").write_text("{")
@@ -62,3 +63,31 @@ def test_old_databases_take_nan_metrics(tmp_path: Path) -> None:
         assert values["a:mean"] == 2.5 and math.isnan(values["b:mean"])
     finally:
         db.close()
+
+
+def test_a_full_weight_save_that_fails_leaves_nothing(tmp_path: Path, monkeypatch, hf_models) -> None:  # type: ignore[no-untyped-def]
+    """`save_hf` writing a full model directory runs out of disk in the tensors file: no partial directory
+    stays beside the destination, and a directory saved there before is kept whole."""
+    import errno
+
+    import jax.numpy as jnp
+    import safetensors.numpy
+
+    from tx.models import weights
+    from tx.models.config import load_hf_config
+
+    source, _ = hf_models()
+    dest = _make(tmp_path / "run" / "sampler_weights" / "s", {"model.safetensors": "old"})
+    cfg = load_hf_config(source)
+
+    def full_disk(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full_disk)
+    try:
+        weights.save_hf({("model", "embed_tokens", "embedding"): jnp.zeros((8, 4))}, cfg, source, dest)
+    except OSError as err:
+        assert err.errno == errno.ENOSPC
+    else:
+        raise AssertionError("the full disk went unnoticed")
+    assert [p.name for p in dest.parent.iterdir()] == ["s"] and (dest / "model.safetensors").read_text() == "old"

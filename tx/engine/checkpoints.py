@@ -98,7 +98,8 @@ def sweep_partial(root: Path) -> list[Path]:
     `save_state` directories that never got their `run.json`. A finished checkpoint is never touched."""
     removed: list[Path] = []
     for entry in sorted(root.glob("*/*/*")) if root.is_dir() else []:
-        partial = any(marker in entry.name for marker in PARTIAL_MARKERS)
+        # user names never start with "." (`tx.names`): such an entry is a writer's temporary (`save_hf`'s too)
+        partial = entry.name.startswith(".") or any(marker in entry.name for marker in PARTIAL_MARKERS)
         unfinished = entry.parent.name == "weights" and entry.is_dir() and not (entry / META).is_file()
         inner = [p for p in entry.glob("*") if any(m in p.name for m in PARTIAL_MARKERS)] if entry.is_dir() else []
         for path in [entry] if partial or unfinished else inner:

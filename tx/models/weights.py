@@ -34,6 +34,7 @@ from tqdm import tqdm
 from tx.gather import is_writer, to_host
 from tx.lora.layers import LoRASpec
 from tx.lora.params import LoRAParam
+from tx.lora.peft import atomic_dir
 from tx.models import gpt_oss_checkpoint
 from tx.models.catalog import SKIPPED_PARTS, locate_model
 from tx.models.causal_lm import CausalLM, abstract_model
@@ -288,7 +289,8 @@ def save_hf(params: dict[Path_, jax.Array], cfg: ModelConfig, source_dir: Path, 
     """Write `params` (a full weight set, our paths) as a HF model directory that `transformers` loads.
 
     Config, generation config and tokenizer files are copied from `source_dir`; the weights go to one
-    `model.safetensors`. Written into a temporary directory and renamed, so it appears whole or not at all.
+    `model.safetensors`. Written into a temporary directory and renamed (`tx.lora.peft.atomic_dir`), so it
+    appears whole or not at all.
     Returns the bytes written. Over several processes each gathers the weights and process 0 writes (the others
     return 0).
     """
@@ -301,16 +303,11 @@ def save_hf(params: dict[Path_, jax.Array], cfg: ModelConfig, source_dir: Path, 
         tensors.update(_hf_tensors(path, to_host(value), cfg))  # gathered on every process
     if not is_writer():
         return 0
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in source_dir.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and not f.name.endswith(".index.json"):
-            shutil.copy2(f, tmp / f.name)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out_dir)
+    with atomic_dir(out_dir) as tmp:  # a failed write (a full disk) leaves nothing behind, a crash a swept temp
+        for f in source_dir.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and not f.name.endswith(".index.json"):
+                shutil.copy2(f, tmp / f.name)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     return sum(f.stat().st_size for f in out_dir.iterdir())
 
 
