@@ -223,9 +223,9 @@ def test_a_model_keyed_by_its_hub_name_is_fetched_then_loaded(dirs, tmp_path: Pa
 
 
 def test_a_hub_model_over_the_budget_is_refused_before_its_download(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Only the config of a hub model is local (as the API fetched it): the pool sizes the model from it
-    (an 8B-parameter Qwen3 here: 30 GB in float32, twice that on CPU with the sampler's copy) and refuses it against the budget without downloading a
-    byte of its weights, which would fill the disk before the refusal."""
+    """Only the config of a hub model is local (as the API fetched it): the pool sizes the model from it (an
+    8B-parameter Qwen3 here: 30 GB in float32, twice that on CPU with the sampler's copy) and refuses it
+    against the budget without downloading a byte of its weights, which would fill the disk first."""
     import json
 
     config = json.loads((dirs["qwen"] / "config.json").read_text())
