@@ -332,3 +332,31 @@ def test_a_chunk_left_without_commit_keeps_nothing_and_the_largest_chunk_fits(tm
     assert (tmp_path / OWNER / ".staging" / "m" / "model" / "model.safetensors").stat().st_size == 0
     send(store, "model.safetensors", big[:MAX_CHUNK_BYTES], 0)  # exactly the chunk limit
     assert store.received(OWNER, "m") == {"config.json": 0, "model.safetensors": MAX_CHUNK_BYTES}
+
+
+def test_partial_uploads_reserve_the_disk_they_declared(tmp_path, monkeypatch):
+    """Free space is checked against what the other partial uploads still have to send: two uploads that
+    each fit the free disk alone cannot both be declared (both passed, then filled the disk), and the
+    space comes back as the first one's bytes arrive or it is deleted."""
+    import shutil as shutil_module
+
+    store = UploadStore(tmp_path, 10**6)
+    size = sum(len(d) for d in FILES.values())
+    real = shutil_module.disk_usage
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: real(path)._replace(free=size + size // 2))
+    assert begin(store) == {"config.json": 0, "model.safetensors": 0}
+    with pytest.raises(UploadError) as refused:
+        store.begin(OTHER, "m", [spec(n, d) for n, d in FILES.items()])
+    assert refused.value.status == 507 and "promised to partial uploads" in str(refused.value)
+    assert begin(store) == {"config.json": 0, "model.safetensors": 0}  # resuming itself is not counted twice
+    store.delete(OWNER, "m")
+    assert store.begin(OTHER, "m", [spec(n, d) for n, d in FILES.items()]) == {"config.json": 0, "model.safetensors": 0}
+
+
+def test_config_and_tokenizer_files_are_bounded():
+    weights = spec("model.safetensors", WEIGHTS)
+    huge = FileSpec("tokenizer.json", (64 << 20) + 1, "0" * 64)
+    with pytest.raises(UploadError) as refused:
+        check_files([spec("config.json", CONFIG), weights, huge], 10**12)
+    assert refused.value.status == 413 and "'tokenizer.json'" in str(refused.value) and "64 MiB" in str(refused.value)
+    assert check_files([spec("config.json", CONFIG), weights, FileSpec("tokenizer.json", 64 << 20, "0" * 64)], 10**12)

@@ -47,6 +47,7 @@ from tx.names import check_name, contained, is_valid_name
 UPLOAD_PREFIX = "upload:"
 MAX_FILES = 1024
 MAX_CHUNK_BYTES = 8 << 20  # one chunk request's body; below the API's smallest body limit
+MAX_OTHER_FILE_BYTES = 64 << 20  # a config, tokenizer or index file (the largest hub tokenizers are ~35 MB)
 GB = 1e9
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _HASH_READ = 8 << 20
@@ -106,6 +107,10 @@ def check_files(files: list[FileSpec], max_bytes: int) -> int:
             raise UploadError(400, f"file {f.name!r}: size must be an integer >= 0 and sha256 64 lowercase hex digits")
     if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
         raise UploadError(400, "an upload needs config.json and .safetensors weights (a Hugging Face directory)")
+    for f in files:  # config and tokenizer files are parsed whole in memory when the upload is validated
+        if not f.name.endswith(".safetensors") and f.size > MAX_OTHER_FILE_BYTES:
+            limit = f"{MAX_OTHER_FILE_BYTES >> 20} MiB"
+            raise UploadError(413, f"file {f.name!r} has {f.size} bytes; files other than .safetensors are <= {limit}")
     total = sum(f.size for f in files)
     if total > max_bytes:
         limit = f"--max-upload-gb {max_bytes / GB:g}"
@@ -121,6 +126,7 @@ class UploadStore:
         self.max_upload_bytes = max_upload_bytes
         self._busy: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
+        self._disk_lock = threading.Lock()
         for trash in self.root.glob("*/.trash"):
             shutil.rmtree(trash, ignore_errors=True)  # deletions a previous process did not finish
         for state in self.root.glob("*/.staging/*/state.json"):
@@ -176,25 +182,45 @@ class UploadStore:
             staging = self._staging(owner, name)
             old = _read_state(staging)
             kept = {f.name: old["received"].get(f.name, 0) for f in files if asdict(f) in old["files"]}
-            self._need_disk(total - sum(kept.values()))
-            (staging / "model").mkdir(parents=True, exist_ok=True)
+            state: dict[str, Any] = {
+                "files": [asdict(f) for f in files],
+                "received": {f.name: kept.get(f.name, 0) for f in files},
+            }
+            with self._disk_lock:  # the check and this upload's declaration together: each begin sees the others
+                self._need_disk(total - sum(kept.values()), staging)
+                (staging / "model").mkdir(parents=True, exist_ok=True)
+                _write_state(staging, state)
             for stale in (staging / "model").iterdir():
                 if stale.name not in kept:
                     stale.unlink()
             for empty in (f for f in files if f.size == 0):
                 self._file(owner, name, empty.name).touch()
-            state: dict[str, Any] = {
-                "files": [asdict(f) for f in files],
-                "received": {f.name: kept.get(f.name, 0) for f in files},
-            }
-            _write_state(staging, state)
             return dict(state["received"])
 
-    def _need_disk(self, more: int) -> None:
+    def _need_disk(self, more: int, staging: Path) -> None:
+        """Room for `more` bytes beside what the other partial uploads have declared and not sent yet: each
+        begin checked the free space alone, so fifty declared at once all passed and then filled the disk."""
         self.root.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(self.root).free
-        if more > free:
-            raise UploadError(507, f"the server has {free / GB:.3f} GB of disk free, the upload needs {more / GB:.3f}")
+        free, promised = shutil.disk_usage(self.root).free, self._promised(skip=staging)
+        if more > free - promised:
+            raise UploadError(
+                507,
+                f"the server has {free / GB:.3f} GB of disk free, {promised / GB:.3f} GB of it promised to partial "
+                f"uploads not finished yet; this upload needs {more / GB:.3f}",
+            )
+
+    def _promised(self, skip: Path) -> int:
+        """Bytes every partial upload but `skip` has declared and not sent yet."""
+        total = 0
+        for state_file in self.root.glob("*/.staging/*/state.json"):
+            if state_file.parent == skip:
+                continue
+            try:
+                state = _read_state(state_file.parent)
+                total += sum(max(f["size"] - state["received"].get(f["name"], 0), 0) for f in state["files"])
+            except (OSError, ValueError, KeyError, TypeError):  # gone meanwhile, or not ours to read
+                continue
+        return total
 
     def received(self, owner: str, name: str) -> dict[str, int] | None:
         """Verified bytes per file of a partial upload; None when there is none."""
