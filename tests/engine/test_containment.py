@@ -331,23 +331,38 @@ def test_a_damaged_checkpoint_fails_by_name_and_a_failed_restore_keeps_no_run(
     _unload(runner, "source")
 
 
-def test_sampler_weights_being_sampled_are_not_replaced(runner: JaxRunner) -> None:
-    """A save under a snapshot name that a queued sample reads fails for that save alone; the sample runs on
-    the snapshot's weights, and once it has finished the name can be saved again."""
+def test_sampler_weights_saved_again_while_being_sampled(runner: JaxRunner) -> None:
+    """A save under a snapshot name that queued samples read succeeds (a loop saving "latest" while an
+    evaluator samples it): the queued sample finishes on the weights it asked for, the next one reads the new
+    weights, and the old copy's slot goes once a slot is needed, without a host copy."""
     _create(runner, "snapper")
     save = _item("save_weights_for_sampler", "snapper", SaveSamplerRequest("snap-a"))
     assert isinstance(_run_all(runner, [save])[save.future_id], CheckpointResult)
     params = SamplingParams(max_tokens=4, temperature=0.0)
-    sample = _item("sample", "s", SampleRequest([1, 2, 3], 1, params, "m", weights=WeightsRef("snap-a")))
-    again = _item("save_weights_for_sampler", "snapper", SaveSamplerRequest("snap-a"))
-    results = _run_all(runner, [sample, again])
-    _error(results[again.future_id], "user", "sampler weights 'snap-a' are being sampled")
-    assert (
-        isinstance(results[sample.future_id], SampleResult) and len(results[sample.future_id].sequences[0].tokens) == 4
-    )
-    later = _item("save_weights_for_sampler", "snapper", SaveSamplerRequest("snap-a"))
-    assert isinstance(_run_all(runner, [later])[later.future_id], CheckpointResult)
+
+    def sample() -> WorkItem:
+        return _item("sample", "s", SampleRequest([1, 2, 3], 1, params, "m", weights=WeightsRef("snap-a")))
+
+    before = _run_all(runner, [sample()])
+    _run_all(runner, [_item("forward_backward", "snapper", _fb([3, 1, 4, 1, 5, 9]))])
+    _run_all(runner, [_item("optim_step", "snapper", OptimStepRequest(AdamParams(learning_rate=0.5)))])
+    queued, again = sample(), _item("save_weights_for_sampler", "snapper", SaveSamplerRequest("snap-a"))
+    results = _run_all(runner, [queued, again])
+    assert isinstance(results[again.future_id], CheckpointResult)
+    old_tokens = next(iter(before.values())).sequences[0].tokens
+    assert results[queued.future_id].sequences[0].tokens == old_tokens
+    retired = [info for info in runner.slots if info.kind == "retired"]
+    assert [info.owner for info in retired] == [f"snap-a#retired-{retired[0].slot}"]
+    after = _run_all(runner, [sample()])
+    new_logprobs = next(iter(after.values())).sequences[0].logprobs
+    assert new_logprobs != results[queued.future_id].sequences[0].logprobs  # the new weights
+    fillers = [f"filler-{i}" for i in range(runner.slots.max_adapters - len(runner.slots) + 1)]
+    _create(runner, *fillers)  # one slot more than are free: the retired copy goes first, nothing kept of it
+    assert not any(info.kind == "retired" for info in runner.slots)
+    assert retired[0].owner not in runner.bank.host_snapshots and "snap-a" in runner.slots
+    _unload(runner, *fillers)
     _unload(runner, "snapper")
+    runner.bank.clear(runner.bank.release("snap-a").slot)
 
 
 def test_a_sample_the_engine_loop_failed_is_dropped_by_the_sampler(runner: JaxRunner) -> None:

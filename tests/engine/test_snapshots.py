@@ -51,3 +51,18 @@ def test_a_copy_beyond_the_kept_ones_waits_while_they_are_all_sampled() -> None:
     snapshots.use("a").busy = False  # type: ignore[union-attr]
     snapshots.add("c", weights)
     assert "a" not in snapshots and "c" in snapshots and len(snapshots.samplers()) == 2
+
+
+def test_a_snapshot_saved_again_while_being_sampled_keeps_its_old_copy_until_idle() -> None:
+    """The old copy keeps serving the samples queued on it under a name no request uses; the name samples the
+    new weights at once; the old copy is neither handed to host memory nor kept once idle."""
+    snapshots = FullSnapshots(lambda get_weights: _Sampler(), max_kept=2)  # type: ignore[arg-type, return-value]
+    snapshots.add("a", {("w",): jnp.zeros(2)})
+    old = snapshots.use("a")
+    old.busy = True  # type: ignore[union-attr]
+    snapshots.add("a", {("w",): jnp.ones(2)})
+    assert snapshots.use("a") is not old and old in snapshots.samplers() and len(snapshots.samplers()) == 2
+    assert set(snapshots.to_host()) == {"a"}
+    old.busy = False  # type: ignore[union-attr]
+    snapshots.add("b", {("w",): jnp.zeros(2)})
+    assert old not in snapshots.samplers() and len(snapshots.samplers()) == 2

@@ -262,3 +262,14 @@ def test_states_without_adapters_or_their_axes_are_refused():
     state = nnx.State({"lm_head": {"lora_a": unnamed, "lora_b": b}})
     with pytest.raises(ValueError, match="lacks logical_axes naming its 'adapter' and 'lora_rank' axes"):
         init_slot(state, 1, 1, frozenset({"lm_head"}), seed=0)
+
+
+def test_retire_frees_the_name_and_keeps_the_slot() -> None:
+    table = SlotTable(max_adapters=3, max_rank=8)
+    old = table.allocate("snap", "sampler", 4)
+    table.allocate("run", "run", 4)
+    retired = table.retire("snap")
+    assert "snap" not in table and table.lookup(retired).slot == old.slot and table.lookup(retired).kind == "retired"
+    assert table.allocate("snap", "sampler", 8).slot not in (old.slot, table.lookup("run").slot)
+    assert table.eviction_victim(kinds=frozenset({"retired", "sampler"})) == retired  # used least recently
+    assert table.scale_table()[old.slot, :4].tolist() == [old.scaling] * 4  # its rows still read it

@@ -21,7 +21,7 @@ from tx.lora.slots import OwnerKind, SlotsExhausted
 from tx.protocol import LoraConfig
 
 log = logging.getLogger("tx.engine")
-EVERY_KIND: frozenset[OwnerKind] = frozenset({"run", "sampler"})
+EVERY_KIND: frozenset[OwnerKind] = frozenset({"run", "sampler", "retired"})
 
 
 @dataclasses.dataclass
@@ -76,6 +76,9 @@ class Pager:
                 f"all {slots.max_adapters} LoRA slots are held by runs of this round or snapshots being sampled; "
                 f"restart with --max-lora-adapters {2 * slots.max_adapters} to raise the limit"
             )
+        if slots.lookup(victim).kind == "retired":  # replaced weights whose samples are done: nothing to keep
+            self.bank.clear(self.bank.release(victim).slot)
+            return
         start = time.perf_counter()
         if slots.lookup(victim).kind == "sampler":
             nbytes = self.bank.stash_snapshot(victim).nbytes

@@ -362,11 +362,9 @@ class JaxRunner:
 
     def _sampler_slot_for(self, snapshot_id: str, lora) -> int:  # noqa: ANN001
         existing = self.slots.get(snapshot_id)
-        if existing is not None:
-            if existing.slot in self.sampler.slots_in_use():
-                raise RequestError(
-                    f"sampler weights {snapshot_id!r} are being sampled; save under another name", "user"
-                )
+        if existing is not None and existing.slot in self.sampler.slots_in_use():
+            self.slots.retire(snapshot_id)  # the samples queued on it finish with the weights they asked for
+        elif existing is not None:
             self.bank.clear(self.bank.release(snapshot_id).slot)
         self.bank.forget_snapshot(snapshot_id)  # a stashed copy is replaced by the new weights
         # Idle runs are paged out (LRU) before a snapshot is refused; this round's runs stay.

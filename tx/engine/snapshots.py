@@ -14,6 +14,7 @@ load takes them back; each returns to the device when it is next sampled, as a p
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -61,6 +62,7 @@ class FullSnapshots:
         self.make_sampler, self.max_kept = make_sampler, max_kept
         self._device: dict[str, tuple[Sampler, Flat]] = {}  # least recently used first
         self._host: dict[str, HostWeights] = {}  # held over an unload of the model, back on their next use
+        self._retired = itertools.count()  # names for copies replaced while being sampled
 
     def __contains__(self, snapshot_id: object) -> bool:
         return snapshot_id in self._device or snapshot_id in self._host
@@ -93,9 +95,8 @@ class FullSnapshots:
             raise RequestError("this server cannot sample full fine-tuning snapshots", "user")
         self.check_room(snapshot_id)
         old = self._device.pop(snapshot_id, None)
-        if old is not None and not old[0].idle():
-            self._device[snapshot_id] = old
-            raise RequestError(f"sampler {snapshot_id!r} is busy; save under another name", "user")
+        if old is not None and not old[0].idle():  # its queued samples finish on it; it goes once idle
+            self._device[f"{snapshot_id}#retired-{next(self._retired)}"] = old
         self._host.pop(snapshot_id, None)
         self._device[snapshot_id] = (self.make_sampler(lambda: weights), weights)
         # Each holds a whole copy of the weights: keep the most recently used few, never one being sampled.
@@ -108,7 +109,8 @@ class FullSnapshots:
 
     def to_host(self) -> dict[str, HostWeights]:
         """Host copies of every snapshot, for the model's next load (the pool is unloading this one)."""
-        return {**self._host, **{sid: HostWeights.of(weights) for sid, (_, weights) in self._device.items()}}
+        kept = {sid: HostWeights.of(weights) for sid, (_, weights) in self._device.items() if "#retired-" not in sid}
+        return {**self._host, **kept}
 
     def adopt(self, held: dict[str, HostWeights]) -> None:
         self._host.update(held)

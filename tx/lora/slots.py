@@ -23,7 +23,9 @@ import numpy as np
 from tx.lora.targets import ALL_TARGETS, ATTN_TARGETS, MLP_TARGETS, UNEMBED_TARGETS
 from tx.protocol import DEFAULT_LORA_ALPHA
 
-OwnerKind = Literal["run", "sampler"]
+# "retired": a sampler snapshot replaced under its name while samples were still reading it; its slot serves
+# those samples and goes (without a host copy) once a slot is needed.
+OwnerKind = Literal["run", "sampler", "retired"]
 
 DEFAULT_ALPHA = DEFAULT_LORA_ALPHA  # the one default, `tx.protocol`'s
 
@@ -109,6 +111,16 @@ class SlotTable:
         info = self.lookup(owner)
         del self._by_owner[owner], self._by_slot[info.slot], self._last_used[owner]
         return info
+
+    def retire(self, owner: str) -> str:
+        """Move sampler snapshot `owner` off its name, keeping its slot (queued samples read it): the name is
+        free for new weights. Returns the slot's new owner name, which no request uses."""
+        info = self.lookup(owner)
+        retired = dataclasses.replace(info, owner=f"{owner}#retired-{info.slot}", kind="retired")
+        del self._by_owner[owner]
+        self._by_owner[retired.owner] = self._by_slot[info.slot] = retired
+        self._last_used[retired.owner] = self._last_used.pop(owner)
+        return retired.owner
 
     def lookup(self, owner: str) -> SlotInfo:
         info = self._by_owner.get(owner)
