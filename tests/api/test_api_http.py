@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 import time
 from datetime import timedelta
@@ -20,6 +21,7 @@ from api.harness import KEY, MODEL, OTHER_KEY, PROTO, Server, proto_body
 from tx.api.app import reap_sessions
 from tx.db import owner_of
 from tx.db.tables import SamplingSessionRow, SessionRow, utcnow
+from tx.protocol import RequestError
 
 
 @pytest.fixture(scope="module")
@@ -275,6 +277,29 @@ def test_a_lora_sampler_save_on_a_one_slot_server_is_refused_before_queueing(tmp
         assert client.post("/save_weights_for_sampler", json=seq).status_code == 400
         export = client.post("/save_weights_external", json={"model_id": made["model_id"], "path": "e"})
         assert export.status_code == 200, export.text
+
+
+def test_a_failed_save_over_a_taken_name_keeps_the_old_checkpoint(http: httpx.Client, training, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """save_weights with overwrite=True that fails (a full disk) leaves the checkpoint it would have replaced
+    listed and loadable as before (its row was dropped when the save was accepted); one that succeeds
+    replaces it, one entry for the name."""
+    from api import fake_runner
+
+    kept = training.save_state("overwritten").result(timeout=30).path
+    save = fake_runner._save
+    monkeypatch.setattr(fake_runner, "_save", lambda dest, path: RequestError("disk full", "server"))
+    body = {"model_id": training.model_id, "path": "overwritten", "overwrite": True}
+    failed = wait(http, http.post("/save_weights", json=body).json()["request_id"])
+    assert "disk full" in json.dumps(failed)
+
+    def listed() -> list[str]:
+        checkpoints = http.get(f"/training_runs/{training.model_id}/checkpoints").json()["checkpoints"]
+        return [c["tinker_path"] for c in checkpoints]
+
+    assert listed().count(kept) == 1
+    monkeypatch.setattr(fake_runner, "_save", save)
+    assert wait(http, http.post("/save_weights", json=body).json()["request_id"])["path"] == kept
+    assert listed().count(kept) == 1
 
 
 def test_a_database_that_takes_no_writes_is_a_503_and_a_full_disk_a_507(

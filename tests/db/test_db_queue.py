@@ -496,3 +496,30 @@ def test_opening_an_up_to_date_postgres_database_takes_no_table_locks(db: Databa
     opener.join()
     opened[0].close()
     assert finished_under_the_reader
+
+
+def test_a_save_over_a_taken_name_that_fails_puts_the_old_checkpoint_back(db: Database) -> None:
+    """overwrite=True sets the old checkpoint's row aside (its name free, unlisted); the save failing puts it
+    back as it was (its files were never touched), the save succeeding replaces it: one row for the name."""
+    run = TrainingRunRow(id="s:train:0", session_id="s", owner=OWNER, base_model="b", status="ready")
+
+    def checkpoint(version: int, status: str = "pending") -> CheckpointRow:
+        return CheckpointRow(run_id=run.id, checkpoint_id="weights/a", checkpoint_type="training", owner=OWNER,
+                             tinker_path="tinker://s:train:0/weights/a", directory="/tmp/a", status=status,
+                             user_metadata_json=f'{{"v": {version}}}')  # fmt: skip
+
+    db.records.add_rows([run, checkpoint(1, "ready")])
+    for version, outcome in ((2, RequestError("disk full", "server")), (3, CheckpointResult(path="p", size_bytes=5))):
+        existing = db.records.get_checkpoint(run.id, "weights/a", OWNER, ready=False, expired=True)
+        assert existing is not None
+        db.records.set_aside(existing)
+        assert db.records.get_checkpoint(run.id, "weights/a", OWNER, ready=False) is None  # the name is free
+        assert db.records.list_checkpoints(OWNER, run.id, 10, 0) == ([], 0)
+        payload = SaveStateRequest("a", "/tmp/a", "tinker://s:train:0/weights/a")
+        save = db.queue.submit(kind="save_state", payload=payload, owner=OWNER, model_id=run.id,
+                               rows=[checkpoint(version)])  # fmt: skip
+        db.queue.claim(10)
+        db.queue.finish_many([(save.future_id, outcome)])
+        listed, total = db.records.list_checkpoints(OWNER, run.id, 10, 0)
+        assert total == 1 and listed[0].checkpoint_id == "weights/a"
+        assert listed[0].user_metadata_json == ('{"v": 1}' if version == 2 else '{"v": 3}')

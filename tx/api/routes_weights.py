@@ -58,7 +58,10 @@ def _claim_name(ctx: AppContext, path: TinkerPath, owner: str, overwrite: bool) 
         return
     if not overwrite and not is_expired(existing):  # an expired one is gone to its owner: its name is free
         user_error(f"checkpoint {path.checkpoint_id!r} already exists for {path.run_id!r} (pass overwrite=True)")
-    ctx.db.records.delete_checkpoint(existing)
+    if existing.status == "ready":  # back in its place if the save over it fails
+        ctx.db.records.set_aside(existing)
+    else:  # a save over this name still in flight: the newest save wins the name
+        ctx.db.records.delete_checkpoint(existing)
 
 
 @router.post("/save_weights")

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Table, func, text
+from sqlalchemy import Table, and_, func, text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, SQLModel, col, select
 
@@ -27,7 +27,16 @@ from tx.db import codec
 from tx.db.connect import WriteLock, is_sqlite
 from tx.db.notify import DONE_CHANNEL, WORK_CHANNEL, Notifier
 from tx.db.submit import GroupCommit, NewRequest, Submitted
-from tx.db.tables import CheckpointRow, FutureRow, MetricRow, SamplerSnapshotRow, TrainingRunRow, utcnow
+from tx.db.tables import (
+    REPLACED,
+    REPLACED_MARK,
+    CheckpointRow,
+    FutureRow,
+    MetricRow,
+    SamplerSnapshotRow,
+    TrainingRunRow,
+    utcnow,
+)
 from tx.protocol import (
     CheckpointResult,
     ForwardBackwardResult,
@@ -285,10 +294,13 @@ class SqlQueue:
         """The rows the futures brought into existence (runs, checkpoints, sampler snapshots) become `status`."""
         for start in range(0, len(future_ids), 500):  # bound the statement's parameters (recovery may fail many)
             ids = future_ids[start : start + 500]
+            saved = select(CHECKPOINTS.c.tinker_path).where(CHECKPOINTS.c.future_id.in_(ids))
+            paths = list(session.execute(saved).scalars())
             for table in _LINKED:
                 session.execute(table.update().where(table.c.future_id.in_(ids)).values(status=status))
             if status == "failed":  # a failed save leaves no checkpoint behind, so the name stays free
                 session.execute(CHECKPOINTS.delete().where(CHECKPOINTS.c.future_id.in_(ids)))
+            _settle_replaced(session, paths, status)
 
     @staticmethod
     def _metric_rows(row: FutureRow, result: Result) -> list[dict[str, Any]]:
@@ -305,3 +317,22 @@ class SqlQueue:
     def _pg_notify(self, session: Session, channel: str, payload: str) -> None:
         if self._postgres:
             session.execute(text("SELECT pg_notify(:channel, :payload)"), {"channel": channel, "payload": payload})
+
+
+def _settle_replaced(session: Session, paths: Sequence[str], status: str) -> None:
+    """A save over a taken name set the old checkpoint's row aside (`Records.set_aside`): a save that succeeds
+    drops it; one that fails puts it back, as its files were never touched (writers replace a directory
+    whole, at the end)."""
+    if not paths:
+        return
+    aside = and_(CHECKPOINTS.c.status == REPLACED, CHECKPOINTS.c.tinker_path.in_(paths))
+    if status != "failed":
+        session.execute(CHECKPOINTS.delete().where(aside))
+        return
+    for row_id, checkpoint_id in session.execute(
+        select(CHECKPOINTS.c.id, CHECKPOINTS.c.checkpoint_id).where(aside)
+    ).all():
+        original = checkpoint_id.split(REPLACED_MARK)[0]
+        session.execute(
+            CHECKPOINTS.update().where(CHECKPOINTS.c.id == row_id).values(status="ready", checkpoint_id=original)
+        )

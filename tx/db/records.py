@@ -22,6 +22,8 @@ from sqlmodel import Session, SQLModel, col, select
 from tx.db.connect import WriteLock
 from tx.db.tables import (
     LIVE_SESSION,
+    REPLACED,
+    REPLACED_MARK,
     CheckpointRow,
     MetricRow,
     SamplerSnapshotRow,
@@ -310,6 +312,13 @@ class Records:
         with self.write_lock.held(), self._session() as session:
             session.add_all(rows)
             session.commit()
+
+    def set_aside(self, row: CheckpointRow) -> None:
+        """Free a ready checkpoint's name for a save over it without losing it: the row is hidden (`REPLACED`)
+        until that save succeeds (the row goes) or fails (it comes back; `tx.db.queue`)."""
+        self._update(
+            CheckpointRow, row.id, status=REPLACED, checkpoint_id=f"{row.checkpoint_id}{REPLACED_MARK}{row.id}"
+        )
 
     def delete_checkpoint(self, row: CheckpointRow) -> None:
         with self.write_lock.held(), self._session() as session:

@@ -24,6 +24,9 @@ def utcnow() -> datetime:
 # An `open` session stands in for a client older than sessions (tinker SDK 0.1-0.2): it was made by a
 # create_model without a session_id, gets no heartbeats and so never expires; finishing it ends it.
 LIVE_SESSION = ("active", "open")
+# A checkpoint row set aside while a save over its name runs (status, and a suffix to its checkpoint_id
+# that keeps the name free): the save's success drops it, its failure puts it back (`tx.db.queue`).
+REPLACED, REPLACED_MARK = "replaced", "#replaced-"
 
 
 class SessionRow(SQLModel, table=True):
