@@ -22,6 +22,7 @@ from tx.protocol import LoraConfig
 
 log = logging.getLogger("tx.engine")
 EVERY_KIND: frozenset[OwnerKind] = frozenset({"run", "sampler", "retired"})
+RETIRED: frozenset[OwnerKind] = frozenset({"retired"})
 
 
 @dataclasses.dataclass
@@ -70,7 +71,8 @@ class Pager:
             return
         busy = self.busy()
         keep = protect | {info.owner for info in slots if info.slot in busy}
-        victim = slots.eviction_victim(keep, EVERY_KIND)
+        # a retired copy (replaced weights whose samples are done) is of no further use: it goes first
+        victim = slots.eviction_victim(keep, RETIRED) or slots.eviction_victim(keep, EVERY_KIND)
         if victim is None:
             raise SlotsExhausted(
                 f"all {slots.max_adapters} LoRA slots are held by runs of this round or snapshots being sampled; "
