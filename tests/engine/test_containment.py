@@ -315,14 +315,14 @@ def test_a_damaged_checkpoint_fails_by_name_and_a_failed_restore_keeps_no_run(
         runner.io.load_peft(tmp_path / "p", runner.bank, 1)  # fails before the slot is written
     whole = _item("save_weights_for_sampler", "source", SaveSamplerRequest("q", name="q", dest_dir=str(tmp_path / "q")))
     assert isinstance(_run_all(runner, [whole])[whole.future_id], CheckpointResult)
-    monkeypatch.setattr(runner.io, "load_peft", lambda *args: _raise(OSError(5, "Input/output error")))
+    monkeypatch.setattr(runner.io, "write_peft", lambda *args: _raise(OSError(5, "Input/output error")))
     sample = _item(
         "sample",
         "q-on-disk",
         SampleRequest([1, 2], 1, params, "m", weights=WeightsRef("q-on-disk", "source", str(tmp_path / "q"))),
     )
     _error(_run_all(runner, [sample])[sample.future_id], "server", "Input/output error")
-    assert "q-on-disk" not in runner.slots  # the slot claimed for the failed read is free again
+    assert "q-on-disk" not in runner.slots  # the slot claimed for the failed write is free again
     merged = shutil.copytree(runner.io.model_dir, tmp_path / "merged")  # a full fine-tuning sampler checkpoint
     for tensors in merged.glob("*.safetensors"):
         tensors.write_bytes(tensors.read_bytes()[:100])

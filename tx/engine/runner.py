@@ -405,11 +405,11 @@ class JaxRunner:
             self.full.add(ref.snapshot_id, self.io.load_full(directory))
             return 0
         if directory and ref.checkpoint_type == "sampler":
-            lora = self.io.peft_lora_config(directory)
-            self.pager.check_sampling_room(ref.snapshot_id)
-            slot = self._sampler_slot_for(ref.snapshot_id, lora)
+            self.pager.check_sampling_room(ref.snapshot_id)  # before the read: a sample that waits reads nothing
+            adapter = self.io.read_peft(directory)  # read once: its rank and targets come from its weights
+            slot = self._sampler_slot_for(ref.snapshot_id, self.io.lora_config_of(adapter[0]))
             try:
-                self.io.load_peft(directory, self.bank, slot)
+                self.io.write_peft(adapter, self.bank, slot)
             except BaseException:  # a slot left claimed would serve the next sample of this snapshot empty
                 self.bank.clear(self.bank.release(ref.snapshot_id).slot)
                 raise

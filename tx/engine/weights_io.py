@@ -58,7 +58,8 @@ class WeightsIO:
         peft.save_peft(dest, config, weights, fused_experts=self.cfg.family in FUSED_EXPERT_FAMILIES)
         return sum(f.stat().st_size for f in dest.iterdir() if f.is_file())
 
-    def _read_peft(self, source: Path) -> tuple[peft.AdapterConfig, peft.AdapterWeights]:
+    def read_peft(self, source: Path) -> tuple[peft.AdapterConfig, peft.AdapterWeights]:
+        """A sampler checkpoint's adapter, checked (readable, finite); `write_peft` puts it in a slot."""
         try:
             config, weights = peft.load_peft(source, fused_gate_up=self.cfg.family == "gpt_oss")
         except DAMAGED as exc:
@@ -67,7 +68,10 @@ class WeightsIO:
         return config, weights
 
     def peft_lora_config(self, source: Path) -> LoraConfig:
-        config, _ = self._read_peft(source)
+        return self.lora_config_of(self.read_peft(source)[0])
+
+    @staticmethod
+    def lora_config_of(config: peft.AdapterConfig) -> LoraConfig:
         t = set(config.target_modules)
         return LoraConfig(
             rank=config.rank,
@@ -78,7 +82,10 @@ class WeightsIO:
         )
 
     def load_peft(self, source: Path, bank: AdapterBank, slot: int) -> None:
-        config, weights = self._read_peft(source)
+        self.write_peft(self.read_peft(source), bank, slot)
+
+    def write_peft(self, adapter: tuple[peft.AdapterConfig, peft.AdapterWeights], bank: AdapterBank, slot: int) -> None:
+        config, weights = adapter
         weights = {text_module_name(name, self.cfg): pair for name, pair in weights.items()}
         bank.write_peft(slot, config, weights, self.cfg.stacked_layer)
 
