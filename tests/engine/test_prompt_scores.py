@@ -7,16 +7,9 @@ from conftest import TINY
 from flax import nnx
 from transformers import Qwen3Config
 
-from tx.engine.decode_steps import SCORE_ELEMENTS, DecodePrograms, PrefillBatch, score_block
+from tx.engine.decode_steps import SCORE_ELEMENTS, DecodePrograms, PrefillBatch
 from tx.models.config import ModelConfig
 from tx.models.weights import abstract_for
-
-
-def test_score_block_is_the_largest_power_of_two_that_fits():
-    assert score_block(rows=8, length=4096, vocab=1000, elements=8 * 1000 * 40) == 32
-    assert score_block(rows=8, length=16, vocab=1000, elements=8 * 1000 * 40) == 16  # no more than needed
-    assert score_block(rows=64, length=4096, vocab=151936, elements=1000) == 1  # always some progress
-    assert score_block(rows=1, length=24, vocab=10, elements=160) == 16  # 24 is padded to two blocks
 
 
 def scratch_bytes(programs: DecodePrograms, state: nnx.State, N: int, P: int, scores: bool) -> int:

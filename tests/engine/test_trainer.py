@@ -313,6 +313,30 @@ def test_rematerialised_layers_give_the_same_gradients(setup):
         np.testing.assert_allclose(np.asarray(grads[1][p]), want, rtol=1e-4, atol=2e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("full", [False, True])
+def test_logits_in_blocks_give_the_same_outputs_and_gradients(setup, full):
+    """The head in blocks of 2 positions (as a large vocabulary gets; logits recomputed in the backward)
+    against all positions at once: same log-probabilities and loss, same gradients for a LoRA run whose
+    adapter covers the untied head and for a full fine-tuning run."""
+    path, _, model, cfg = setup
+    req = sft_batch(cfg, 13)
+    results, grads = [], []
+    for elements in (ts.LOGIT_ELEMENTS, 2 * cfg.vocab_size * 8):
+        trainer = Trainer(model, AdapterBank.of(model))
+        trainer.steps = ts.StepFunctions(trainer.steps.graphdef, trainer.steps.roles, elements)
+        run = trainer.create_full_run("a") if full else trainer.create_lora_run("a", LoraConfig(rank=4), slot=1)
+        if not full:
+            random_lora(trainer, run, 14)
+        results.append(trainer.forward_backward([("a", req)])[0])
+        grads.append({p: np.asarray(g) for p, g in run.grads.items()})
+    assert any(p[-2:] == ("lm_head", "lora_a") or p[-2:] == ("lm_head", "weight") for p in grads[0]), list(grads[0])
+    np.testing.assert_allclose(results[1].metrics["loss:sum"], results[0].metrics["loss:sum"], rtol=1e-6)
+    for got, want in zip(results[1].outputs, results[0].outputs, strict=True):
+        np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-5)
+    for p, want in grads[0].items():
+        np.testing.assert_allclose(grads[1][p], want, rtol=1e-4, atol=2e-6 * max(1.0, np.abs(want).max()))
+
+
 def test_bf16_full_finetuning_keeps_fp32_moments_and_compiles_once(setup):
     """bfloat16 weights (what `--dtype auto` loads on an accelerator) train with float32 Adam moments and
     hyper-parameters from the first step on; moments born bfloat16 became float32 after one update, so the

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tx.engine.sampling import row_keys, select_tokens
+from tx.engine.vocab_blocks import block_size, over_blocks
 from tx.lora.params import AdapterRoles, LoRARows
 from tx.lora.select import Selection, take_adapters
 from tx.models.cache import HybridCache, KVCache, LayerCache, decode_cache, prefill_cache
@@ -39,14 +40,6 @@ Fresh = KVCache | HybridCache  # what a prefill writes: the stacked form of ever
 # (128 MiB of float32 logits, as much again of log-probabilities). All positions at once were N x P x V
 # (8 prompts of 4096 tokens over Qwen's 152k vocabulary: 20 GB, and twice that with the log-softmax).
 SCORE_ELEMENTS = 1 << 25
-
-
-def score_block(rows: int, length: int, vocab: int, elements: int) -> int:
-    """Positions per block of prompt scores: the largest power of two whose [rows, block, vocab] logits
-    fit in `elements` (at least 1), and no more than `length` needs."""
-    fit = max(1, elements // (rows * vocab))
-    block = 1 << (fit.bit_length() - 1)
-    return min(block, length)
 
 
 @jax.tree_util.register_dataclass
@@ -176,21 +169,16 @@ class DecodePrograms:
     ) -> PromptScores:
         """Every prompt position's scores, a block of C positions at a time: only one block's
         full-vocabulary logits [N, C, V] (at most `score_elements` of them) exist at once."""
-        N, P, D = h_NPD.shape
-        C = score_block(N, P, model.config.vocab_size, self.score_elements)
-        blocks = -(-P // C)
-        h_BNCD = jnp.pad(h_NPD, ((0, 0), (0, blocks * C - P), (0, 0))).reshape(N, blocks, C, D).swapaxes(0, 1)
-        t_BNC = jnp.pad(targets_NP, ((0, 0), (0, blocks * C - P))).reshape(N, blocks, C).swapaxes(0, 1)
+        N, P, _ = h_NPD.shape
+        C = block_size(N, P, model.config.vocab_size, self.score_elements)
 
-        def block(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-            h_NCD, t_NC = args
+        def block(h_NCD: jax.Array, t_NC: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
             logp_NCV = jax.nn.log_softmax(model.logits(h_NCD, lora), axis=-1)
             target_NC = jnp.take_along_axis(logp_NCV, t_NC[..., None], axis=-1)[..., 0]
             top_lp, top_ids = jax.lax.top_k(logp_NCV, topk) if topk else (logp_NCV[..., :0], t_NC[..., None][..., :0])
             return target_NC, top_ids.astype(jnp.int32), top_lp
 
-        out = jax.lax.map(block, (h_BNCD, t_BNC))
-        target_NP, ids_NPK, lp_NPK = (x.swapaxes(0, 1).reshape(N, blocks * C, *x.shape[3:])[:, :P] for x in out)
+        target_NP, ids_NPK, lp_NPK = over_blocks(block, C, h_NPD, targets_NP)
         return PromptScores(target_NP, ids_NPK, lp_NPK)
 
     def _insert(self, cache: Cache, fresh: Fresh, source: jax.Array) -> Cache:

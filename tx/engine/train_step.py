@@ -21,6 +21,7 @@ from flax import nnx
 
 from tx.engine.compiles import train_jit
 from tx.engine.losses import LossInputs, token_losses
+from tx.engine.vocab_blocks import block_size, over_blocks
 from tx.lora.params import AdapterRoles
 from tx.lora.select import Selection, slot_put, slot_slice, take_adapters
 from tx.protocol import AdamParams
@@ -48,14 +49,35 @@ class StepOutputs:
     expert_picks: jax.Array | None = None  # [L, N, k] int16: the experts each token picked (MoE models)
 
 
-def _outputs(model: Any, batch: TrainBatch) -> tuple[jax.Array, StepOutputs]:
+# A micro-batch's logits are built whole up to this many (256 MiB of float32); above it, a block of
+# positions at a time, recomputed in the backward (`head_logprobs`).
+LOGIT_ELEMENTS = 1 << 26
+
+
+def _outputs(model: Any, batch: TrainBatch, logit_elements: int) -> tuple[jax.Array, StepOutputs]:
     rows = None if batch.adapters is None else batch.adapters.rows
     h, _, picks = model.hidden_and_picks(batch.tokens, batch.positions, batch.segments, rows)
-    target_lp = target_logprobs(model.logits(h, rows), batch.targets)  # [R, T, K]
+    target_lp = head_logprobs(model, h, rows, batch.targets, logit_elements)  # [R, T, K]
     R, T, K = batch.targets.shape
     target_lp = target_lp.reshape(R * T, K)
     loss_N = token_losses(target_lp, batch.loss)
     return loss_N.sum(), StepOutputs(target_lp, loss_N, picks)
+
+
+def head_logprobs(model: Any, h_RTD: jax.Array, rows: Any, targets_RTK: jax.Array, elements: int) -> jax.Array:
+    """The targets' log-probabilities under the model's head, [R, T, K]. Logits that fit `elements` are
+    built at once; larger ones a block of positions at a time, each block's logits recomputed in the
+    backward rather than kept (one more head product, only there): at Qwen3.5's 248k vocabulary a 16384-
+    token micro-batch otherwise held 16 GB of logits and made as much again for their gradient."""
+    R, T, _ = h_RTD.shape
+    vocab = model.config.vocab_size
+
+    def head(h_RCD: jax.Array, t_RCK: jax.Array) -> jax.Array:
+        return target_logprobs(model.logits(h_RCD, rows), t_RCK)
+
+    if R * T * vocab <= elements:
+        return head(h_RTD, targets_RTK)
+    return over_blocks(jax.checkpoint(head), block_size(R, T, vocab, elements), h_RTD, targets_RTK)
 
 
 @jax.custom_vjp
@@ -101,9 +123,10 @@ class StepFunctions:
     like `batch.adapters.active`.
     """
 
-    def __init__(self, graphdef: nnx.GraphDef, roles: AdapterRoles) -> None:
+    def __init__(self, graphdef: nnx.GraphDef, roles: AdapterRoles, logit_elements: int = LOGIT_ELEMENTS) -> None:
         self.graphdef = graphdef
         self.roles = roles
+        self.logit_elements = logit_elements
         self.forward = _jit(self._forward)
         self.lora_grad = _jit(functools.partial(self._grad, train_lora=True))
         self.full_grad = _jit(functools.partial(self._grad, train_lora=False))
@@ -112,14 +135,14 @@ class StepFunctions:
         return nnx.merge(self.graphdef, as_state(lora), as_state(base))
 
     def _forward(self, lora: Flat, base: Flat, batch: TrainBatch) -> StepOutputs:
-        return _outputs(self.model(self._compact(lora, batch), base), batch)[1]
+        return _outputs(self.model(self._compact(lora, batch), base), batch, self.logit_elements)[1]
 
     def _grad(self, lora: Flat, base: Flat, batch: TrainBatch, *, train_lora: bool) -> tuple[Flat, StepOutputs]:
         lora = self._compact(lora, batch)
 
         def loss_fn(trainable: Flat, frozen: Flat) -> tuple[jax.Array, StepOutputs]:
             pair = (trainable, frozen) if train_lora else (frozen, trainable)
-            return _outputs(self.model(*pair), batch)
+            return _outputs(self.model(*pair), batch, self.logit_elements)
 
         grads, out = jax.grad(loss_fn, has_aux=True)(*((lora, base) if train_lora else (base, lora)))
         return grads, out
