@@ -106,8 +106,10 @@ def test_rank_8_and_rank_128_train_and_sample_side_by_side(wide: JaxRunner, narr
     for (r8, _), tokens in zip(fused, DATA, strict=True):
         alone = _steps(narrow, ("r8",), tokens)[0]
         np.testing.assert_allclose(r8.outputs[0]["logprobs"], alone.outputs[0]["logprobs"], atol=1e-5, rtol=0)
+    # Summation order differs between the stack widths, and AdamW's m / sqrt(v) lifts that noise where a
+    # gradient is near zero (1.2e-6 on one weight of 2048 on a Zen 5 EPYC): far below one step of 1e-2.
     for got, want in zip(_state(wide, "r8"), _state(narrow, "r8"), strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     tokens_8, logprobs_8 = _sample(wide, "r8")
     reference_8 = _sample(narrow, "r8")
     assert tokens_8 == reference_8[0]
