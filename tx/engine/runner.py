@@ -9,7 +9,8 @@ executes it. Then the sampler runs one decode chunk, so training waits at most o
 sampling. Sample requests bypass the round: they join the sampler's continuous batch as soon as they
 are submitted. A round holds no more LoRA runs (plus the snapshots they save) than there are device
 slots the sampler is not reading; its runs that live in host memory are paged in before it runs
-(`tx.engine.paging`), and an item that still finds no slot stays pending for a later round.
+(`tx.engine.paging`), and an item that still finds no slot stays pending for a later round. The weights
+a sample reads, and the snapshots saves make, are `tx.engine.sampler_weights`'s.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from tx.engine.paging import Pager
 from tx.engine.planner import Plan, RoundLimits, plan_round
 from tx.engine.round_notes import RoundNotes
 from tx.engine.sampler import Sampler
+from tx.engine.sampler_weights import SamplerWeights
 from tx.engine.snapshots import FullSnapshots, HeldSnapshots, SamplerFactory
-from tx.engine.trainer import Run, Trainer
+from tx.engine.trainer import Trainer
 from tx.engine.weights_io import WeightsIO
 from tx.lora.slots import SlotsExhausted, SlotTable
-from tx.models.causal_lm import decode_layout
 from tx.names import contained
 from tx.protocol import (
     CheckpointResult,
@@ -82,7 +83,8 @@ class JaxRunner:
         self._protect: frozenset[str] = frozenset()  # the runs of the round being executed
         self.checkpoint_root = checkpoint_root
         self.base_model = base_model
-        self.full = FullSnapshots(make_sampler, max_full_snapshots)  # full fine-tuning runs' snapshots
+        full = FullSnapshots(make_sampler, max_full_snapshots)  # full fine-tuning runs' snapshots
+        self.weights = SamplerWeights(trainer, sampler, io, self.pager, full, self._path, lambda: self._protect)
         self.pending: list[WorkItem] = []
         self.outbox: list[Completion] = []  # requests refused at submit, reported by the next step
         self.slot_waiting: list[WorkItem] = []  # samples whose snapshot waits in host memory for a free slot
@@ -143,6 +145,10 @@ class JaxRunner:
     def adopt_snapshots(self, held: HeldSnapshots) -> None:
         self.bank.adopt_snapshots(held.lora)
         self.full.adopt(held.full)
+
+    @property
+    def full(self) -> FullSnapshots:
+        return self.weights.full
 
     @property
     def slots(self) -> SlotTable:
@@ -270,9 +276,9 @@ class JaxRunner:
                 raise
             return LoadResult(run_id, p.tinker_path)
         if isinstance(p, SaveSamplerRequest) and item.kind == "save_weights_external":
-            return self._export(run_id, p)
+            return self.weights.export(self._run(run_id), p)
         if isinstance(p, SaveSamplerRequest):
-            return self._save_for_sampler(run_id, p)
+            return self.weights.save(self._run(run_id), p)
         if item.kind == "unload_model":
             self._run(run_id)
             self._forget(run_id)
@@ -327,58 +333,13 @@ class JaxRunner:
 
     # ---- sampling ----------------------------------------------------------------------------------
 
-    def _save_for_sampler(self, run_id: str, p: SaveSamplerRequest) -> CheckpointResult:
-        run = self._run(run_id)
-        if run.lora is None:
-            return self._save_full_for_sampler(run, p)
-        slot = self._sampler_slot_for(p.snapshot_id, run.lora)
-        self.bank.copy(run.slot, slot, self.trainer.run_params(run))
-        size = None
-        if p.dest_dir:
-            size = self.io.save_peft(self._path(p.dest_dir), self.bank, slot, run.lora)
-        return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
-
-    def _export(self, run_id: str, p: SaveSamplerRequest) -> CheckpointResult:
-        """`save_weights_external`: the files a named sampler save writes (PEFT, or a HF directory), straight
-        from the run: an export is not sampled, so it takes no adapter slot and no sampler copy."""
-        run = self._run(run_id)
-        assert p.dest_dir is not None
-        dest = self._path(p.dest_dir)
-        if run.lora is None:
-            assert run.params is not None
-            return CheckpointResult(p.tinker_path, size_bytes=self.io.save_full(dest, run.params, self.trainer.config))
-        return CheckpointResult(p.tinker_path, size_bytes=self.io.save_peft(dest, self.bank, run.slot, run.lora))
-
-    def _save_full_for_sampler(self, run: Run, p: SaveSamplerRequest) -> CheckpointResult:
-        """A full fine-tuning run's sampler copy: its own weight set and a sampler over it."""
-        assert run.params is not None
-        self.full.check_room(p.snapshot_id)  # before the copy: a save that must wait copies nothing
-        snapshot = decode_layout(run.params, self.io.tuning, copy=True)
-        self.full.add(p.snapshot_id, snapshot)
-        size = None
-        if p.dest_dir:
-            size = self.io.save_full(self._path(p.dest_dir), snapshot, self.trainer.config)
-        return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
-
-    def _sampler_slot_for(self, snapshot_id: str, lora) -> int:  # noqa: ANN001
-        existing = self.slots.get(snapshot_id)
-        if existing is not None and existing.slot in self.sampler.slots_in_use():
-            self.slots.retire(snapshot_id)  # the samples queued on it finish with the weights they asked for
-        elif existing is not None:
-            self.bank.clear(self.bank.release(snapshot_id).slot)
-        self.bank.forget_snapshot(snapshot_id)  # a stashed copy is replaced by the new weights
-        # Idle runs are paged out (LRU) before a snapshot is refused; this round's runs stay.
-        slot = self.pager.claim(snapshot_id, "sampler", lora, self._protect)
-        self.bank.clear(slot)
-        return slot
-
     def _submit_sample(self, item: WorkItem) -> None:
         """Hand a sample to the sampler of its weights. Whatever fails here fails this request alone, reported
         by the next step (a full snapshot moved back to the device may not fit, say): `submit` never raises."""
         req = item.payload
         assert isinstance(req, SampleRequest)
         try:
-            slot = self._resolve_weights(req)
+            slot = self.weights.resolve(req)
             snapshot = req.weights.snapshot_id if req.weights else None
             full = self.full.use(snapshot) if snapshot else None
             (full or self.sampler).submit(item.future_id, req, 0 if full else slot)
@@ -386,32 +347,3 @@ class JaxRunner:
             self.slot_waiting.append(item)
         except Exception as err:  # contained: this request fails, nothing else does
             self.outbox.append(Completion(item.future_id, self._error(err)))
-
-    def _resolve_weights(self, req: SampleRequest) -> int:
-        ref = req.weights
-        if ref is None or ref.snapshot_id in self.full:
-            return 0
-        info = self.slots.get(ref.snapshot_id)
-        if info is not None:
-            self.pager.check_sampling_room(ref.snapshot_id)
-            self.slots.touch(ref.snapshot_id)
-            return info.slot
-        restored = self.pager.restore_snapshot(ref.snapshot_id, self._protect)
-        if restored is not None:
-            return restored
-        directory = self._path(ref.checkpoint_dir) if ref.checkpoint_dir else None
-        if directory and ref.checkpoint_type == "sampler" and self.io.is_full(directory):
-            self.full.check_room(ref.snapshot_id)  # before the load: a sample that must wait loads nothing
-            self.full.add(ref.snapshot_id, self.io.load_full(directory))
-            return 0
-        if directory and ref.checkpoint_type == "sampler":
-            self.pager.check_sampling_room(ref.snapshot_id)  # before the read: a sample that waits reads nothing
-            adapter = self.io.read_peft(directory)  # read once: its rank and targets come from its weights
-            slot = self._sampler_slot_for(ref.snapshot_id, self.io.lora_config_of(adapter[0]))
-            try:
-                self.io.write_peft(adapter, self.bank, slot)
-            except BaseException:  # a slot left claimed would serve the next sample of this snapshot empty
-                self.bank.clear(self.bank.release(ref.snapshot_id).slot)
-                raise
-            return slot
-        raise RequestError(f"sampler weights {ref.snapshot_id!r} are not available (not saved, or evicted)", "user")

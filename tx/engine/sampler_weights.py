@@ -1,0 +1,121 @@
+"""The weights a sample reads: sampler snapshots saved from runs, loaded from disk, and exports.
+
+`SamplerWeights` belongs to one `JaxRunner`. A LoRA run's snapshot is a copy of its adapter in a slot of
+its own (claimed through the `Pager`, so idle runs are paged out before a snapshot is refused); a full
+fine-tuning run's snapshot is a whole weight set with a sampler over it (`FullSnapshots`). A snapshot
+saved again under a name that queued samples still read is retired, not overwritten: those samples
+finish with the weights they asked for. `resolve` finds (or loads) the slot a sample's weights are in;
+`export` writes a run's files without making a snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from tx.engine.paging import Pager
+from tx.engine.sampler import Sampler
+from tx.engine.snapshots import FullSnapshots
+from tx.engine.trainer import Run, Trainer
+from tx.engine.weights_io import WeightsIO
+from tx.models.causal_lm import decode_layout
+from tx.protocol import CheckpointResult, LoraConfig, RequestError, SampleRequest, SaveSamplerRequest
+
+
+class SamplerWeights:
+    """`path` checks a checkpoint directory a request names; `protected()` is the runs of the round
+    being executed, whose slots a snapshot may not take."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        sampler: Sampler,
+        io: WeightsIO,
+        pager: Pager,
+        full: FullSnapshots,
+        path: Callable[[str], Path],
+        protected: Callable[[], frozenset[str]],
+    ) -> None:
+        self.trainer, self.sampler, self.io, self.pager, self.full = trainer, sampler, io, pager, full
+        self.bank = trainer.bank
+        self.path, self.protected = path, protected
+
+    def save(self, run: Run, p: SaveSamplerRequest) -> CheckpointResult:
+        """A sampler snapshot of the run under `p.snapshot_id` (and its files, when `p.dest_dir`)."""
+        if run.lora is None:
+            return self._save_full(run, p)
+        slot = self._slot_for(p.snapshot_id, run.lora)
+        self.bank.copy(run.slot, slot, self.trainer.run_params(run))
+        size = None
+        if p.dest_dir:
+            size = self.io.save_peft(self.path(p.dest_dir), self.bank, slot, run.lora)
+        return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
+
+    def export(self, run: Run, p: SaveSamplerRequest) -> CheckpointResult:
+        """`save_weights_external`: the files a named sampler save writes (PEFT, or a HF directory), straight
+        from the run: an export is not sampled, so it takes no adapter slot and no sampler copy."""
+        assert p.dest_dir is not None
+        dest = self.path(p.dest_dir)
+        if run.lora is None:
+            assert run.params is not None
+            return CheckpointResult(p.tinker_path, size_bytes=self.io.save_full(dest, run.params, self.trainer.config))
+        return CheckpointResult(p.tinker_path, size_bytes=self.io.save_peft(dest, self.bank, run.slot, run.lora))
+
+    def resolve(self, req: SampleRequest) -> int:
+        """The adapter slot the sample reads (0: the base weights, or a full snapshot's own sampler),
+        loading its snapshot from host memory or disk when it is not on the device. Raises `SlotsExhausted`
+        when the sample must wait for a slot."""
+        ref = req.weights
+        if ref is None or ref.snapshot_id in self.full:
+            return 0
+        info = self.bank.slots.get(ref.snapshot_id)
+        if info is not None:
+            self.pager.check_sampling_room(ref.snapshot_id)
+            self.bank.slots.touch(ref.snapshot_id)
+            return info.slot
+        restored = self.pager.restore_snapshot(ref.snapshot_id, self.protected())
+        if restored is not None:
+            return restored
+        directory = self.path(ref.checkpoint_dir) if ref.checkpoint_dir else None
+        if directory and ref.checkpoint_type == "sampler" and self.io.is_full(directory):
+            self.full.check_room(ref.snapshot_id)  # before the load: a sample that must wait loads nothing
+            self.full.add(ref.snapshot_id, self.io.load_full(directory))
+            return 0
+        if directory and ref.checkpoint_type == "sampler":
+            return self._load_peft(ref.snapshot_id, directory)
+        raise RequestError(f"sampler weights {ref.snapshot_id!r} are not available (not saved, or evicted)", "user")
+
+    def _load_peft(self, snapshot_id: str, directory: Path) -> int:
+        self.pager.check_sampling_room(snapshot_id)  # before the read: a sample that waits reads nothing
+        adapter = self.io.read_peft(directory)  # read once: its rank and targets come from its weights
+        slot = self._slot_for(snapshot_id, self.io.lora_config_of(adapter[0]))
+        try:
+            self.io.write_peft(adapter, self.bank, slot)
+        except BaseException:  # a slot left claimed would serve the next sample of this snapshot empty
+            self.bank.clear(self.bank.release(snapshot_id).slot)
+            raise
+        return slot
+
+    def _save_full(self, run: Run, p: SaveSamplerRequest) -> CheckpointResult:
+        """A full fine-tuning run's sampler copy: its own weight set and a sampler over it."""
+        assert run.params is not None
+        self.full.check_room(p.snapshot_id)  # before the copy: a save that must wait copies nothing
+        snapshot = decode_layout(run.params, self.io.tuning, copy=True)
+        self.full.add(p.snapshot_id, snapshot)
+        size = None
+        if p.dest_dir:
+            size = self.io.save_full(self.path(p.dest_dir), snapshot, self.trainer.config)
+        return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
+
+    def _slot_for(self, snapshot_id: str, lora: LoraConfig) -> int:
+        slots = self.bank.slots
+        existing = slots.get(snapshot_id)
+        if existing is not None and existing.slot in self.sampler.slots_in_use():
+            slots.retire(snapshot_id)  # the samples queued on it finish with the weights they asked for
+        elif existing is not None:
+            self.bank.clear(self.bank.release(snapshot_id).slot)
+        self.bank.forget_snapshot(snapshot_id)  # a stashed copy is replaced by the new weights
+        # Idle runs are paged out (LRU) before a snapshot is refused; this round's runs stay.
+        slot = self.pager.claim(snapshot_id, "sampler", lora, self.protected())
+        self.bank.clear(slot)
+        return slot
