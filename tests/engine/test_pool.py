@@ -137,6 +137,18 @@ def test_budget_unloads_the_idle_model_and_reloads_it_with_its_snapshots(dirs, t
     assert set(pool.models) == {str(qwen)}
 
 
+def test_snapshots_of_a_model_whose_directory_is_gone_are_not_held(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A model loaded from a directory since deleted (an upload, say) cannot load again, so when it is
+    unloaded nothing could sample its snapshots: they are dropped, not held in host memory until restart."""
+    pool = _pool(tmp_path, int(1.5 * MB))
+    doomed = shutil.copytree(dirs["qwen"], tmp_path / "doomed")
+    _all_ok(_drain(pool, [_create(doomed, "run-d"), *_step_and_save("run-d", "snap-d")]))
+    _all_ok(_drain(pool, [_item("unload_model", "run-d", UnloadModelRequest())]))
+    shutil.rmtree(doomed)
+    _only(_drain(pool, [_sample(dirs["llama"])]))
+    assert set(pool.models) == {str(dirs["llama"])} and pool.held == {}
+
+
 def test_a_model_no_sampling_client_reads_goes_before_one_holding_snapshots(dirs, hf_models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Two models fit the budget, a third needs one gone. Both loaded ones are idle; the least recently used
     holds a sampler snapshot (a sampling client made by `save_weights_and_get_sampling_client`), the other

@@ -66,3 +66,19 @@ def test_a_snapshot_saved_again_while_being_sampled_keeps_its_old_copy_until_idl
     old.busy = False  # type: ignore[union-attr]
     snapshots.add("b", {("w",): jnp.zeros(2)})
     assert old not in snapshots.samplers() and len(snapshots.samplers()) == 2
+
+
+def test_an_unloaded_model_hands_over_only_its_newest_kept_snapshots() -> None:
+    """Each unload hands the next load the `max_kept` most recently used snapshots, held or on the device:
+    a model that saved new snapshots between unloads held every older one too, a whole weight set each."""
+    snapshots = FullSnapshots(lambda get_weights: _Sampler(), max_kept=2)  # type: ignore[arg-type, return-value]
+    for cycle in range(3):
+        for sid in (f"a{cycle}", f"b{cycle}"):
+            snapshots.add(sid, {("w",): jnp.full(2, float(cycle))})
+        held = snapshots.to_host()
+        assert list(held) == [f"a{cycle}", f"b{cycle}"]
+        snapshots = FullSnapshots(lambda get_weights: _Sampler(), max_kept=2)  # type: ignore[arg-type, return-value]
+        snapshots.adopt(held)
+    snapshots.use("a2")  # back on the device, now the most recent
+    assert list(snapshots.to_host()) == ["b2", "a2"]
+    np.testing.assert_array_equal(snapshots.to_host()["b2"].arrays[("w",)], np.full(2, 2.0))

@@ -144,8 +144,11 @@ class ModelPool:
         return model
 
     def unload(self, key: str) -> None:
-        """Unload an idle model; its sampler snapshots wait in host memory for its next load."""
+        """Unload an idle model; its sampler snapshots wait in host memory for its next load, those of a model
+        whose directory is gone are dropped."""
         self.held[key] = self.models.pop(key).runner.snapshots_to_host()
+        for gone in [k for k in self.held if not ((d := self._directory(k)) and d.is_dir())]:
+            del self.held[gone]  # its model cannot load again (a deleted upload): nothing will sample them
         self._loaded = {k: m.info for k, m in self.models.items()}
         gc.collect()  # the runner's closures hold its arrays in cycles: free the device memory now
         log.info("unloaded %s to make room", self.names.get(key, key))

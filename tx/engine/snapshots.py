@@ -108,9 +108,13 @@ class FullSnapshots:
         return len(self._device) + len(self._host)
 
     def to_host(self) -> dict[str, HostWeights]:
-        """Host copies of every snapshot, for the model's next load (the pool is unloading this one)."""
-        kept = {sid: HostWeights.of(weights) for sid, (_, weights) in self._device.items() if "#retired-" not in sid}
-        return {**self._host, **kept}
+        """Host copies of the `max_kept` most recently used snapshots, for the model's next load (the pool is
+        unloading this one). Older ones go as an evicted one does (a named one reloads from its checkpoint):
+        every one was kept before, so each unload and reload of a model that saved new snapshots in between
+        held another whole weight set in host memory, without bound."""
+        on_device = [sid for sid in self._device if "#retired-" not in sid]
+        newest = [*self._host, *on_device][-self.max_kept :] if self.max_kept else []
+        return {sid: self._host[sid] if sid in self._host else HostWeights.of(self._device[sid][1]) for sid in newest}
 
     def adopt(self, held: dict[str, HostWeights]) -> None:
         self._host.update(held)
