@@ -38,6 +38,20 @@ def test_sweep_removes_partial_directories_only(tmp_path: Path) -> None:
     assert sweep_partial(root) == [] and sweep_partial(tmp_path / "missing") == []
 
 
+def test_sweep_puts_back_a_checkpoint_a_killed_save_had_moved_aside(tmp_path: Path) -> None:
+    """A save_state killed between moving the old checkpoint aside and renaming the new one in: the old one
+    goes back to its name and the new one's temporary is removed; one whose name is taken again stays aside."""
+    weights = tmp_path / "checkpoints" / "s1_train_0" / "weights"
+    _make(weights / ".latest.old-state", {"run.json": '{"step": 3}'})
+    _make(weights / ".latest.tmp-state", {"run.json": '{"step": 4}'})
+    _make(weights / ".kept.old-state", {"run.json": "{}"})
+    _make(weights / "kept", {"run.json": "{}"})
+    removed = sweep_partial(tmp_path / "checkpoints")
+    assert (weights / "latest" / "run.json").read_text() == '{"step": 3}'
+    assert set(removed) == {weights / ".latest.tmp-state", weights / ".kept.old-state"}
+    assert sorted(p.name for p in weights.iterdir()) == ["kept", "latest"]
+
+
 def test_old_databases_take_nan_metrics(tmp_path: Path) -> None:
     """A database made when metrics.value was NOT NULL is migrated at open, and its rows kept."""
     db = open_database(None, tmp_path)

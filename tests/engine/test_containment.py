@@ -173,6 +173,13 @@ def test_a_save_that_fills_the_disk_leaves_nothing_and_says_so(runner: JaxRunner
     again = _item("save_state", "filler", SaveStateRequest("full", str(tmp_path / "full"), "tinker://x/weights/full"))
     assert isinstance(_run_all(runner, [again])[again.future_id], CheckpointResult)
     assert (tmp_path / "full" / "run.json").is_file()
+    # The disk fills while the same name is saved over: the checkpoint it would replace is left whole.
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "full").rglob("*") if p.is_file()}
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", fills_up)
+    over = _item("save_state", "filler", SaveStateRequest("full", str(tmp_path / "full"), "tinker://x/weights/full"))
+    assert "disk is full" in _run_all(runner, [over])[over.future_id].message  # type: ignore[union-attr]
+    after = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "full").rglob("*") if p.is_file()}
+    assert after == before and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
 def test_a_checkpoint_path_outside_the_root_fails_in_the_engine_too(runner: JaxRunner, tmp_path: Path) -> None:

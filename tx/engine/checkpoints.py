@@ -1,9 +1,9 @@
 """Training checkpoints on disk: a run's weights, optimizer state and step, written atomically.
 
 Layout of a `save_state` directory: `run.json` (adapter shape, step, base model) and `state/`, an orbax
-checkpoint of {"params", "opt_state"}. Orbax writes to a temporary directory and renames it when the
-save is complete, and `run.json` is written last through its own rename, so a crash mid-save never
-leaves a directory that looks like a whole checkpoint. Over several processes (`tx.engine.multihost`)
+checkpoint of {"params", "opt_state"}. The directory is written under a temporary name and renamed into
+place once `run.json`, written last, is there, so a crash mid-save never leaves a directory that looks like
+a whole checkpoint, nor touches the checkpoint it replaces. Over several processes (`tx.engine.multihost`)
 orbax writes each process's shards into the one shared directory.
 """
 
@@ -35,18 +35,34 @@ def _unkeyed(named: dict[str, Any]) -> dict[tuple[str, ...], Any]:
 
 
 def save(dest: Path, params: dict, opt_state: Any, step: int, lora: LoraConfig | None, base_model: str) -> int:
-    """Write the checkpoint; returns its size in bytes. Over several processes every one calls this (orbax
-    writes each process's shards), into a directory they all reach; process 0 alone clears an old
-    checkpoint first and writes `run.json` last (0 bytes is returned elsewhere)."""
-    if is_writer() and (dest / META).exists():
-        shutil.rmtree(dest)
+    """Write the checkpoint; returns its size in bytes. It is written beside `dest` under a name no user
+    name can take (`.NAME.tmp-state`) and renamed into place once whole, so a save that fails or is killed
+    half-way leaves the checkpoint it replaces as it was. Over several processes every one calls this
+    (orbax writes each process's shards) into a directory they all reach; process 0 alone clears what a
+    killed save left, writes `run.json` last and renames (0 bytes is returned elsewhere)."""
+    tmp = dest.parent / f".{dest.name}.tmp-state"
+    if is_writer():
+        shutil.rmtree(tmp, ignore_errors=True)
     barrier(f"checkpoint cleared: {dest}")
     try:
-        return _write(dest, params, opt_state, step, lora, base_model)
+        size = _write(tmp, params, opt_state, step, lora, base_model)
+        if is_writer():
+            _replace(tmp, dest)
+        return size
     except BaseException:
         if is_writer():  # a checkpoint that failed half-way (a full disk) leaves no partial files behind
-            shutil.rmtree(dest, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _replace(new: Path, dest: Path) -> None:
+    """Put the whole checkpoint `new` at `dest`, the old one moved aside first and removed after."""
+    old = dest.parent / f".{dest.name}.old-state"
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        os.rename(dest, old)
+    os.rename(new, dest)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write(dest: Path, params: dict, opt_state: Any, step: int, lora: LoraConfig | None, base_model: str) -> int:
@@ -95,9 +111,12 @@ PARTIAL_MARKERS = (".tmp-", ".old-", "orbax-checkpoint-tmp", f".{META}.tmp")
 def sweep_partial(root: Path) -> list[Path]:
     """Remove what writers killed mid-write left under the checkpoint root (`<run>/<kind>/<name>`): the
     temporary and moved-aside directories of the atomic writers, orbax's temporary directories, and
-    `save_state` directories that never got their `run.json`. A finished checkpoint is never touched."""
+    `save_state` directories that never got their `run.json`. A finished checkpoint is never touched, and
+    one a save had moved aside when it was killed goes back to its name."""
     removed: list[Path] = []
     for entry in sorted(root.glob("*/*/*")) if root.is_dir() else []:
+        if _put_back(entry):
+            continue
         # user names never start with "." (`tx.names`): such an entry is a writer's temporary (`save_hf`'s too)
         partial = entry.name.startswith(".") or any(marker in entry.name for marker in PARTIAL_MARKERS)
         unfinished = entry.parent.name == "weights" and entry.is_dir() and not (entry / META).is_file()
@@ -109,3 +128,14 @@ def sweep_partial(root: Path) -> list[Path]:
                 path.unlink(missing_ok=True)
             removed.append(path)
     return removed
+
+
+def _put_back(entry: Path) -> bool:
+    """A checkpoint `save` moved aside (`_replace`) and was killed before the new one took its name."""
+    if not (entry.name.startswith(".") and entry.name.endswith(".old-state")):
+        return False
+    original = entry.with_name(entry.name[1 : -len(".old-state")])
+    if original.exists() or not (entry / META).is_file():
+        return False
+    os.rename(entry, original)
+    return True
