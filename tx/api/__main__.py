@@ -1,10 +1,11 @@
 """`python -m tx.api`: start SmolGym (database, engine thread, HTTP server), in one process or split by role.
 
-`--role all` (default): open the database in the data directory (or `--database-url`), settle work left over
-from a previous run (`recover`: what was running fails, what was queued runs unless it needed the dead
-process's memory, `tx.engine.restart`), build the model pool (`tx.engine.pool.ModelPool`) and preload every
-`--base-model` into it (each through `tx.engine.build_runner`), start the engine loop, then serve HTTP. Other models
-load on demand, as `--allow-models` and `--memory-budget-gb` permit. When the server is listening it prints
+`--role all` (default): open the database in the data directory (or `--database-url`), take the engine
+lease (one engine per data directory and database, `tx.db.lease`), settle work left over from a previous
+run (`recover`: what was running fails, what was queued runs unless it needed the dead process's memory,
+`tx.engine.restart`), build the model pool (`tx.engine.pool.ModelPool`) and preload every `--base-model`
+into it (each through `tx.engine.build_runner`), start the engine loop, then serve HTTP. Other models load
+on demand, as `--allow-models` and `--memory-budget-gb` permit. When the server is listening it prints
 how to point the `tinker` SDK at it and the line "SmolGym ready on http://HOST:PORT".
 
 Split roles share one Postgres `--database-url` and one data directory (uploads, checkpoints):
@@ -45,6 +46,7 @@ from tx.api.models import ModelCatalog, ModelRules, default_allow
 from tx.api.paths import checkpoints_root
 from tx.db import Database, open_database
 from tx.db.connect import is_postgres_url
+from tx.db.lease import EngineBusy, EngineLease, take_engine_lease
 from tx.protocol import LostState, RequestError
 from tx.upload_store import GB, UploadStore
 
@@ -306,6 +308,15 @@ def recover(db: Database, data_dir: Path) -> LostState:
     return found.lost
 
 
+def engine_lease(db: Database, data_dir: Path) -> EngineLease:
+    """This process's claim to be the one engine on its data directory and database (`tx.db.lease`), taken
+    before `recover`: a second engine's recovery would fail the live one's running work. Refused, it exits."""
+    try:
+        return take_engine_lease(db.engine, data_dir)
+    except EngineBusy as err:
+        raise SystemExit(f"smolgym: {err}") from None
+
+
 def start_engine(
     args: argparse.Namespace, db: Database, uploads: UploadStore, leader: Any = None
 ) -> tuple[Engine, ModelPool, ModelCatalog]:
@@ -365,11 +376,12 @@ def main(argv: list[str] | None = None) -> None:
         max_runs=args.max_runs,
     )
     uploads = UploadStore(settings.data_dir / "uploads", settings.max_upload_bytes)
-    engine = pool = None
+    engine = pool = lease = None
     try:
         if args.role == "api":
             serve(args, settings, db, build_catalog(args, None, uploads), uploads)
             return
+        lease = engine_lease(db, settings.data_dir)
         engine, pool, catalog = start_engine(args, db, uploads, channel)
         if args.role == "engine":
             wait_for_signal()
@@ -380,6 +392,8 @@ def main(argv: list[str] | None = None) -> None:
             engine.stop()
             getattr(engine.runner, "close", lambda: None)()
             pool.close()
+        if lease is not None:
+            lease.release()
         db.close()
 
 

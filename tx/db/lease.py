@@ -1,0 +1,74 @@
+"""One engine per data directory and per database, held for the engine process's life.
+
+A starting engine settles what the previous one left (`SqlQueue.recover`: work it had claimed fails, its
+runs become `unloaded`) and sweeps half-written checkpoints. Run while another engine is live on the same
+data, that recovery fails the other's running requests and strands its runs, and the sweep removes the
+files its saves are writing. So an engine first takes the lease: an exclusive `flock` on
+`<data dir>/engine.lock` (released by the kernel when the process dies, however it dies) and, on Postgres,
+a session-level advisory lock keyed by the schema, on a connection of its own (released when that
+connection closes). A second engine is refused before it touches anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection, Engine
+
+LOCK_FILE = "engine.lock"
+_ADVISORY = text("SELECT pg_try_advisory_lock(hashtext(current_schema() || ':smolgym-engine'))")
+
+
+class EngineBusy(RuntimeError):
+    """Another engine holds the data directory or the database."""
+
+
+class EngineLease:
+    def __init__(self, fd: int, connection: Connection | None) -> None:
+        self._fd, self._connection = fd, connection
+
+    def release(self) -> None:
+        if self._connection is not None:
+            with contextlib.suppress(Exception):  # a database already gone released the lock with it
+                self._connection.close()
+            self._connection = None
+        if self._fd >= 0:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = -1
+
+
+def take_engine_lease(engine: Engine, data_dir: Path) -> EngineLease:
+    """The lease, or `EngineBusy` naming what holds it."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = _lock_file(data_dir / LOCK_FILE)
+    if engine.dialect.name != "postgresql":
+        return EngineLease(fd, None)
+    connection = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+    if not connection.execute(_ADVISORY).scalar():
+        connection.close()
+        os.close(fd)
+        raise EngineBusy(
+            f"another SmolGym engine is running on the database {engine.url.render_as_string(hide_password=True)}"
+            " (its schema): run one engine per database, and API-only processes beside it (--role api)"
+        )
+    return EngineLease(fd, connection)
+
+
+def _lock_file(path: Path) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise EngineBusy(
+            f"another SmolGym engine (pid {holder}) is running on the data directory {path.parent}: stop it, or "
+            "give this one its own --data-dir (API-only processes share it with --role api)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
