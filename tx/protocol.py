@@ -335,6 +335,11 @@ class RequestError(Exception):
         return self.message
 
 
+class QueueUnavailable(Exception):
+    """The work queue takes no writes now (a full disk, a lost database connection): what could not be
+    written is to be written again later, not given up as a failure."""
+
+
 Result = (
     CreateModelResult
     | ForwardBackwardResult

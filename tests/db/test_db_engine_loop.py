@@ -307,3 +307,58 @@ def test_results_the_queue_cannot_take_are_kept_and_recorded_once_it_can(sqlite_
     engine.run_once()
     assert [(queue.get(f).status, queue.get(f).error) for f in futures] == [("done", None)] * 2  # type: ignore[union-attr]
     assert engine.in_flight() == []
+
+
+def test_a_burst_whose_later_claim_fails_still_runs_what_it_claimed(sqlite_db: Database) -> None:
+    """The first claim of a burst marks its rows running; a database error on the next claim left them
+    running for good (never admitted, never claimed again). They run, and the loop claims on later."""
+    queue = sqlite_db.queue
+    claim, calls = queue.claim, []
+
+    def second_claim_fails(limit: int) -> list[WorkItem]:
+        calls.append(limit)
+        if len(calls) == 2:
+            raise RuntimeError("server closed the connection unexpectedly")
+        return claim(limit)
+
+    queue.claim = second_claim_fails  # type: ignore[method-assign]
+    first = _submit(sqlite_db, 1)
+    engine = Engine(queue, ScriptedRunner(), idle_wait_s=0.0)
+    engine.run_once()  # claims `first`, then the burst's next claim fails
+    engine.run_once()
+    assert len(calls) >= 2 and queue.get(first).status == "done"  # type: ignore[union-attr]
+
+
+def test_a_result_too_large_for_a_nearly_full_database_is_kept_not_failed(sqlite_db: Database) -> None:
+    """SQLite with room for a failure but not for the result (`max_page_count` stands in for a nearly full
+    disk): the write of the result fails, and the work it reports was done, so it is kept and written once
+    there is room, not recorded as a failure (a client retrying a failed forward_backward applies it twice)."""
+    from sqlalchemy import event
+
+    pages = int(sqlite_db.engine.connect().exec_driver_sql("PRAGMA page_count").scalar())  # type: ignore[arg-type]
+
+    def cramped(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+        dbapi_conn.execute(f"PRAGMA max_page_count = {pages + 4}")
+
+    future = _submit(sqlite_db, 1)
+    engine = Engine(sqlite_db.queue, LargeResultRunner(), idle_wait_s=0.0)
+    sqlite_db.engine.dispose()
+    event.listen(sqlite_db.engine, "connect", cramped)
+    engine.run_once()
+    engine.run_once()
+    assert sqlite_db.queue.get(future).status == "running" and engine.in_flight() == [future]  # type: ignore[union-attr]
+    event.remove(sqlite_db.engine, "connect", cramped)
+    sqlite_db.engine.dispose()
+    engine.run_once()
+    row = sqlite_db.queue.get(future)
+    assert row is not None and (row.status, row.error) == ("done", None) and engine.in_flight() == []
+
+
+class LargeResultRunner(ScriptedRunner):
+    """Completes each item with a sample result of 64k tokens (about 1 MB stored)."""
+
+    def step(self) -> list[Completion]:
+        items, self.items = self.items, []
+        tokens = list(range(1 << 16))
+        sequence = SampledSequence(tokens, [0.0] * len(tokens), "length")
+        return [Completion(item.future_id, SampleResult([sequence])) for item in items]

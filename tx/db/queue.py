@@ -21,6 +21,7 @@ from typing import Any
 
 from sqlalchemy import Table, and_, func, text
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import OperationalError
 from sqlmodel import Session, SQLModel, col, select
 
 from tx.db import codec
@@ -43,6 +44,7 @@ from tx.protocol import (
     LostState,
     OptimStepResult,
     Payload,
+    QueueUnavailable,
     RequestError,
     Result,
     WorkItem,
@@ -207,6 +209,16 @@ class SqlQueue:
         8 + 24). A future already finished keeps its first outcome (a request the engine failed while a
         sampler still held it must not turn done later, nor flip the rows it made)."""
         blobs = [None if isinstance(out, RequestError) else codec.encode(out) for _, out in outcomes]
+        try:
+            found = self._record_outcomes(outcomes, blobs)
+        except OperationalError as exc:  # the database refuses writes now, not this result
+            raise QueueUnavailable(str(exc.orig)) from exc
+        for future_id, _, _ in found:
+            self.notifier.result_ready(future_id)
+
+    def _record_outcomes(
+        self, outcomes: Sequence[tuple[str, Result | RequestError]], blobs: list[bytes | None]
+    ) -> list[tuple[str, Result | RequestError, bytes | None]]:
         with self.write_lock.held(), Session(self.engine) as session:
             ids = [int(future_id) for future_id, _ in outcomes]
             rows = {row.id: row for row in session.exec(select(FutureRow).where(col(FutureRow.id).in_(ids)))}
@@ -228,8 +240,7 @@ class SqlQueue:
             if metrics:
                 session.execute(METRICS.insert(), metrics)
             session.commit()
-        for future_id, _, _ in found:
-            self.notifier.result_ready(future_id)
+        return found
 
     def _complete_row(self, session: Session, row: FutureRow, result: Result, blob: bytes | None) -> None:
         future_id = str(row.id)

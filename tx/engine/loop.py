@@ -18,7 +18,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tx.engine.errors import scrub_paths
-from tx.protocol import ForwardBackwardRequest, RequestError, Result, SampleRequest, SampleResult, WorkItem
+from tx.protocol import (
+    ForwardBackwardRequest,
+    QueueUnavailable,
+    RequestError,
+    Result,
+    SampleRequest,
+    SampleResult,
+    WorkItem,
+)
 
 log = logging.getLogger("tx.engine")
 
@@ -169,7 +177,11 @@ class Engine:
             expecting = 0 < samples < self._last_sample_burst
             quiet = self.gather_quiet_s if samples else 0.002
             self.queue.wait_for_work(left if expecting else min(quiet, left))
-            more = self.queue.claim(self.claim_limit)
+            try:
+                more = self.queue.claim(self.claim_limit)
+            except Exception:  # what is claimed already is `running`: it must run, or nothing would ever finish it
+                log.exception("claiming more of a burst failed; running the %d requests claimed", len(items))
+                break
             if not more and not self._submitting():
                 break
             items += more
@@ -265,6 +277,9 @@ class Engine:
             else:
                 self.queue.complete(completion.future_id, result)
             return True
+        except QueueUnavailable as exc:  # a result it would store later: failing it now would report work done
+            log.error("the queue takes no writes (%s): %s is kept to record again", exc, completion.future_id)
+            return False
         except Exception as exc:
             log.error("recording the result of %s failed: %s", completion.future_id, exc, exc_info=not retry)
             error = RequestError(f"could not store the result: {exc}", "server")
