@@ -73,15 +73,20 @@ def validate_loss(name: str, config: dict[str, Any] | None) -> dict[str, float]:
     return filled
 
 
+# The engine computes losses in float32: a larger value is infinite there (beta = 1e300 times a zero
+# (p - q)^2 made a NaN loss, and the next optim_step refused the gradient, blaming the inputs).
+FLOAT32_MAX = 3.4e38
+
+
 def _as_float(key: str, value: Any) -> float:
-    """A finite float; an integer too large for a float (a 400-digit one) is refused like infinity."""
+    """A number float32 holds; an integer too large for a float (a 400-digit one) is refused like infinity."""
     try:
         number = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
         shown = repr(value)[:40]
     except (OverflowError, ValueError):
         number, shown = math.inf, "an integer too large for a float"
-    if not math.isfinite(number):
-        raise ValueError(f"loss_fn_config key {key!r} must be a finite number, got {shown}")
+    if not abs(number) <= FLOAT32_MAX:
+        raise ValueError(f"loss_fn_config key {key!r} must be a finite number within ±{FLOAT32_MAX:g}, got {shown}")
     return number
 
 

@@ -262,3 +262,30 @@ def test_engine_errors_do_not_show_server_paths(real: dict[str, Any]) -> None:
         service.create_training_client_from_state(path).get_info()
     assert str(Path(real["data_dir"]).resolve()) not in str(failure.value)
     _still_serves(training)
+
+
+def test_stored_session_text_is_strict_json_and_bounded(real: dict[str, Any]) -> None:
+    """A NaN in user_metadata was stored, and every later read of the session failed to encode it (a 500 the
+    SDK retried for good); a finish reason's text was stored at any length."""
+    http = real["http"]
+    nan = http.post(
+        "/create_session", content=b'{"user_metadata": {"x": NaN}}', headers={"Content-Type": "application/json"}
+    )
+    assert nan.status_code == 422 and "NaN or an infinity" in nan.text and "user_metadata" in nan.text
+    session = http.post("/create_session", json={"user_metadata": {"x": 1.5}}).json()["session_id"]
+    assert http.get(f"/sessions/{session}").status_code == 200
+    long = http.post(f"/sessions/{session}/finish", json={"reason": {"type": "x" * 257}})
+    assert long.status_code == 422 and "reason" in long.text
+    assert http.post(f"/sessions/{session}/finish", json={"reason": {"type": "x" * 256}}).status_code == 200
+
+
+def test_a_download_path_with_a_nul_byte_is_not_found(real: dict[str, Any]) -> None:
+    """`file_downloads/<token>/a%00b` reached `Path.resolve`, which raised on the NUL byte: a 500."""
+    http, training = real["http"], real["training"]
+    training.save_state("nul-probe").result(timeout=60)
+    archive = http.get(f"/training_runs/{training.model_id}/checkpoints/weights/nul-probe/archive")
+    token = archive.headers["location"].rstrip("/").split("/")[-1]
+    assert archive.status_code == 302 and http.get(f"/file_downloads/{token}/run.json").status_code == 200
+    for path in ("a%00b", "run.json%00", "state%2F..%2F..%2Frun.json"):
+        reply = http.get(f"/file_downloads/{token}/{path}")
+        assert reply.status_code == 404, (path, reply.status_code, reply.text)

@@ -153,6 +153,40 @@ def test_proto_sparse_tensors() -> None:
     assert _decode(_sparse_request(_sparse([1], [0, 1, 1], [0], [2, 8]))).data[0].loss_fn_inputs["weights"].size == 16
 
 
+def test_inputs_no_loss_reads_are_dropped_before_they_are_decoded() -> None:
+    """Made-up input names cost nothing: 39 bytes of CSR indices per name had each become a dense
+    [1, 262144] array that passed validation and was stored (8 MiB bodies: about 420 GiB)."""
+    message = _proto()
+    zeros = _sparse([], [0] * 9, [], [8, 2])
+    datum = _proto_datum(message, [1, 2], weights=_sparse([1.0], [0, 1, 1], [0], [2, 1]))
+    for i in range(1000):
+        datum.loss_fn_inputs[f"junk{i}"].CopyFrom(zeros)
+    assert list(_decode(message).data[0].loss_fn_inputs) == ["weights"]
+    as_json = {"forward_backward_input": {"loss_fn": "cross_entropy", "data": [{
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": [1]}]},
+        "loss_fn_inputs": {"mask": {"data": [], "dtype": "float32", "shape": [8, 2], "sparse_crow_indices": [0] * 9}},
+    }]}}  # fmt: skip
+    assert parse_forward_backward_json(as_json, "forward_backward_input", LIMITS).data[0].loss_fn_inputs == {}
+
+
+def test_sparse_tensors_of_a_request_expand_to_no_more_than_its_body_could_hold() -> None:
+    """Server-sized limits (32k tokens, K = 64): each sparse input may be a whole [N, K] of 2M zeros from
+    a few hundred KiB of row offsets, and all of them together at most the body limit in float32 values."""
+    limits = Limits(max_seq_len=32768, vocab_size=151936)
+    budget = limits.max_body_bytes // 4
+    assert limits.max_tensor_elements == 1 << 21 and budget < 10 * limits.max_tensor_elements
+    message = _proto()
+    zeros = _sparse([], [0] * 32769, [], [32768, 64])
+    for _ in range(2):
+        datum = _proto_datum(message, [1])
+        for name in ("target_tokens", "weights", "logprobs", "advantages", "sequence_ratio_mask"):
+            datum.loss_fn_inputs[name].CopyFrom(zeros)
+    with pytest.raises(WireError, match=f"expand to more than {budget} elements in all"):
+        parse_forward_backward_proto(message.SerializeToString(), limits)
+    del message.data[1]
+    assert len(parse_forward_backward_proto(message.SerializeToString(), limits)[1].data[0].loss_fn_inputs) == 5
+
+
 def test_proto_config_legacy_and_v2() -> None:
     legacy = _proto([1], loss_fn_config={"beta": 2})
     assert _decode(legacy).loss_fn_config == {"beta": 2.0}

@@ -210,3 +210,15 @@ def test_save_weights_external_downloads_the_trained_adapter(live, trained, tmp_
     with pytest.raises(tinker.NotFoundError):
         rest.get_external_weights_urls(path).result()
     assert not directory_of(live, path).exists()
+
+
+def test_a_nul_character_in_an_id_is_a_client_error(live):
+    """Postgres stores no NUL in text: a model_id, session id or run id holding one made the database raise
+    a DataError, a 500 the SDK retries; it is the caller's input, a 4xx on either backend."""
+    with httpx.Client(base_url=live.url + "/api/v1", headers={"X-API-Key": KEY}, timeout=30) as http:
+        replies = [
+            http.post("/get_info", json={"model_id": "run\u0000x"}),
+            http.get("/sessions/s%00x"),
+            http.get("/training_runs/r%00x"),
+        ]
+    assert all(400 <= r.status_code < 500 for r in replies), [(r.status_code, r.text) for r in replies]

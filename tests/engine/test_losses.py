@@ -237,6 +237,9 @@ def test_validate_loss_errors_name_the_problem() -> None:
         losses.validate_loss("dro", {"beta": "high"})
     with pytest.raises(ValueError, match="'kl_coeff'"):
         losses.validate_loss("stable_reinforce", {"kl_coeff": math.nan})
+    with pytest.raises(ValueError, match=r"'beta' must be a finite number within ±3.4e\+38, got 1e\+300"):
+        losses.validate_loss("dro", {"beta": 1e300})  # finite in float64, infinite in the engine's float32
+    assert losses.validate_loss("dro", {"beta": -3e38}) == {"beta": -3e38}
     with pytest.raises(ValueError, match="clip_low_threshold"):
         losses.validate_loss("gspo", {"clip_low_threshold": 1.5})
 

@@ -20,7 +20,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DataError, OperationalError
 
 from tx.api import (
     routes_admin,
@@ -64,6 +64,14 @@ async def _store_unavailable(_request: Request, exc: Exception) -> JSONResponse:
     why = "its disk is full" if "full" in cause else "try again shortly"
     detail = f"the server's database cannot serve this request ({why})"
     return JSONResponse({"detail": detail}, status_code=503, headers={"Retry-After": "1"})
+
+
+async def _unstorable(_request: Request, exc: Exception) -> JSONResponse:
+    """The database refused a value the request carried (Postgres takes no NUL character in text): the
+    caller's input, a 400, not a 500 the SDK would retry."""
+    log.info("a request value the database refused: %s", getattr(exc, "orig", exc))
+    detail = "the request holds a value the database cannot store (a NUL character in a name or id?)"
+    return JSONResponse({"detail": detail}, status_code=400)
 
 
 async def _disk_full(request: Request, exc: Exception) -> JSONResponse:
@@ -135,6 +143,7 @@ def create_app(
     app.add_exception_handler(BodyTooLarge, _too_large)
     app.add_exception_handler(RequestValidationError, _schema_error)
     app.add_exception_handler(OperationalError, _store_unavailable)
+    app.add_exception_handler(DataError, _unstorable)
     app.add_exception_handler(OSError, _disk_full)
     app.add_middleware(BodyLimit, max_bytes=ctx.limits.max_body_bytes)
     for module in (

@@ -204,9 +204,12 @@ def download_file(token: str, file_path: str, ctx: Ctx) -> Response:
     if entry is None or entry[1] < time.time():
         not_found("unknown or expired download link")
     root = entry[0].resolve()
-    target = (root / file_path).resolve()
+    parts = file_path.split("/")
+    if "\x00" in file_path or any(part in ("", ".", "..") for part in parts):  # as written, before resolving
+        not_found(f"no file {file_path[:200]!r} in this checkpoint")
+    target = root.joinpath(*parts).resolve()  # and again once resolved: a link may lead out
     if not target.is_relative_to(root) or not target.is_file():
-        not_found(f"no file {file_path!r} in this checkpoint")
+        not_found(f"no file {file_path[:200]!r} in this checkpoint")
     return FileResponse(target, media_type="application/octet-stream")
 
 

@@ -22,8 +22,15 @@ MAX_METADATA_BYTES = 64 << 10
 
 
 def _bounded_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Metadata is stored with its row and read back by listings and searches: at most 64 KiB as JSON."""
-    if value is not None and len(json.dumps(value)) > MAX_METADATA_BYTES:
+    """Metadata is stored with its row and read back by listings and searches: at most 64 KiB as strict
+    JSON (a NaN was stored, and every later read of the row failed to encode it: a 500 for good)."""
+    if value is None:
+        return value
+    try:
+        size = len(json.dumps(value, allow_nan=False))
+    except ValueError:
+        raise ValueError("user_metadata holds NaN or an infinity, which JSON does not allow") from None
+    if size > MAX_METADATA_BYTES:
         raise ValueError(f"user_metadata is over {MAX_METADATA_BYTES} bytes as JSON")
     return value
 
@@ -49,12 +56,12 @@ class SessionRef(BaseModel):
 
 
 class FinishReason(BaseModel):
-    type: str = "success"
+    type: Annotated[str, Field(max_length=256)] = "success"  # stored with the session
 
 
 class FinishSessionRequest(BaseModel):
     reason: FinishReason = Field(default_factory=FinishReason)
-    detail: str | None = None
+    detail: Annotated[str, Field(max_length=4096)] | None = None
 
 
 class LoraConfigIn(BaseModel):

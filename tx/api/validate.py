@@ -105,7 +105,7 @@ def check_lora_rank(rank: int, info: ModelInfo) -> None:
         )
 
 
-FLOAT32_MAX = 3.4e38  # the optimizer computes in float32: a larger value is inf there
+FLOAT32_MAX = loss_spec.FLOAT32_MAX  # the optimizer computes in float32: a larger value is inf there
 MIN_EPS = 1e-30  # smaller ones round to 0 (or a denormal) in float32, and 0 divides 0 by 0 on a zero gradient
 
 

@@ -21,9 +21,12 @@ import zstandard
 
 from tx.api import wire_proto
 from tx.api.limits import Limits
+from tx.loss_spec import INPUT_IS_TOKEN_IDS
 from tx.protocol import Datum, ForwardBackwardRequest, SamplingParams
 
 P = ParamSpec("P")
+# The loss inputs the engine reads; others are dropped here, before their tensors are decoded.
+READ_INPUTS = frozenset(INPUT_IS_TOKEN_IDS)
 T = TypeVar("T")
 
 _PROTO_DTYPES: dict[int, np.dtype] = {
@@ -84,7 +87,8 @@ def parse_forward_backward_proto(body: bytes, limits: Limits) -> tuple[Any, Forw
         raise WireError(f"body is not a valid ForwardBackwardRequest protobuf: {exc}") from exc
     if len(message.data) > limits.max_datums:
         raise WireError(f"data has {len(message.data)} datums, more than the limit {limits.max_datums}")
-    data = [_proto_datum(datum, i, limits) for i, datum in enumerate(message.data)]
+    budget = _Budget(limits)
+    data = [_proto_datum(datum, i, limits, budget) for i, datum in enumerate(message.data)]
     config: dict[str, float | str] = {k: float(v) for k, v in message.loss_fn_config.items()}
     if message.loss_fn_config_v2:
         config = {k: _config_value(v) for k, v in message.loss_fn_config_v2.items()}
@@ -96,7 +100,7 @@ def _config_value(value: Any) -> float | str:
     return value.text if value.WhichOneof("value") == "text" else float(value.number)
 
 
-def _proto_datum(datum: Any, index: int, limits: Limits) -> Datum:
+def _proto_datum(datum: Any, index: int, limits: Limits, budget: _Budget) -> Datum:
     where = f"data[{index}].model_input"
     pieces: list[bytes] = []
     for chunk in datum.model_input:
@@ -109,8 +113,9 @@ def _proto_datum(datum: Any, index: int, limits: Limits) -> Datum:
         raise WireError(f"{where}: token bytes are not a whole number of int32 values")
     _check_count(len(raw) // 4, limits.max_seq_len, where, "tokens")
     inputs = {
-        name: _proto_tensor(t, f"data[{index}].loss_fn_inputs.{name}", limits)
+        name: _proto_tensor(t, f"data[{index}].loss_fn_inputs.{name}", budget)
         for name, t in datum.loss_fn_inputs.items()
+        if name in READ_INPUTS
     }
     return Datum(np.frombuffer(raw, dtype="<i4").tolist(), inputs)
 
@@ -121,14 +126,14 @@ def _check_count(count: int, limit: int, where: str, unit: str) -> None:
         raise WireError(f"{where} has {count} {unit}, more than {what} {limit}")
 
 
-def _proto_tensor(tensor: Any, where: str, limits: Limits) -> np.ndarray:
+def _proto_tensor(tensor: Any, where: str, budget: _Budget) -> np.ndarray:
     dtype = _PROTO_DTYPES.get(tensor.dtype)
     if dtype is None:
         raise WireError(f"{where}: unsupported dtype enum {tensor.dtype}")
     shape = [int(s) for s in tensor.shape]
     if tensor.WhichOneof("encoding") == "sparse_csr":
         csr = tensor.sparse_csr
-        _check_shape(shape, limits, where)
+        budget.take(shape, where)
         values = _widen(_frombuffer(csr.values, dtype, where), tensor.dtype)
         crow = _frombuffer(csr.crow_indices, np.dtype(np.int64), where)
         cols = _frombuffer(csr.col_indices, np.dtype(np.int64), where)
@@ -137,11 +142,26 @@ def _proto_tensor(tensor: Any, where: str, limits: Limits) -> np.ndarray:
     return _reshape(flat, shape, where)
 
 
-def _check_shape(shape: list[int], limits: Limits, where: str) -> None:
-    """A declared shape is checked before anything of that size is allocated."""
-    if len(shape) > 2 or any(s < 0 for s in shape):
-        raise WireError(f"{where}: shape {shape} must have 1 or 2 non-negative dimensions")
-    _check_count(math.prod(shape), limits.max_tensor_elements, where, "elements")
+class _Budget:
+    """The elements a request's sparse tensors may expand to: each at most one loss input's worth, and all of
+    them together no more than the body could hold densely, so a few bytes of CSR indices per tensor
+    (39 bytes for a [1, 262144] of zeros) cannot make gigabytes of arrays out of one body."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits, self.left = limits, limits.max_body_bytes // 4
+
+    def take(self, shape: list[int], where: str) -> None:
+        """Check a declared shape before anything of that size is allocated, and count it."""
+        if len(shape) > 2 or any(s < 0 for s in shape):
+            raise WireError(f"{where}: shape {shape} must have 1 or 2 non-negative dimensions")
+        elements = math.prod(shape)
+        _check_count(elements, self.limits.max_tensor_elements, where, "elements")
+        if elements > self.left:
+            raise WireError(
+                f"{where}: the request's sparse tensors expand to more than {self.limits.max_body_bytes // 4} "
+                "elements in all (the body limit in float32 values)"
+            )
+        self.left -= elements
 
 
 def _frombuffer(raw: bytes, dtype: np.dtype, where: str) -> np.ndarray:
@@ -171,7 +191,8 @@ def parse_forward_backward_json(body: dict[str, Any], input_key: str, limits: Li
     if not isinstance(raw_data, list):
         raise WireError(f"{input_key}.data must be a list of datums")
     _check_count(len(raw_data), limits.max_datums, f"{input_key}.data", "datums")
-    data = [_json_datum(d, i, limits) for i, d in enumerate(raw_data)]
+    budget = _Budget(limits)
+    data = [_json_datum(d, i, limits, budget) for i, d in enumerate(raw_data)]
     config = inner.get("loss_fn_config") or {}
     if not isinstance(config, dict):
         raise WireError(f"{input_key}.loss_fn_config must be an object")
@@ -181,14 +202,18 @@ def parse_forward_backward_json(body: dict[str, Any], input_key: str, limits: Li
     return ForwardBackwardRequest(data, loss_fn, config, input_key == "forward_input")
 
 
-def _json_datum(datum: Any, index: int, limits: Limits) -> Datum:
+def _json_datum(datum: Any, index: int, limits: Limits, budget: _Budget) -> Datum:
     if not isinstance(datum, dict):
         raise WireError(f"data[{index}] must be an object")
     tokens = model_input_tokens(datum.get("model_input"), f"data[{index}].model_input", limits.max_seq_len)
     raw_inputs = datum.get("loss_fn_inputs") or {}
     if not isinstance(raw_inputs, dict):
         raise WireError(f"data[{index}].loss_fn_inputs must be an object")
-    inputs = {k: json_tensor(v, f"data[{index}].loss_fn_inputs.{k}", limits) for k, v in raw_inputs.items()}
+    inputs = {
+        k: json_tensor(v, f"data[{index}].loss_fn_inputs.{k}", limits, budget)
+        for k, v in raw_inputs.items()
+        if k in READ_INPUTS
+    }
     return Datum(tokens, inputs)
 
 
@@ -216,8 +241,9 @@ def model_input_tokens(model_input: Any, where: str, max_tokens: int) -> list[in
     return tokens
 
 
-def json_tensor(tensor: Any, where: str, limits: Limits) -> np.ndarray:
-    """A JSON TensorData (`{"data", "dtype", "shape"?, "sparse_*_indices"?}`) as a numpy array."""
+def json_tensor(tensor: Any, where: str, limits: Limits, budget: _Budget | None = None) -> np.ndarray:
+    """A JSON TensorData (`{"data", "dtype", "shape"?, "sparse_*_indices"?}`) as a numpy array; `budget`:
+    what the request's sparse tensors may still expand to (a tensor alone: one loss input's worth)."""
     if not isinstance(tensor, dict) or "data" not in tensor:
         raise WireError(f"{where} must be a TensorData object with 'data'")
     dtype = _JSON_DTYPES.get(tensor.get("dtype", "float32"))
@@ -234,7 +260,7 @@ def json_tensor(tensor: Any, where: str, limits: Limits) -> np.ndarray:
         raise WireError(f"{where}: data is not numeric: {exc}") from exc
     shape = _json_shape(tensor.get("shape"), where)
     if tensor.get("sparse_crow_indices") is not None:
-        _check_shape(shape, limits, where)
+        (budget or _Budget(limits)).take(shape, where)
         crow = _int_list(tensor["sparse_crow_indices"], f"{where}.sparse_crow_indices")
         cols = _int_list(tensor.get("sparse_col_indices") or [], f"{where}.sparse_col_indices")
         return _densify(flat, crow, cols, shape, where)
