@@ -197,6 +197,31 @@ def test_a_batch_failing_part_way_leaves_the_gradients_as_they_were(setup, monke
         np.testing.assert_array_equal(np.asarray(g), before[p])
 
 
+@pytest.mark.parametrize("full", [False, True])
+def test_a_long_request_dropped_part_way_leaves_the_gradients_as_they_were(setup, full):
+    """The engine drops a long request after some of its micro-batches ran (`LongItem.discard` closes its
+    steps): it was reported failed, so what those micro-batches added must not reach the next optim_step."""
+    _, _, model, cfg = setup
+    trainer = Trainer(model, AdapterBank.of(model), micro_batch_tokens=128)
+    run = trainer.create_full_run("a") if full else trainer.create_lora_run("a", LoraConfig(rank=4), slot=1)
+    trainer.forward_backward([("a", sft_batch(cfg, 3))])
+    before = {p: np.asarray(g) for p, g in run.grads.items()}
+    assert any(g.any() for g in before.values())
+    rng = np.random.RandomState(4)
+    long = ForwardBackwardRequest(
+        [make_datum(rng, cfg.vocab_size, 100, "cross_entropy") for _ in range(4)], "cross_entropy"
+    )
+    steps = trainer.forward_backward_steps([("a", long)])
+    next(steps), next(steps)  # two micro-batches of 128 tokens added
+    steps.close()
+    after = {p: np.asarray(g) for p, g in run.grads.items()}
+    for p, want in before.items():
+        if full:
+            assert not after[p].any(), p  # as large as the model: discarded, as a failure part-way says
+        else:
+            np.testing.assert_array_equal(after[p], want)
+
+
 def test_a_gradient_that_is_not_finite_is_refused_and_leaves_the_run_as_it_was(setup):
     """Loss weights of 1e38 overflow the gradient to inf: the step is a user error, the run's weights and
     Adam moments stay as they were (not NaN for good), the gradient is dropped, and the next step trains."""

@@ -54,5 +54,5 @@ class LongItem:
     def discard(self, future_ids: set[str]) -> None:
         if self.item is not None and self.item.future_id in future_ids:
             assert self._steps is not None
-            self._steps.close()  # dropped: what its finished micro-batches added stays in the accumulators
+            self._steps.close()  # dropped: what its finished micro-batches added is undone (`_undo_on_error`)
             self.item, self._steps = None, None

@@ -274,10 +274,10 @@ class Trainer:
         saved = {run.run_id: ts.copy_weights(run.grads) for run in runs if run.lora is not None}  # one program
         try:
             yield
-        except Exception as err:
+        except BaseException as err:  # GeneratorExit too: a long request dropped part-way adds nothing
             for run in runs:
                 run.grads = saved[run.run_id] if run.lora is not None else jax.tree.map(jnp.zeros_like, run.grads)
-            if any(run.lora is None for run in runs):
+            if isinstance(err, Exception) and any(run.lora is None for run in runs):
                 raise RequestError(
                     f"forward_backward failed ({type(err).__name__}: {err}); the gradients accumulated since "
                     "the last optim_step were discarded",
