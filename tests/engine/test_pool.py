@@ -290,3 +290,28 @@ def test_other_models_keep_running_while_one_loads(dirs, tmp_path: Path) -> None
     while waiting.future_id not in finished and time.monotonic() < deadline:
         finished.update((c.future_id, c.result) for c in pool.step())
     assert isinstance(finished.get(waiting.future_id), SampleResult), finished
+
+
+def test_a_step_that_fails_unexpectedly_fails_only_its_models_requests(dirs, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Llama's step raises (a planted fault the runner does not contain) in the turn where Qwen3's training
+    step has run: Qwen3's completion stands, Llama's requests fail alone, and both serve afterwards. The
+    error used to leave the pool, and the engine failed every request in flight, Qwen3's done one too."""
+    pool = _pool(tmp_path, 100 * MB)
+    _only(_drain(pool, [_create(dirs["qwen"], "run-q")]))
+    _only(_drain(pool, [_create(dirs["llama"], "run-l")]))
+    llama = pool.models[str(dirs["llama"])].runner
+
+    def planted(*args: Any) -> Any:
+        raise RuntimeError("planted fault")
+
+    monkeypatch.setattr(llama, "step", planted)
+    train_q, train_l, sample_l = _fb("run-q"), _fb("run-l"), _sample(dirs["llama"], 4)
+    pool.submit([train_q, train_l, sample_l])
+    results = {c.future_id: c.result for c in pool.step()}
+    assert not isinstance(results[train_q.future_id], RequestError), results[train_q.future_id]
+    for item in (train_l, sample_l):
+        error = results[item.future_id]
+        assert isinstance(error, RequestError) and "planted fault" in error.message
+    assert pool.idle() and pool.routed == {}
+    monkeypatch.undo()
+    _all_ok(_drain(pool, [_fb("run-q"), _fb("run-l"), _sample(dirs["llama"], 4)]))

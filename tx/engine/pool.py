@@ -114,6 +114,7 @@ class ModelPool:
         self.held: dict[str, HeldSnapshots] = {}  # unloaded model key -> its sampler snapshots, in host memory
         self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tx-fetch")
         self.outbox: list[Completion] = []
+        self.routed: dict[str, str] = {}  # future id -> the key of the model whose runner holds it
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tx-load")
 
     # ---- loading -----------------------------------------------------------------------------------
@@ -241,7 +242,7 @@ class ModelPool:
                 log.warning("loading %s failed: %s", self.names[key], err, exc_info=True)
                 self._fail_waiting(key, err)
                 continue
-            self._add(key, runner, info).runner.submit(self.waiting.pop(key))
+            self._hand_over(self._add(key, runner, info), self.waiting.pop(key))
 
     def _fail_waiting(self, key: str, err: BaseException) -> None:
         error = as_request_error(err)
@@ -258,7 +259,7 @@ class ModelPool:
                 self.outbox.append(Completion(item.future_id, unknown))
             elif model is not None and key not in self.waiting:
                 model.last_used = time.monotonic()
-                model.runner.submit([item])
+                self._hand_over(model, [item])
             else:
                 self.waiting.setdefault(key, []).append(item)
 
@@ -285,12 +286,32 @@ class ModelPool:
         for model in list(self.models.values()):  # one bounded step per model with work: fair turns
             if not model.runner.idle():
                 model.last_used = time.monotonic()
-                done += model.runner.step()
+                done += self._step(model)
                 worked = True
+        for completion in done:
+            self.routed.pop(completion.future_id, None)
         pending = [f for f, _ in self.loading.values()] + list(self.fetching.values())
         if not worked and not done and pending:  # nothing else to do: wait a little for a load
             concurrent.futures.wait(pending, 0.05)
         return done
+
+    def _hand_over(self, model: PoolModel, items: list[WorkItem]) -> None:
+        self.routed.update((item.future_id, model.key) for item in items)
+        model.runner.submit(items)
+
+    def _step(self, model: PoolModel) -> list[Completion]:
+        """One model's step. An error it did not contain fails that model's requests alone: the other
+        models' completions of this turn stand (an optim_step already applied must not read as failed)."""
+        try:
+            return model.runner.step()
+        except Exception as err:
+            held = [f for f, key in self.routed.items() if key == model.key]
+            log.exception(
+                "a step of %s failed; failing its %d requests", self.names.get(model.key, model.key), len(held)
+            )
+            error = RequestError(f"internal error while executing the request: {type(err).__name__}: {err}", "server")
+            model.runner.discard(held)
+            return [Completion(future_id, error) for future_id in held]
 
     def idle(self) -> bool:
         return not self.outbox and not self.waiting and all(m.runner.idle() for m in self.models.values())
@@ -304,6 +325,8 @@ class ModelPool:
                 del self.waiting[key]
         for model in self.models.values():
             model.runner.discard(future_ids)
+        for future_id in gone:
+            self.routed.pop(future_id, None)
 
     def loaded(self) -> dict[str, ModelInfo]:
         """Model directory -> info of every loaded model; safe to call from any thread."""
