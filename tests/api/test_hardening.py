@@ -289,3 +289,17 @@ def test_a_download_path_with_a_nul_byte_is_not_found(real: dict[str, Any]) -> N
     for path in ("a%00b", "run.json%00", "state%2F..%2F..%2Frun.json"):
         reply = http.get(f"/file_downloads/{token}/{path}")
         assert reply.status_code == 404, (path, reply.status_code, reply.text)
+
+
+def test_load_state_of_another_shape_is_refused_before_queueing(real: dict[str, Any]) -> None:
+    """A rank-4 checkpoint into a rank-8 run failed only once the engine ran it; into a run that trains other
+    modules the restore failed as a "damaged checkpoint", a server error. Both are the caller's mismatch."""
+    training, service = real["training"], real["services"][0]
+    path = training.save_state("shape-probe").result(timeout=60).path
+    wider = service.create_lora_training_client(base_model=real["info"].base_model, rank=8)
+    with pytest.raises(tinker.BadRequestError, match="holds a rank-4 LoRA run .* is a rank-8 LoRA run"):
+        wider.load_state(path).result(timeout=60)
+    no_mlp = service.create_lora_training_client(base_model=real["info"].base_model, rank=4, train_mlp=False)
+    with pytest.raises(tinker.BadRequestError, match=r"is a rank-4 LoRA run \(train attn, unembed\)"):
+        no_mlp.load_state(path).result(timeout=60)
+    _still_serves(training)

@@ -173,13 +173,34 @@ def load_weights(body: schemas.LoadWeightsRequest, ctx: Ctx, owner: Owner) -> di
 
 
 def _check_same_base(ctx: AppContext, run: TrainingRunRow, path: TinkerPath, owner: str) -> None:
-    """A checkpoint loads into a run on the base model it was made on, never another one."""
+    """A checkpoint loads into a run on the base model it was made on, never another one, and of its shape:
+    the same kind (LoRA or full), rank and trained modules (the engine found a rank mismatch only once the
+    request ran, and a module mismatch failed the restore as a damaged checkpoint, a server error)."""
     source = ctx.db.records.get_run(path.run_id, owner)
     if source is not None and source.base_model != run.base_model:
         user_error(
             f"checkpoint {str(path)!r} was made on base model {source.base_model!r}, but {run.id!r} runs on"
             f" {run.base_model!r}; create a training client from it instead (create_training_client_from_state)"
         )
+    saved, target = (_lora_shape(source) if source is not None else None), _lora_shape(run)
+    if source is not None and saved != target:
+        user_error(
+            f"checkpoint {str(path)!r} holds a {_shape_text(saved)}, but {run.id!r} is a {_shape_text(target)};"
+            " create a training client from it instead (create_training_client_from_state)"
+        )
+
+
+def _lora_shape(run: TrainingRunRow) -> tuple[int, bool, bool, bool] | None:
+    """What a run's weights are made of: None for full fine-tuning, else (rank, attn, mlp, unembed)."""
+    return None if run.lora_rank is None else (run.lora_rank, run.train_attn, run.train_mlp, run.train_unembed)
+
+
+def _shape_text(shape: tuple[int, bool, bool, bool] | None) -> str:
+    if shape is None:
+        return "full fine-tuning run"
+    rank, *flags = shape
+    trained = [name for name, on in zip(("attn", "mlp", "unembed"), flags, strict=True) if on]
+    return f"rank-{rank} LoRA run (train {', '.join(trained) or 'nothing'})"
 
 
 def _create_from_state(

@@ -46,6 +46,7 @@ from tx.protocol import (
     LoadResult,
     LoadStateRequest,
     LoadWeightsRequest,
+    LoraConfig,
     OptimStepRequest,
     OptimStepResult,
     RequestError,
@@ -318,8 +319,10 @@ class JaxRunner:
     def _load(self, run_id: str, source: Path, with_optimizer: bool) -> None:
         run = self._run(run_id)
         lora, step = checkpoints.read_meta(source)
-        if (lora is None) != (run.lora is None) or (lora and run.lora and lora.rank != run.lora.rank):
-            raise RequestError(f"checkpoint {source.name} does not match model {run_id!r} (rank or kind)", "user")
+        if _shape(lora) != _shape(run.lora):
+            raise RequestError(
+                f"checkpoint {source.name} does not match model {run_id!r} (kind, rank or trained modules)", "user"
+            )
         params, opt_state = checkpoints.restore(source, self.trainer.run_params(run), run.opt_state)
         self.trainer.set_run_params(run, params)
         run.grads = {p: jnp.zeros_like(g) for p, g in run.grads.items()}
@@ -347,3 +350,8 @@ class JaxRunner:
             self.slot_waiting.append(item)
         except Exception as err:  # contained: this request fails, nothing else does
             self.outbox.append(Completion(item.future_id, self._error(err)))
+
+
+def _shape(lora: LoraConfig | None) -> tuple[int, bool, bool, bool] | None:
+    """What a run's weights are made of: None for full fine-tuning, else (rank, attn, mlp, unembed)."""
+    return None if lora is None else (lora.rank, lora.train_attn, lora.train_mlp, lora.train_unembed)
