@@ -303,3 +303,25 @@ def test_load_state_of_another_shape_is_refused_before_queueing(real: dict[str, 
     with pytest.raises(tinker.BadRequestError, match=r"is a rank-4 LoRA run \(train attn, unembed\)"):
         no_mlp.load_state(path).result(timeout=60)
     _still_serves(training)
+
+
+def test_a_save_the_database_refuses_to_queue_leaves_the_old_checkpoint_listed(
+    real: dict[str, Any], monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """overwrite: the old checkpoint is set aside, then the save is queued; the database refusing the
+    queueing (a 503 the SDK retries) had left the old one unlisted and unloadable for good."""
+    from sqlalchemy.exc import OperationalError
+
+    training, http, db = real["training"], real["http"], real["db"]
+    training.save_state("kept").result(timeout=60)
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("INSERT", {}, Exception("database or disk is full"))
+
+    monkeypatch.setattr(db.queue, "submit", refused)
+    body = {"model_id": training.model_id, "path": "kept", "overwrite": True, "type": "save_weights"}
+    assert http.post("/save_weights", json=body).status_code == 503
+    monkeypatch.undo()
+    listed = http.get(f"/training_runs/{training.model_id}/checkpoints").json()["checkpoints"]
+    assert [c["checkpoint_id"] for c in listed if c["checkpoint_id"] == "weights/kept"] == ["weights/kept"]
+    training.load_state(f"tinker://{training.model_id}/weights/kept").result(timeout=60)

@@ -523,3 +523,27 @@ def test_a_save_over_a_taken_name_that_fails_puts_the_old_checkpoint_back(db: Da
         listed, total = db.records.list_checkpoints(OWNER, run.id, 10, 0)
         assert total == 1 and listed[0].checkpoint_id == "weights/a"
         assert listed[0].user_metadata_json == ('{"v": 1}' if version == 2 else '{"v": 3}')
+
+
+def test_a_checkpoint_set_aside_for_a_save_never_queued_is_put_back(db: Database) -> None:
+    """The API sets the old checkpoint aside, then queues the save; when the queueing fails (a database
+    error, the process killed in between) no save settles it: the route puts it back, and so does the next
+    engine's recovery. One set aside for a save that is queued stays aside until that save finishes."""
+    run = TrainingRunRow(id="s:train:0", session_id="s", owner=OWNER, base_model="b", status="ready")
+
+    def checkpoint(name: str, status: str) -> CheckpointRow:
+        return CheckpointRow(run_id=run.id, checkpoint_id=f"weights/{name}", checkpoint_type="training",
+                             owner=OWNER, tinker_path=f"tinker://s:train:0/weights/{name}", directory=f"/tmp/{name}",
+                             status=status)  # fmt: skip
+
+    db.records.add_rows([run, checkpoint("a", "ready"), checkpoint("b", "ready"), checkpoint("c", "ready")])
+    aside = {n: db.records.get_checkpoint(run.id, f"weights/{n}", OWNER) for n in "abc"}
+    for row in aside.values():
+        db.records.set_aside(row)  # type: ignore[arg-type]
+    db.records.put_back(aside["a"])  # type: ignore[arg-type]  # the route, when its submit raises
+    payload = SaveStateRequest("c", "/tmp/c", "tinker://s:train:0/weights/c")
+    db.queue.submit(kind="save_state", payload=payload, owner=OWNER, model_id=run.id, rows=[checkpoint("c", "pending")])
+    db.queue.recover()  # b: its save was never queued; c: its save is queued and will settle it
+    listed = {row.checkpoint_id: row.status for row in db.records.list_checkpoints(OWNER, run.id, 10, 0)[0]}
+    assert listed == {"weights/a": "ready", "weights/b": "ready"}
+    assert db.records.get_checkpoint(run.id, "weights/c", OWNER, ready=False).status == "pending"  # type: ignore[union-attr]

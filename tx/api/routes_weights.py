@@ -9,7 +9,9 @@ run `{session_id}:train:{model_seq_id}` with the checkpoint's LoRA shape and loa
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -50,18 +52,33 @@ def _checkpoint_row(
     )
 
 
-def _claim_name(ctx: AppContext, path: TinkerPath, owner: str, overwrite: bool) -> None:
-    """Free the checkpoint name, or refuse if it is taken and the caller did not ask to overwrite."""
+@contextlib.contextmanager
+def _claimed_name(ctx: AppContext, path: TinkerPath, owner: str, overwrite: bool, fresh: bool = True) -> Iterator[None]:
+    """Free the checkpoint name for the save queued inside (not a retry's: `fresh` False), or refuse if it is
+    taken and the caller did not ask to overwrite. A ready checkpoint under it is set aside, back in its
+    place if the save fails, and at once if the save is never queued (a 503 from the database, say)."""
+    existing = _claim_name(ctx, path, owner, overwrite) if fresh else None
+    try:
+        yield
+    except BaseException:
+        if existing is not None:
+            ctx.db.records.put_back(existing)
+        raise
+
+
+def _claim_name(ctx: AppContext, path: TinkerPath, owner: str, overwrite: bool) -> CheckpointRow | None:
+    """The ready checkpoint set aside for the new save, if any."""
     validate.check_checkpoint_name(path.name)
     existing = ctx.db.records.get_checkpoint(path.run_id, path.checkpoint_id, owner, ready=False, expired=True)
     if existing is None:
-        return
+        return None
     if not overwrite and not is_expired(existing):  # an expired one is gone to its owner: its name is free
         user_error(f"checkpoint {path.checkpoint_id!r} already exists for {path.run_id!r} (pass overwrite=True)")
     if existing.status == "ready":  # back in its place if the save over it fails
         ctx.db.records.set_aside(existing)
-    else:  # a save over this name still in flight: the newest save wins the name
-        ctx.db.records.delete_checkpoint(existing)
+        return existing
+    ctx.db.records.delete_checkpoint(existing)  # a save over this name still in flight: the newest wins
+    return None
 
 
 @router.post("/save_weights")
@@ -69,14 +86,14 @@ def save_weights(body: schemas.SaveWeightsRequest, ctx: Ctx, owner: Owner) -> di
     usable_run(ctx, body.model_id, owner)
     path = TinkerPath(body.model_id, "weights", body.path or f"seq-{body.seq_id or 0}")
     dedupe = f"{body.model_id}#{body.seq_id}" if body.seq_id else None
-    if dedupe is None or ctx.db.queue.get_by_key(dedupe) is None:
-        _claim_name(ctx, path, owner, body.overwrite)
-    row = _checkpoint_row(ctx, path, owner, body.ttl_seconds, body.user_metadata)
-    payload = SaveStateRequest(path.name, row.directory, str(path))
-    return submit(
-        ctx, kind="save_state", payload=payload, owner=owner, model_id=body.model_id, seq_id=body.seq_id,
-        dedupe_key=dedupe, rows=[row],
-    )  # fmt: skip
+    fresh = dedupe is None or ctx.db.queue.get_by_key(dedupe) is None
+    with _claimed_name(ctx, path, owner, body.overwrite, fresh):
+        row = _checkpoint_row(ctx, path, owner, body.ttl_seconds, body.user_metadata)
+        payload = SaveStateRequest(path.name, row.directory, str(path))
+        return submit(
+            ctx, kind="save_state", payload=payload, owner=owner, model_id=body.model_id, seq_id=body.seq_id,
+            dedupe_key=dedupe, rows=[row],
+        )  # fmt: skip
 
 
 @router.post("/save_weights_for_sampler")
@@ -91,11 +108,11 @@ def save_weights_for_sampler(body: schemas.SaveWeightsForSamplerRequest, ctx: Ct
     dedupe = f"{body.model_id}#{body.seq_id}" if body.seq_id else None
     fresh = dedupe is None or ctx.db.queue.get_by_key(dedupe) is None
     rows: list[SQLModel]
+    claim: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if body.path:
         path = TinkerPath(body.model_id, "sampler_weights", body.path)
-        if fresh:  # a save under a taken name replaces the checkpoint and the snapshot it names
-            _claim_name(ctx, path, owner, overwrite=True)
-            ctx.db.records.delete_snapshot(str(path), owner)
+        # a save under a taken name replaces the checkpoint and the snapshot it names
+        claim = _claimed_name(ctx, path, owner, True, fresh)
         ckpt = _checkpoint_row(ctx, path, owner, body.ttl_seconds, body.user_metadata)
         payload = SaveSamplerRequest(str(path), body.kind, path.name, ckpt.directory, str(path))
         rows = [
@@ -108,10 +125,13 @@ def save_weights_for_sampler(body: schemas.SaveWeightsForSamplerRequest, ctx: Ct
         rows = [] if not fresh else _ephemeral_rows(run, sampler_id, owner, body.kind)
     else:
         user_error("save_weights_for_sampler needs a path (named checkpoint) or a sampling_session_seq_id")
-    return submit(
-        ctx, kind="save_weights_for_sampler", payload=payload, owner=owner, model_id=body.model_id,
-        seq_id=body.seq_id, dedupe_key=dedupe, rows=rows,
-    )  # fmt: skip
+    with claim:
+        if body.path and fresh:
+            ctx.db.records.delete_snapshot(str(path), owner)
+        return submit(
+            ctx, kind="save_weights_for_sampler", payload=payload, owner=owner, model_id=body.model_id,
+            seq_id=body.seq_id, dedupe_key=dedupe, rows=rows,
+        )  # fmt: skip
 
 
 @router.post("/save_weights_external")
@@ -124,14 +144,14 @@ def save_weights_external(body: schemas.SaveWeightsExternalRequest, ctx: Ctx, ow
         user_error("SmolGym cannot encrypt exports (age_encryption_recipients); omit it")
     path = TinkerPath(body.model_id, "external_weights", body.path)
     dedupe = f"{body.model_id}#{body.seq_id}" if body.seq_id else None
-    if dedupe is None or ctx.db.queue.get_by_key(dedupe) is None:
-        _claim_name(ctx, path, owner, overwrite=True)
-    row = _checkpoint_row(ctx, path, owner, body.ttl_seconds, None)
-    payload = SaveSamplerRequest(str(path), "snapshot", path.name, row.directory, str(path))
-    return submit(
-        ctx, kind="save_weights_external", payload=payload, owner=owner, model_id=body.model_id,
-        seq_id=body.seq_id, dedupe_key=dedupe, rows=[row],
-    )  # fmt: skip
+    fresh = dedupe is None or ctx.db.queue.get_by_key(dedupe) is None
+    with _claimed_name(ctx, path, owner, True, fresh):
+        row = _checkpoint_row(ctx, path, owner, body.ttl_seconds, None)
+        payload = SaveSamplerRequest(str(path), "snapshot", path.name, row.directory, str(path))
+        return submit(
+            ctx, kind="save_weights_external", payload=payload, owner=owner, model_id=body.model_id,
+            seq_id=body.seq_id, dedupe_key=dedupe, rows=[row],
+        )  # fmt: skip
 
 
 def _ephemeral_rows(run: TrainingRunRow, sampler_id: str, owner: str, kind: str) -> list[SQLModel]:

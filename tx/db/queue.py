@@ -271,6 +271,7 @@ class SqlQueue:
                 row.status, row.payload, row.completed_at = "failed", None, time.time()
                 row.error, row.error_category = RUNNING_AT_RESTART, "server"
             self._mark_linked(session, [str(row.id) for row in stale], "failed")
+            _put_back_orphans(session)
             lost = LostState(self._lost_runs(session), self._lost_snapshots(session))
             session.execute(RUNS.update().where(RUNS.c.status == "ready").values(status="unloaded"))
             session.commit()
@@ -343,6 +344,18 @@ def _settle_replaced(session: Session, paths: Sequence[str], status: str) -> Non
     for row_id, checkpoint_id in session.execute(
         select(CHECKPOINTS.c.id, CHECKPOINTS.c.checkpoint_id).where(aside)
     ).all():
+        original = checkpoint_id.split(REPLACED_MARK)[0]
+        session.execute(
+            CHECKPOINTS.update().where(CHECKPOINTS.c.id == row_id).values(status="ready", checkpoint_id=original)
+        )
+
+
+def _put_back_orphans(session: Session) -> None:
+    """Checkpoints set aside for a save that was never queued (the API process died, or the database refused
+    the queueing, in between): no save will settle them, so they go back to their names."""
+    replacing = select(CHECKPOINTS.c.tinker_path).where(CHECKPOINTS.c.status != REPLACED)
+    orphans = and_(CHECKPOINTS.c.status == REPLACED, CHECKPOINTS.c.tinker_path.not_in(replacing))
+    for row_id, checkpoint_id in session.execute(select(CHECKPOINTS.c.id, CHECKPOINTS.c.checkpoint_id).where(orphans)):
         original = checkpoint_id.split(REPLACED_MARK)[0]
         session.execute(
             CHECKPOINTS.update().where(CHECKPOINTS.c.id == row_id).values(status="ready", checkpoint_id=original)

@@ -320,6 +320,20 @@ class Records:
             CheckpointRow, row.id, status=REPLACED, checkpoint_id=f"{row.checkpoint_id}{REPLACED_MARK}{row.id}"
         )
 
+    def put_back(self, row: CheckpointRow) -> None:
+        """Undo `set_aside` (the save it was for was never queued), unless a save has taken the name since."""
+        with self.write_lock.held(), self._session() as session:
+            taken = session.exec(
+                select(CheckpointRow).where(
+                    CheckpointRow.run_id == row.run_id, CheckpointRow.checkpoint_id == row.checkpoint_id
+                )
+            ).first()
+            current = session.get(CheckpointRow, row.id)
+            if taken is None and current is not None and current.status == REPLACED:
+                current.status, current.checkpoint_id = "ready", row.checkpoint_id
+                session.add(current)
+                session.commit()
+
     def delete_checkpoint(self, row: CheckpointRow) -> None:
         with self.write_lock.held(), self._session() as session:
             current = session.get(CheckpointRow, row.id)
