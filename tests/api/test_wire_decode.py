@@ -326,6 +326,8 @@ def test_sampling_params_defaults_and_numbers() -> None:
                        ("seed", 1.5), ("top_k", "5")]:  # fmt: skip
         _refused(f"sampling_params.{field} must be", sampling_params, {field: bad}, 9)
     _refused("sampling_params must be an object", sampling_params, [], 9)
+    _refused(r"sampling_params.temperature is too large for a number \(400 digits\)", sampling_params,
+             {"temperature": 10**399}, 9)  # fmt: skip
     for stop in [[1, "a"], 3, [None]]:
         _refused("sampling_params.stop must be", sampling_params, {"stop": stop}, 9)
     assert sampling_params({"stop": ["a", "b"]}, 9).stop_strings == ["a", "b"]

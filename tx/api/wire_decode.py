@@ -349,7 +349,10 @@ def _field(raw: dict[str, Any], name: str, kind: type, default: Any) -> Any:
     if value is None:
         return default
     if type(value) is int or (kind is float and type(value) is float):
-        return kind(value)
+        try:
+            return kind(value)
+        except OverflowError:  # a 400-digit integer is no float
+            raise WireError(f"sampling_params.{name} is too large for a number ({len(str(value))} digits)") from None
     if kind is int and type(value) is float and value.is_integer():
         return int(value)
     raise WireError(f"sampling_params.{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
