@@ -85,7 +85,7 @@ class JaxRunner:
         self.checkpoint_root = checkpoint_root
         self.base_model = base_model
         full = FullSnapshots(make_sampler, max_full_snapshots)  # full fine-tuning runs' snapshots
-        self.weights = SamplerWeights(trainer, sampler, io, self.pager, full, self._path, lambda: self._protect)
+        self.weights = SamplerWeights(trainer, sampler, io, self.pager, full)
         self.pending: list[WorkItem] = []
         self.outbox: list[Completion] = []  # requests refused at submit, reported by the next step
         self.slot_waiting: list[WorkItem] = []  # samples whose snapshot waits in host memory for a free slot
@@ -277,9 +277,9 @@ class JaxRunner:
                 raise
             return LoadResult(run_id, p.tinker_path)
         if isinstance(p, SaveSamplerRequest) and item.kind == "save_weights_external":
-            return self.weights.export(self._run(run_id), p)
+            return self.weights.export(self._run(run_id), p, self._path)
         if isinstance(p, SaveSamplerRequest):
-            return self.weights.save(self._run(run_id), p)
+            return self.weights.save(self._run(run_id), p, self._path, self._protect)
         if item.kind == "unload_model":
             self._run(run_id)
             self._forget(run_id)
@@ -342,7 +342,7 @@ class JaxRunner:
         req = item.payload
         assert isinstance(req, SampleRequest)
         try:
-            slot = self.weights.resolve(req)
+            slot = self.weights.resolve(req, self._path, self._protect)
             snapshot = req.weights.snapshot_id if req.weights else None
             full = self.full.use(snapshot) if snapshot else None
             (full or self.sampler).submit(item.future_id, req, 0 if full else slot)

@@ -21,47 +21,40 @@ from tx.engine.weights_io import WeightsIO
 from tx.models.causal_lm import decode_layout
 from tx.protocol import CheckpointResult, LoraConfig, RequestError, SampleRequest, SaveSamplerRequest
 
+PathCheck = Callable[[str], Path]
+
 
 class SamplerWeights:
-    """`path` checks a checkpoint directory a request names; `protected()` is the runs of the round
-    being executed, whose slots a snapshot may not take."""
+    """Each call takes `path` (checks a checkpoint directory a request names) and `protect` (the runs of the
+    round being executed, whose slots a snapshot may not take) from the runner: held here, they would tie
+    the runner into a reference cycle, and an unloaded model's arrays would wait for the cyclic collector."""
 
-    def __init__(
-        self,
-        trainer: Trainer,
-        sampler: Sampler,
-        io: WeightsIO,
-        pager: Pager,
-        full: FullSnapshots,
-        path: Callable[[str], Path],
-        protected: Callable[[], frozenset[str]],
-    ) -> None:
+    def __init__(self, trainer: Trainer, sampler: Sampler, io: WeightsIO, pager: Pager, full: FullSnapshots) -> None:
         self.trainer, self.sampler, self.io, self.pager, self.full = trainer, sampler, io, pager, full
         self.bank = trainer.bank
-        self.path, self.protected = path, protected
 
-    def save(self, run: Run, p: SaveSamplerRequest) -> CheckpointResult:
+    def save(self, run: Run, p: SaveSamplerRequest, path: PathCheck, protect: frozenset[str]) -> CheckpointResult:
         """A sampler snapshot of the run under `p.snapshot_id` (and its files, when `p.dest_dir`)."""
         if run.lora is None:
-            return self._save_full(run, p)
-        slot = self._slot_for(p.snapshot_id, run.lora)
+            return self._save_full(run, p, path)
+        slot = self._slot_for(p.snapshot_id, run.lora, protect)
         self.bank.copy(run.slot, slot, self.trainer.run_params(run))
         size = None
         if p.dest_dir:
-            size = self.io.save_peft(self.path(p.dest_dir), self.bank, slot, run.lora)
+            size = self.io.save_peft(path(p.dest_dir), self.bank, slot, run.lora)
         return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
 
-    def export(self, run: Run, p: SaveSamplerRequest) -> CheckpointResult:
+    def export(self, run: Run, p: SaveSamplerRequest, path: PathCheck) -> CheckpointResult:
         """`save_weights_external`: the files a named sampler save writes (PEFT, or a HF directory), straight
         from the run: an export is not sampled, so it takes no adapter slot and no sampler copy."""
         assert p.dest_dir is not None
-        dest = self.path(p.dest_dir)
+        dest = path(p.dest_dir)
         if run.lora is None:
             assert run.params is not None
             return CheckpointResult(p.tinker_path, size_bytes=self.io.save_full(dest, run.params, self.trainer.config))
         return CheckpointResult(p.tinker_path, size_bytes=self.io.save_peft(dest, self.bank, run.slot, run.lora))
 
-    def resolve(self, req: SampleRequest) -> int:
+    def resolve(self, req: SampleRequest, path: PathCheck, protect: frozenset[str]) -> int:
         """The adapter slot the sample reads (0: the base weights, or a full snapshot's own sampler),
         loading its snapshot from host memory or disk when it is not on the device. Raises `SlotsExhausted`
         when the sample must wait for a slot."""
@@ -73,22 +66,22 @@ class SamplerWeights:
             self.pager.check_sampling_room(ref.snapshot_id)
             self.bank.slots.touch(ref.snapshot_id)
             return info.slot
-        restored = self.pager.restore_snapshot(ref.snapshot_id, self.protected())
+        restored = self.pager.restore_snapshot(ref.snapshot_id, protect)
         if restored is not None:
             return restored
-        directory = self.path(ref.checkpoint_dir) if ref.checkpoint_dir else None
+        directory = path(ref.checkpoint_dir) if ref.checkpoint_dir else None
         if directory and ref.checkpoint_type == "sampler" and self.io.is_full(directory):
             self.full.check_room(ref.snapshot_id)  # before the load: a sample that must wait loads nothing
             self.full.add(ref.snapshot_id, self.io.load_full(directory))
             return 0
         if directory and ref.checkpoint_type == "sampler":
-            return self._load_peft(ref.snapshot_id, directory)
+            return self._load_peft(ref.snapshot_id, directory, protect)
         raise RequestError(f"sampler weights {ref.snapshot_id!r} are not available (not saved, or evicted)", "user")
 
-    def _load_peft(self, snapshot_id: str, directory: Path) -> int:
+    def _load_peft(self, snapshot_id: str, directory: Path, protect: frozenset[str]) -> int:
         self.pager.check_sampling_room(snapshot_id)  # before the read: a sample that waits reads nothing
         adapter = self.io.read_peft(directory)  # read once: its rank and targets come from its weights
-        slot = self._slot_for(snapshot_id, self.io.lora_config_of(adapter[0]))
+        slot = self._slot_for(snapshot_id, self.io.lora_config_of(adapter[0]), protect)
         try:
             self.io.write_peft(adapter, self.bank, slot)
         except BaseException:  # a slot left claimed would serve the next sample of this snapshot empty
@@ -96,7 +89,7 @@ class SamplerWeights:
             raise
         return slot
 
-    def _save_full(self, run: Run, p: SaveSamplerRequest) -> CheckpointResult:
+    def _save_full(self, run: Run, p: SaveSamplerRequest, path: PathCheck) -> CheckpointResult:
         """A full fine-tuning run's sampler copy: its own weight set and a sampler over it."""
         assert run.params is not None
         self.full.check_room(p.snapshot_id)  # before the copy: a save that must wait copies nothing
@@ -104,10 +97,10 @@ class SamplerWeights:
         self.full.add(p.snapshot_id, snapshot)
         size = None
         if p.dest_dir:
-            size = self.io.save_full(self.path(p.dest_dir), snapshot, self.trainer.config)
+            size = self.io.save_full(path(p.dest_dir), snapshot, self.trainer.config)
         return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
 
-    def _slot_for(self, snapshot_id: str, lora: LoraConfig) -> int:
+    def _slot_for(self, snapshot_id: str, lora: LoraConfig, protect: frozenset[str]) -> int:
         slots = self.bank.slots
         existing = slots.get(snapshot_id)
         if existing is not None and existing.slot in self.sampler.slots_in_use():
@@ -116,6 +109,6 @@ class SamplerWeights:
             self.bank.clear(self.bank.release(snapshot_id).slot)
         self.bank.forget_snapshot(snapshot_id)  # a stashed copy is replaced by the new weights
         # Idle runs are paged out (LRU) before a snapshot is refused; this round's runs stay.
-        slot = self.pager.claim(snapshot_id, "sampler", lora, self.protected())
+        slot = self.pager.claim(snapshot_id, "sampler", lora, protect)
         self.bank.clear(slot)
         return slot
