@@ -313,15 +313,15 @@ def test_a_save_the_database_refuses_to_queue_leaves_the_old_checkpoint_listed(
     from sqlalchemy.exc import OperationalError
 
     training, http, db = real["training"], real["http"], real["db"]
-    training.save_state("kept").result(timeout=60)
+    training.save_state("queued-over").result(timeout=60)
 
     def refused(*args: Any, **kwargs: Any) -> Any:
         raise OperationalError("INSERT", {}, Exception("database or disk is full"))
 
     monkeypatch.setattr(db.queue, "submit", refused)
-    body = {"model_id": training.model_id, "path": "kept", "overwrite": True, "type": "save_weights"}
+    body = {"model_id": training.model_id, "path": "queued-over", "overwrite": True, "type": "save_weights"}
     assert http.post("/save_weights", json=body).status_code == 503
     monkeypatch.undo()
     listed = http.get(f"/training_runs/{training.model_id}/checkpoints").json()["checkpoints"]
-    assert [c["checkpoint_id"] for c in listed if c["checkpoint_id"] == "weights/kept"] == ["weights/kept"]
-    training.load_state(f"tinker://{training.model_id}/weights/kept").result(timeout=60)
+    assert [c["checkpoint_id"] for c in listed].count("weights/queued-over") == 1
+    training.load_state(f"tinker://{training.model_id}/weights/queued-over").result(timeout=60)

@@ -280,7 +280,7 @@ def test_a_checkpoint_restores_a_run_of_its_rank_and_is_refused_by_another(
     wide = _item("create_model", "wide", CreateModelRequest("m", LoraConfig(8, 16.0)))
     refused = _item("load_state", "wide", LoadStateRequest(str(tmp_path / "k"), "tinker://keeper/weights/k"))
     results = _run_all(runner, [wide, refused])
-    _error(results[refused.future_id], "user", "does not match model 'wide' (rank or kind)")
+    _error(results[refused.future_id], "user", "does not match model 'wide' (kind, rank or trained modules)")
     _unload(runner, "keeper", "wide")
 
 

@@ -111,6 +111,7 @@ def save_weights_for_sampler(body: schemas.SaveWeightsForSamplerRequest, ctx: Ct
     claim: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if body.path:
         path = TinkerPath(body.model_id, "sampler_weights", body.path)
+        validate.check_checkpoint_name(path.name)  # the field named, before the name becomes a directory
         # a save under a taken name replaces the checkpoint and the snapshot it names
         claim = _claimed_name(ctx, path, owner, True, fresh)
         ckpt = _checkpoint_row(ctx, path, owner, body.ttl_seconds, body.user_metadata)

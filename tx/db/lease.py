@@ -20,7 +20,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
 
 LOCK_FILE = "engine.lock"
-_ADVISORY = text("SELECT pg_try_advisory_lock(hashtext(current_schema() || ':smolgym-engine'))")
+_ADVISORY = text("SELECT pg_try_advisory_lock(hashtext(current_schema() || :key))")
+_ADVISORY_KEY = {"key": "/smolgym-engine"}
 
 
 class EngineBusy(RuntimeError):
@@ -34,6 +35,7 @@ class EngineLease:
     def release(self) -> None:
         if self._connection is not None:
             with contextlib.suppress(Exception):  # a database already gone released the lock with it
+                self._connection.invalidate()  # closed, not returned to the pool still holding the lock
                 self._connection.close()
             self._connection = None
         if self._fd >= 0:
@@ -48,7 +50,7 @@ def take_engine_lease(engine: Engine, data_dir: Path) -> EngineLease:
     if engine.dialect.name != "postgresql":
         return EngineLease(fd, None)
     connection = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-    if not connection.execute(_ADVISORY).scalar():
+    if not connection.execute(_ADVISORY, _ADVISORY_KEY).scalar():
         connection.close()
         os.close(fd)
         raise EngineBusy(
