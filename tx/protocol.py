@@ -83,6 +83,12 @@ class LoraConfig:
     seed: int | None = None
 
 
+def weights_shape(lora: LoraConfig | None) -> tuple[int, bool, bool, bool] | None:
+    """What a run's weights are made of, as a checkpoint must match it: None for full fine-tuning, else
+    (rank, attn, mlp, unembed). Alpha and seed change values, not shapes."""
+    return None if lora is None else (lora.rank, lora.train_attn, lora.train_mlp, lora.train_unembed)
+
+
 @dataclass(frozen=True)
 class CreateModelRequest:
     """Create training run `WorkItem.model_id` on `base_model`; `lora=None` means full fine-tuning.

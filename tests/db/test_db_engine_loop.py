@@ -261,17 +261,24 @@ def test_requests_a_runner_loses_are_failed_and_a_failing_discard_is_survived(sq
     assert sqlite_db.queue.get(later).status == "done"  # type: ignore[union-attr]
 
 
-def test_the_engine_thread_survives_a_queue_failure(sqlite_db: Database) -> None:
-    queue = sqlite_db.queue
+def _claim_failing_at(db: Database, call: int, message: str) -> list[int]:
+    """Make the queue's `call`-th claim raise `message`; returns the list every claim call is recorded in."""
+    queue = db.queue
     claim, calls = queue.claim, []
 
-    def flaky_claim(limit: int) -> list[WorkItem]:
+    def failing(limit: int) -> list[WorkItem]:
         calls.append(limit)
-        if len(calls) == 1:
-            raise RuntimeError("database is locked")
+        if len(calls) == call:
+            raise RuntimeError(message)
         return claim(limit)
 
-    queue.claim = flaky_claim  # type: ignore[method-assign]
+    queue.claim = failing  # type: ignore[method-assign]
+    return calls
+
+
+def test_the_engine_thread_survives_a_queue_failure(sqlite_db: Database) -> None:
+    queue = sqlite_db.queue
+    calls = _claim_failing_at(sqlite_db, 1, "database is locked")
     future_id = _submit(sqlite_db, 1)
     engine = Engine(queue, ScriptedRunner(), idle_wait_s=0.05)
     engine.start()
@@ -313,15 +320,7 @@ def test_a_burst_whose_later_claim_fails_still_runs_what_it_claimed(sqlite_db: D
     """The first claim of a burst marks its rows running; a database error on the next claim left them
     running for good (never admitted, never claimed again). They run, and the loop claims on later."""
     queue = sqlite_db.queue
-    claim, calls = queue.claim, []
-
-    def second_claim_fails(limit: int) -> list[WorkItem]:
-        calls.append(limit)
-        if len(calls) == 2:
-            raise RuntimeError("server closed the connection unexpectedly")
-        return claim(limit)
-
-    queue.claim = second_claim_fails  # type: ignore[method-assign]
+    calls = _claim_failing_at(sqlite_db, 2, "server closed the connection unexpectedly")
     first = _submit(sqlite_db, 1)
     engine = Engine(queue, ScriptedRunner(), idle_wait_s=0.0)
     engine.run_once()  # claims `first`, then the burst's next claim fails

@@ -31,6 +31,7 @@ from tx.protocol import (
     LoraConfig,
     SaveSamplerRequest,
     SaveStateRequest,
+    weights_shape,
 )
 
 router = APIRouter(prefix="/api/v1")
@@ -203,17 +204,12 @@ def _check_same_base(ctx: AppContext, run: TrainingRunRow, path: TinkerPath, own
             f"checkpoint {str(path)!r} was made on base model {source.base_model!r}, but {run.id!r} runs on"
             f" {run.base_model!r}; create a training client from it instead (create_training_client_from_state)"
         )
-    saved, target = (_lora_shape(source) if source is not None else None), _lora_shape(run)
+    saved, target = (weights_shape(_run_lora(source)) if source is not None else None), weights_shape(_run_lora(run))
     if source is not None and saved != target:
         user_error(
             f"checkpoint {str(path)!r} holds a {_shape_text(saved)}, but {run.id!r} is a {_shape_text(target)};"
             " create a training client from it instead (create_training_client_from_state)"
         )
-
-
-def _lora_shape(run: TrainingRunRow) -> tuple[int, bool, bool, bool] | None:
-    """What a run's weights are made of: None for full fine-tuning, else (rank, attn, mlp, unembed)."""
-    return None if run.lora_rank is None else (run.lora_rank, run.train_attn, run.train_mlp, run.train_unembed)
 
 
 def _shape_text(shape: tuple[int, bool, bool, bool] | None) -> str:

@@ -46,7 +46,6 @@ from tx.protocol import (
     LoadResult,
     LoadStateRequest,
     LoadWeightsRequest,
-    LoraConfig,
     OptimStepRequest,
     OptimStepResult,
     RequestError,
@@ -55,6 +54,7 @@ from tx.protocol import (
     SaveStateRequest,
     UnloadResult,
     WorkItem,
+    weights_shape,
 )
 
 log = logging.getLogger("tx.engine")
@@ -319,7 +319,7 @@ class JaxRunner:
     def _load(self, run_id: str, source: Path, with_optimizer: bool) -> None:
         run = self._run(run_id)
         lora, step = checkpoints.read_meta(source)
-        if _shape(lora) != _shape(run.lora):
+        if weights_shape(lora) != weights_shape(run.lora):
             raise RequestError(
                 f"checkpoint {source.name} does not match model {run_id!r} (kind, rank or trained modules)", "user"
             )
@@ -350,8 +350,3 @@ class JaxRunner:
             self.slot_waiting.append(item)
         except Exception as err:  # contained: this request fails, nothing else does
             self.outbox.append(Completion(item.future_id, self._error(err)))
-
-
-def _shape(lora: LoraConfig | None) -> tuple[int, bool, bool, bool] | None:
-    """What a run's weights are made of: None for full fine-tuning, else (rank, attn, mlp, unembed)."""
-    return None if lora is None else (lora.rank, lora.train_attn, lora.train_mlp, lora.train_unembed)
