@@ -162,6 +162,23 @@ def test_expired_session_unloads_runs_and_heartbeat_410(http: httpx.Client, serv
     assert reply.status_code == 400 and "unloaded" in reply.json()["detail"]
 
 
+def test_reaper_unloads_runs_a_failed_finish_left_loaded(http: httpx.Client, server: Server) -> None:
+    """The finish route marks the session finished, then queues unloads; when that queueing fails (the database
+    went away), the retry finds the session finished and the reaper queues what is missing, once."""
+    session_id = http.post("/create_session", json={}).json()["session_id"]
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": MODEL.base_model, "lora_config": {"rank": 4}}
+    model_id = wait(http, http.post("/create_model", json=body).json()["request_id"])["model_id"]
+    assert server.db.records.finish_session(session_id, owner_of(KEY), "x") is not None  # the unloads never queued
+    assert http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "errored"}}).status_code == 200
+    ctx = SimpleNamespace(db=server.db)
+    assert reap_sessions(ctx) == 1  # type: ignore[arg-type]
+    assert reap_sessions(ctx) == 0  # type: ignore[arg-type]  # queued once, however often it looks
+    deadline = time.monotonic() + 5
+    while server.db.records.get_run(model_id, owner_of(KEY)).status != "unloaded":  # type: ignore[union-attr]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
 def test_sdks_before_sessions_train_and_sample_without_ids(http: httpx.Client, server: Server) -> None:
     """tinker 0.1-0.2 send create_model without a session_id and asample with the weights' path instead of a
     sampling session: the run gets an `open` session that no missing heartbeat expires."""

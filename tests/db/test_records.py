@@ -11,6 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from tx.db import Database, owner_of
 from tx.db.records import Records
 from tx.db.tables import CheckpointRow, MetricRow, SamplingSessionRow, SessionRow, TrainingRunRow, utcnow
+from tx.protocol import UnloadModelRequest
 
 ME, OTHER = owner_of("tml-me"), owner_of("tml-other")
 
@@ -100,6 +101,23 @@ def test_finishing_a_session_once_returns_its_loaded_runs(db: Database) -> None:
     row = records.get_session(session_id, ME)
     assert row is not None and (row.status, row.finish_reason) == ("finished", "client closed")
     assert records.heartbeat(session_id, ME) == "gone"
+
+
+def test_runs_an_ended_session_left_loaded_without_an_unload_are_stranded(db: Database) -> None:
+    records = db.records
+    done, alive, lapsed = (records.create_session(ME, [], {}, None) for _ in range(3))
+    records.add_rows([_run(done, 0), _run(done, 1), _run(done, 2, status="unloaded"), _run(alive, 0),
+                      _run(lapsed, 0)])  # fmt: skip
+    records.finish_session(done, ME, "closed")  # its unload queueing is what failed: none was queued
+    _age(records, lapsed, 700)
+    mine = (done, alive, lapsed)  # the module's database holds other tests' ended sessions too
+    ids = lambda: {run.id for run in records.stranded_runs() if run.session_id in mine}  # noqa: E731
+    assert ids() == {f"{done}:train:0", f"{done}:train:1"}  # `lapsed` is past its timeout, not yet expired
+    records.expire_sessions()
+    assert ids() == {f"{done}:train:0", f"{done}:train:1", f"{lapsed}:train:0"}
+    db.queue.submit(kind="unload_model", payload=UnloadModelRequest(), owner=ME, model_id=f"{done}:train:1")
+    db.queue.submit(kind="sample", payload=UnloadModelRequest(), owner=ME, model_id=None)  # no model: no NULL trap
+    assert ids() == {f"{done}:train:0", f"{lapsed}:train:0"}
 
 
 def test_finishing_an_expired_or_open_session(db: Database) -> None:

@@ -35,14 +35,14 @@ from tx.api import (
     routes_weights,
 )
 from tx.api.body_limit import BodyLimit, BodyTooLarge
-from tx.api.context import AppContext, Settings, submit
+from tx.api.context import AppContext, Settings, unload_ended
 from tx.api.limits import Limits
 from tx.api.models import ModelCatalog
 from tx.api.validate import ValidationError
 from tx.api.wire_decode import WireError
 from tx.db import Database
 from tx.names import BadName
-from tx.protocol import ModelInfo, UnloadModelRequest
+from tx.protocol import ModelInfo
 from tx.upload_store import UploadStore
 
 log = logging.getLogger("tx.api")
@@ -90,11 +90,11 @@ async def _schema_error(_request: Request, exc: Exception) -> JSONResponse:
 
 
 def reap_sessions(ctx: AppContext) -> int:
-    """Expire sessions whose heartbeats stopped and queue an unload for each of their loaded runs."""
-    runs = ctx.db.records.expire_sessions()
-    for run in runs:
-        log.info("session %s expired: unloading %s", run.session_id, run.id)
-        submit(ctx, kind="unload_model", payload=UnloadModelRequest(), owner=run.owner, model_id=run.id)
+    """Expire sessions whose heartbeats stopped and queue an unload for each of their loaded runs, and for any
+    run an earlier finish or expiry left loaded (its queueing failed part-way). Returns the unloads queued."""
+    ctx.db.records.expire_sessions()
+    runs = ctx.db.records.stranded_runs()
+    unload_ended(ctx, runs, "ended")
     return len(runs)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -27,10 +28,11 @@ from tx.api.limits import Limits
 from tx.api.models import ModelCatalog, ServedModel
 from tx.db import Database, DuplicateRequestError, owner_of
 from tx.db.tables import TrainingRunRow
-from tx.protocol import Payload
+from tx.protocol import Payload, UnloadModelRequest
 from tx.upload_store import GB, UploadStore
 
 T = TypeVar("T")
+log = logging.getLogger("tx.api")
 DEFAULT_MAX_UPLOAD_GB = 100.0  # a 9B model in float32 with room to spare; --max-upload-gb changes it
 
 
@@ -159,6 +161,15 @@ def submit(
     except DuplicateRequestError as exc:
         user_error(str(exc))
     return future_reply(submitted.future_id, model_id if kind != "sample" else None, submitted.sequence_ids)
+
+
+def unload_ended(ctx: AppContext, runs: list[TrainingRunRow], why: str) -> None:
+    """Queue an unload for each run of a finished or expired session. Keyed per run, so the finish route and
+    the reaper (which queues whatever a failed earlier call left loaded) never queue two for one run."""
+    for run in runs:
+        log.info("session %s %s: unloading %s", run.session_id, why, run.id)
+        submit(ctx, kind="unload_model", payload=UnloadModelRequest(), owner=run.owner, model_id=run.id,
+               dedupe_key=f"{run.id}#unload")  # fmt: skip
 
 
 def _names(rows: list[SQLModel]) -> str:

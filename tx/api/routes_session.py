@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, HTTPException, Response
 
-from tx.api.context import Ctx, Owner, known_owner, not_found, submit
+from tx.api.context import Ctx, Owner, known_owner, not_found, unload_ended
 from tx.api.schemas import (
     ClientConfigRequest,
     CreateSessionRequest,
@@ -24,7 +24,7 @@ from tx.api.schemas import (
     ProjectRequest,
     SessionRef,
 )
-from tx.protocol import ModelInfo, UnloadModelRequest
+from tx.protocol import ModelInfo
 
 log = logging.getLogger("tx.api")
 
@@ -95,13 +95,12 @@ def session_heartbeat(body: SessionRef, ctx: Ctx, owner: Owner) -> dict[str, Any
 
 @router.post("/sessions/{session_id}/finish")
 def finish_session(session_id: str, body: FinishSessionRequest, ctx: Ctx, owner: Owner) -> dict[str, Any]:
-    """Finish the session and free it like expiry does: each still-loaded run gets an unload queued."""
+    """Finish the session and free it like expiry does: each still-loaded run gets an unload queued (if that
+    fails part-way, a retry finds the session finished and the reaper queues the rest)."""
     runs = ctx.db.records.finish_session(session_id, owner, body.reason.type)
     if runs is None:
         not_found(f"unknown session_id {session_id!r}")
-    for run in runs:
-        log.info("session %s finished (%s): unloading %s", session_id, body.reason.type, run.id)
-        submit(ctx, kind="unload_model", payload=UnloadModelRequest(), owner=owner, model_id=run.id)
+    unload_ended(ctx, runs, f"finished ({body.reason.type})")
     return {"session_id": session_id, "status": "finished"}
 
 

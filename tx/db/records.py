@@ -25,6 +25,7 @@ from tx.db.tables import (
     REPLACED,
     REPLACED_MARK,
     CheckpointRow,
+    FutureRow,
     MetricRow,
     SamplerSnapshotRow,
     SamplingSessionRow,
@@ -134,6 +135,22 @@ class Records:
             ).all()
             session.commit()
         return list(runs)
+
+    def stranded_runs(self) -> list[TrainingRunRow]:
+        """Loaded runs of finished or expired sessions that no unload was ever queued for: those whose
+        unload queueing failed part-way (a database error after the session was marked). The reaper
+        queues them again, so no run keeps its slot after its session ended."""
+        ended = select(SessionRow.id).where(col(SessionRow.status).in_(["finished", "expired"]))
+        unloads = select(FutureRow.model_id).where(
+            FutureRow.kind == "unload_model", col(FutureRow.model_id).is_not(None)
+        )
+        query = select(TrainingRunRow).where(
+            TrainingRunRow.status == "ready",
+            col(TrainingRunRow.session_id).in_(ended),
+            col(TrainingRunRow.id).not_in(unloads),
+        )
+        with self._session() as session:
+            return list(session.exec(query).all())
 
     def list_sessions(self, owner: str, limit: int, offset: int) -> list[str]:
         query = select(SessionRow.id).where(SessionRow.owner == owner).order_by(col(SessionRow.created_at).desc())
