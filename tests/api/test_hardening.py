@@ -325,3 +325,28 @@ def test_a_save_the_database_refuses_to_queue_leaves_the_old_checkpoint_listed(
     listed = http.get(f"/training_runs/{training.model_id}/checkpoints").json()["checkpoints"]
     assert [c["checkpoint_id"] for c in listed].count("weights/queued-over") == 1
     training.load_state(f"tinker://{training.model_id}/weights/queued-over").result(timeout=60)
+
+
+def test_a_named_sampler_save_the_database_refuses_to_queue_keeps_the_old_weights_sampling(
+    real: dict[str, Any], monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A sampler save under a taken name sets the old checkpoint aside and replaces its snapshot row in the
+    queueing transaction; the database refusing the queueing must leave the old weights sampling and the name
+    free for the next save."""
+    from sqlalchemy.exc import OperationalError
+
+    training, http, db = real["training"], real["http"], real["db"]
+    sampler = training.save_weights_and_get_sampling_client("sampled-over")
+    prompt = tinker.ModelInput.from_ints([1, 2, 3])
+    params = tinker.SamplingParams(max_tokens=2, temperature=0.0)
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("INSERT", {}, Exception("database or disk is full"))
+
+    monkeypatch.setattr(db.queue, "submit", refused)
+    body = {"model_id": training.model_id, "path": "sampled-over", "type": "save_weights_for_sampler"}
+    assert http.post("/save_weights_for_sampler", json=body).status_code == 503
+    monkeypatch.undo()
+    assert len(sampler.sample(prompt, 1, params).result(timeout=60).sequences[0].tokens) == 2
+    again = training.save_weights_and_get_sampling_client("sampled-over")  # and the name still takes a save
+    assert len(again.sample(prompt, 1, params).result(timeout=60).sequences[0].tokens) == 2

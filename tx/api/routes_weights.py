@@ -127,9 +127,7 @@ def save_weights_for_sampler(body: schemas.SaveWeightsForSamplerRequest, ctx: Ct
         rows = [] if not fresh else _ephemeral_rows(run, sampler_id, owner, body.kind)
     else:
         user_error("save_weights_for_sampler needs a path (named checkpoint) or a sampling_session_seq_id")
-    with claim:
-        if body.path and fresh:
-            ctx.db.records.delete_snapshot(str(path), owner)
+    with claim:  # a named save's snapshot row replaces the one of that name in the queueing transaction
         return submit(
             ctx, kind="save_weights_for_sampler", payload=payload, owner=owner, model_id=body.model_id,
             seq_id=body.seq_id, dedupe_key=dedupe, rows=rows,

@@ -260,14 +260,6 @@ class Records:
         with self._session() as session:
             return session.get(SamplerSnapshotRow, snapshot_id)
 
-    def delete_snapshot(self, snapshot_id: str, owner: str) -> None:
-        """Forget the owner's snapshot row (a named sampler save replacing the one saved under its name)."""
-        with self.write_lock.held(), self._session() as session:
-            row = session.get(SamplerSnapshotRow, snapshot_id)
-            if row is not None and row.owner == owner:
-                session.delete(row)
-                session.commit()
-
     # ---- checkpoints --------------------------------------------------------------------------
 
     def get_checkpoint(

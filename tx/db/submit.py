@@ -22,7 +22,7 @@ from sqlalchemy.engine import CursorResult, Engine
 from sqlmodel import Session, SQLModel
 
 from tx.db.connect import WriteLock
-from tx.db.tables import FutureRow
+from tx.db.tables import FutureRow, SamplerSnapshotRow
 
 _FUTURES = FutureRow.__table__  # type: ignore[attr-defined]
 
@@ -142,7 +142,10 @@ def _insert(session: Session, entry: NewRequest) -> Submitted:
     for linked in entry.rows:
         if hasattr(linked, "future_id"):
             linked.future_id = future_id
-        session.add(linked)
+        if isinstance(linked, SamplerSnapshotRow):
+            session.merge(linked)  # keyed by the weights' name: a save under a taken name replaces it, atomically
+        else:
+            session.add(linked)
     if entry.rows:
         session.flush()
     return Submitted(future_id, entry.sequence_ids, duplicate=False)
