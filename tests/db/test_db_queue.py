@@ -547,3 +547,42 @@ def test_a_checkpoint_set_aside_for_a_save_never_queued_is_put_back(db: Database
     listed = {row.checkpoint_id: row.status for row in db.records.list_checkpoints(OWNER, run.id, 10, 0)[0]}
     assert listed == {"weights/a": "ready", "weights/b": "ready"}
     assert db.records.get_checkpoint(run.id, "weights/c", OWNER, ready=False).status == "pending"  # type: ignore[union-attr]
+
+
+def test_a_claim_whose_commit_landed_but_raised_runs_next_time(db: Database, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The connection is lost after the server committed the claim: the engine sees an error, the rows read
+    `running`. Before, nothing ever ran or failed them until the next engine start."""
+    from sqlalchemy.exc import OperationalError
+    from sqlmodel import Session
+
+    ids = [_submit(db, i) for i in range(1, 4)]
+    real_commit = Session.commit
+
+    def commit_then_lose_the_reply(self: Session) -> None:
+        real_commit(self)
+        monkeypatch.setattr(Session, "commit", real_commit)
+        raise OperationalError("COMMIT", {}, Exception("server closed the connection unexpectedly"))
+
+    monkeypatch.setattr(Session, "commit", commit_then_lose_the_reply)
+    with pytest.raises(OperationalError):
+        db.queue.claim(2)
+    assert [db.queue.get(i).status for i in ids] == ["running", "running", "pending"]  # type: ignore[union-attr]
+    assert [item.future_id for item in db.queue.claim(10)] == ids[:2]  # its own, once
+    assert [item.future_id for item in db.queue.claim(10)] == ids[2:]
+    assert db.queue.claim(10) == []
+
+
+def test_a_claim_whose_commit_failed_leaves_its_rows_pending(db: Database, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy.exc import OperationalError
+    from sqlmodel import Session
+
+    ids = [_submit(db, i) for i in range(1, 3)]
+
+    def refused(self: Session) -> None:
+        raise OperationalError("COMMIT", {}, Exception("database or disk is full"))
+
+    monkeypatch.setattr(Session, "commit", refused)
+    with pytest.raises(OperationalError):
+        db.queue.claim(10)
+    monkeypatch.undo()
+    assert [item.future_id for item in db.queue.claim(10)] == ids

@@ -92,6 +92,7 @@ class SqlQueue:
         self.write_lock = write_lock
         self.rescan_s = rescan_s
         self._last_scan = float("-inf")
+        self._uncertain: list[int | None] = []  # ids of the claim whose commit raised
         self._postgres = not is_sqlite(engine)
         self._group = GroupCommit(engine, write_lock, lambda session: self._pg_notify(session, WORK_CHANNEL, ""))
 
@@ -167,6 +168,11 @@ class SqlQueue:
         self.notifier.work_submitted()
 
     def claim(self, limit: int) -> list[WorkItem]:
+        """Pending requests in id order, marked running. A claim whose commit raised may still have landed (a
+        connection lost after the server committed): its rows are looked up first on the next claim, and
+        those found running are returned then (one engine holds the lease, so they are this engine's)."""
+        if reclaimed := self._reclaim_uncertain():
+            return self._decode_items(reclaimed)
         signalled = self.notifier.take_work_flag()
         if not signalled and time.monotonic() - self._last_scan < self.rescan_s:
             return []
@@ -180,10 +186,27 @@ class SqlQueue:
                 return []
             ids = [row.id for row in rows]
             session.execute(FUTURES.update().where(FUTURES.c.id.in_(ids)).values(status="running"))
-            session.commit()
+            self._uncertain = ids
+            try:
+                session.commit()
+            except Exception:
+                self.notifier.work_submitted()  # look again at once: the rows may still be pending
+                raise
+            self._uncertain = []
         if len(rows) == limit:  # there may be more: look again on the next claim
             self.notifier.work_submitted()
         return self._decode_items(rows)
+
+    def _reclaim_uncertain(self) -> list[FutureRow]:
+        if not self._uncertain:
+            return []
+        with Session(self.engine, expire_on_commit=False) as session:
+            query = select(FutureRow).where(col(FutureRow.id).in_(self._uncertain), FutureRow.status == "running")
+            rows = list(session.exec(query.order_by(col(FutureRow.id))).all())
+        self._uncertain = []
+        if rows:
+            log.warning("a claim whose commit raised had landed: running its %d requests", len(rows))
+        return rows
 
     def _decode_items(self, rows: list[FutureRow]) -> list[WorkItem]:
         items = []
