@@ -33,10 +33,13 @@ def test_a_held_snapshot_that_does_not_fit_back_stays_held(monkeypatch: pytest.M
     np.testing.assert_array_equal(np.asarray(snapshots.to_host()["snap"].arrays[("w",)]), np.arange(4.0))
 
 
-def test_a_copy_beyond_the_kept_ones_waits_while_they_are_all_sampled() -> None:
+def test_a_copy_beyond_the_kept_ones_waits_while_they_are_all_sampled(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two kept snapshots, both being sampled: a third save (or a held one coming back) waits, as
     `SlotsExhausted`, instead of a third device copy and a third decode chunk per step; once one is idle it
-    makes room for the new one."""
+    makes room for the new one. A held one that must wait is not copied to the device first (its sample
+    retries every step: a whole weight set copied and dropped each time)."""
+    copies = []
+    monkeypatch.setattr(HostWeights, "on_device", lambda self: copies.append(self) or dict(self.arrays))
     snapshots = FullSnapshots(lambda get_weights: _Sampler(), max_kept=2)  # type: ignore[arg-type, return-value]
     weights = {("w",): jnp.zeros(2)}
     for sid in ("a", "b"):
@@ -47,7 +50,7 @@ def test_a_copy_beyond_the_kept_ones_waits_while_they_are_all_sampled() -> None:
         snapshots.add("c", weights)
     with pytest.raises(SlotsExhausted):
         snapshots.use("held")
-    assert "c" not in snapshots and "held" in snapshots and len(snapshots.samplers()) == 2
+    assert "c" not in snapshots and "held" in snapshots and len(snapshots.samplers()) == 2 and copies == []
     snapshots.use("a").busy = False  # type: ignore[union-attr]
     snapshots.add("c", weights)
     assert "a" not in snapshots and "c" in snapshots and len(snapshots.samplers()) == 2

@@ -74,6 +74,7 @@ class FullSnapshots:
         """The sampler of `snapshot_id` (back on the device if it was held), now the most recently used."""
         held = self._host.get(snapshot_id)
         if held is not None:  # `add` drops the host copy once it is back (a device out of memory keeps it)
+            self.check_room(snapshot_id)  # before the copy: a sample that must wait retries every step
             self.add(snapshot_id, held.on_device())
         entry = self._device.pop(snapshot_id, None)
         if entry is None:
