@@ -361,3 +361,37 @@ class LargeResultRunner(ScriptedRunner):
         tokens = list(range(1 << 16))
         sequence = SampledSequence(tokens, [0.0] * len(tokens), "length")
         return [Completion(item.future_id, SampleResult([sequence])) for item in items]
+
+
+class _Holding:
+    """A runner that takes everything and finishes nothing (a long decode, a model still loading)."""
+
+    def __init__(self) -> None:
+        self.items: list[WorkItem] = []
+
+    def submit(self, items: Sequence[WorkItem]) -> None:
+        self.items.extend(items)
+
+    def idle(self) -> bool:
+        return not self.items
+
+    def step(self) -> list[Completion]:
+        return []
+
+
+def test_the_engine_claims_no_more_than_it_may_hold_in_flight(sqlite_db: Database) -> None:
+    """Before, every iteration of a busy engine claimed another `claim_limit` rows until the table was empty: a
+    flood of requests was decoded into the engine's memory, and a restart failed all of it as running."""
+    runner = _Holding()
+    engine = Engine(sqlite_db.queue, runner, claim_limit=16, max_in_flight=40, gather_s=0.0)
+    ids = [_submit(sqlite_db, seq) for seq in range(100)]
+    for _ in range(10):
+        engine.run_once()
+    assert len(runner.items) == 40 and sorted(engine.in_flight(), key=int) == ids[:40]
+    statuses = [sqlite_db.queue.get(i).status for i in ids]  # type: ignore[union-attr]
+    assert statuses == ["running"] * 40 + ["pending"] * 60
+    engine._finish_all([Completion(item.future_id, OptimStepResult()) for item in runner.items[:20]])
+    runner.items = runner.items[20:]
+    engine.run_once()  # 16 a claim
+    engine.run_once()
+    assert len(runner.items) == 40 and [i.future_id for i in runner.items[20:]] == ids[40:60]

@@ -107,6 +107,7 @@ class Engine:
         runner: Runner,
         *,
         claim_limit: int = 256,
+        max_in_flight: int = 512,
         idle_wait_s: float = 5.0,
         gather_s: float = 0.2,
         gather_quiet_s: float = 0.01,
@@ -116,6 +117,7 @@ class Engine:
         self.queue = queue
         self.runner = runner
         self.claim_limit = claim_limit
+        self.max_in_flight = max_in_flight
         self.idle_wait_s = idle_wait_s
         self._inflight: dict[str, _Inflight] = {}
         self._unrecorded: list[tuple[Completion, _Inflight | None]] = []  # finished; the queue took no write
@@ -168,7 +170,7 @@ class Engine:
         sends the same number of `sample` calls every step, and 32 of them through the SDK arrive with
         gaps of tens of milliseconds; a split burst decodes in two rounds and compiles another shape.
         Arrivals wake the wait at once; nothing polls."""
-        items = self.queue.claim(self.claim_limit)
+        items = self._claim()
         if not items or not self.runner.idle():
             return items
         deadline = time.monotonic() + self.gather_s
@@ -178,7 +180,7 @@ class Engine:
             quiet = self.gather_quiet_s if samples else 0.002
             self.queue.wait_for_work(left if expecting else min(quiet, left))
             try:
-                more = self.queue.claim(self.claim_limit)
+                more = self._claim(len(items))
             except Exception:  # what is claimed already is `running`: it must run, or nothing would ever finish it
                 log.exception("claiming more of a burst failed; running the %d requests claimed", len(items))
                 break
@@ -189,6 +191,12 @@ class Engine:
         if samples:
             self._last_sample_burst = samples
         return items
+
+    def _claim(self, gathered: int = 0) -> list[WorkItem]:
+        """At most `claim_limit` pending requests, and none past `max_in_flight` claimed and unfinished: the
+        rest stay queued (not decoded into the engine's memory, not failed by a restart) until there is room."""
+        room = min(self.claim_limit, self.max_in_flight - len(self._inflight) - gathered)
+        return self.queue.claim(room) if room > 0 else []
 
     def _submitting(self) -> bool:
         submitting = getattr(self.queue, "submitting", None)
