@@ -28,6 +28,10 @@ BAD = [
     ("rms_norm_eps", -1e-6, "rms_norm_eps must be a finite number > 0"),
     ("rope_theta", float("nan"), "rope_theta must be a finite number > 0, got nan"),
     ("max_position_embeddings", 0, "max_position_embeddings must be >= 1, got 0"),
+    # bounded before any per-layer table is built: a MoE family's took ~2.4 h of Python for 10^6 layers
+    ("num_hidden_layers", 10**6, "config.json num_hidden_layers must be at most 1024, got 1000000"),
+    ("vocab_size", 1 << 26, "config.json vocab_size must be at most 4194304, got 67108864"),
+    ("intermediate_size", 1 << 40, "config.json intermediate_size must be at most 2147483648, got 1099511627776"),
 ]
 
 

@@ -314,6 +314,12 @@ WHOLE_FIELDS = frozenset(
 )
 
 
+# Upper bounds, checked before anything is built from a config (a per-layer table of 10^6 layers took hours to
+# check and 10^10 exhausted memory; a 2^26 vocabulary made a 19 GB adapter bank): far past any published model.
+WHOLE_LIMITS = {"num_hidden_layers": 1024, "vocab_size": 1 << 22}
+WHOLE_LIMIT = 1 << 31  # any other field: an int32 dimension
+
+
 def _check_whole_numbers(hf: dict[str, Any]) -> None:
     text = hf.get("text_config")
     for section in (hf, text if isinstance(text, dict) else {}):
@@ -322,6 +328,8 @@ def _check_whole_numbers(hf: dict[str, Any]) -> None:
             whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
             if value is not None and (isinstance(value, bool) or not whole):
                 raise ValueError(f"config.json {key} must be a whole number, got {value!r}")
+            if value is not None and value > (limit := WHOLE_LIMITS.get(key, WHOLE_LIMIT)):
+                raise ValueError(f"config.json {key} must be at most {limit}, got {value}")
 
 
 def family_of(hf: dict[str, Any]) -> str:
