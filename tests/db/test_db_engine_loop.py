@@ -395,3 +395,34 @@ def test_the_engine_claims_no_more_than_it_may_hold_in_flight(sqlite_db: Databas
     engine.run_once()  # 16 a claim
     engine.run_once()
     assert len(runner.items) == 40 and [i.future_id for i in runner.items[20:]] == ids[40:60]
+
+
+class _NativePanic(BaseException):
+    """What pyo3 raises for a panic in a native extension: not an Exception."""
+
+
+class _PanicsOnce(ScriptedRunner):
+    def __init__(self) -> None:
+        super().__init__()
+        self.panicked = False
+
+    def step(self) -> list[Completion]:
+        if not self.panicked:
+            self.panicked, self.items = True, []
+            raise _NativePanic("Onig: Regex search error: retry-limit-in-match over")
+        return super().step()
+
+
+def test_a_native_panic_in_a_step_fails_its_requests_and_the_engine_keeps_serving(sqlite_db: Database) -> None:
+    """A BaseException from a step escaped `except Exception` and killed the engine thread: requests stayed
+    pending for good while the API kept accepting them."""
+    engine = Engine(sqlite_db.queue, _PanicsOnce())
+    engine.start()
+    try:
+        first = _submit(sqlite_db, 1)
+        assert _wait_status(sqlite_db, first) == "failed"
+        assert "Onig" in (sqlite_db.queue.get(first).error or "")  # type: ignore[union-attr]
+        assert _wait_status(sqlite_db, _submit(sqlite_db, 2)) == "done"
+        assert engine._thread is not None and engine._thread.is_alive()
+    finally:
+        engine.stop()

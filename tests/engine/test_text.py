@@ -81,3 +81,23 @@ def test_building_an_engine_imports_neither_transformers_nor_torch(tiny_dir: Pat
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_tokenizer_that_panics_raises_a_value_error(tmp_path: Path) -> None:
+    """A decoder regex that backtracks past onig's retry limit panics inside `tokenizers`; the panic is pyo3's
+    PanicException, a BaseException, and escaped every `except Exception` up to the engine thread, which died
+    (the server kept queueing work nobody ran). Decoding now raises ValueError: the sampler fails that request."""
+    from tokenizers import Regex, Tokenizer, decoders, models
+
+    from tx.engine.sampling import StopChecker
+
+    tokenizer = Tokenizer(models.WordLevel({"a" * 100: 0, "b": 1}, unk_token="b"))
+    tokenizer.decoder = decoders.Replace(Regex("(a|aa)+c"), "x")
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    decode, _ = load_decoder(tmp_path)
+    assert decode([1]) == "b"
+    with pytest.raises(ValueError, match="tokenizer failed to decode: PanicException"):
+        decode([0, 0])
+    with pytest.raises(ValueError, match="PanicException"):
+        StopChecker([], ["zz"], decode, 16).check([0, 0], 2)

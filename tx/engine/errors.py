@@ -22,6 +22,11 @@ from tx.lora.slots import SlotsExhausted
 from tx.names import BadName
 from tx.protocol import ErrorCategory, RequestError
 
+# What stops the process instead of failing requests. Everything else that escapes fails the requests it
+# concerns, a native extension's panic too: pyo3's PanicException (a `tokenizers` regex past its retry limit)
+# derives from BaseException, and caught as Exception it killed the engine thread.
+EXITS = (KeyboardInterrupt, SystemExit)
+
 # Raised by our own checks on what the request asked for (not by device or I/O failures).
 USER_ERRORS: tuple[type[Exception], ...] = (BadName, SlotsExhausted, FileNotFoundError, ValueError, MemoryError)
 _ABSOLUTE_PATH = re.compile(r"(?<![\w.])/(?:[^\s'\":,/]+/)*([^\s'\":,/]+)")

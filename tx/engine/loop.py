@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from tx.engine.errors import scrub_paths
+from tx.engine.errors import EXITS, scrub_paths
 from tx.protocol import (
     ForwardBackwardRequest,
     QueueUnavailable,
@@ -144,7 +144,9 @@ class Engine:
         while not self._stop.is_set():
             try:
                 self.run_once()
-            except Exception:  # the loop must survive anything, including queue errors
+            except EXITS:
+                raise
+            except BaseException:  # the loop must survive anything, queue errors and native panics included
                 log.exception("engine iteration failed")
                 time.sleep(0.5)
 
@@ -232,7 +234,9 @@ class Engine:
             self._fail_many(exc.future_ids, f"internal error while executing the request: {exc}")
             self._discard(exc.future_ids)
             return
-        except Exception as exc:
+        except EXITS:
+            raise
+        except BaseException as exc:
             log.exception("runner step failed; failing %d in-flight requests", len(self._inflight))
             lost = list(self._inflight)
             self._fail_many(lost, f"internal error while executing the request: {type(exc).__name__}: {exc}")

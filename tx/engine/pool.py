@@ -35,7 +35,7 @@ from typing import Protocol
 
 import jax
 
-from tx.engine.errors import as_request_error
+from tx.engine.errors import EXITS, as_request_error
 from tx.engine.loop import Completion, Runner
 from tx.engine.snapshots import HeldSnapshots
 from tx.models.catalog import locate_config, locate_model
@@ -304,7 +304,9 @@ class ModelPool:
         models' completions of this turn stand (an optim_step already applied must not read as failed)."""
         try:
             return model.runner.step()
-        except Exception as err:
+        except EXITS:
+            raise
+        except BaseException as err:
             held = [f for f, key in self.routed.items() if key == model.key]
             log.exception(
                 "a step of %s failed; failing its %d requests", self.names.get(model.key, model.key), len(held)

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tx.engine.errors import EXITS
+
 log = logging.getLogger("tx.engine")
 
 Decode = Callable[[list[int]], str]
@@ -33,7 +35,22 @@ def load_decoder(model_dir: Path) -> tuple[Decode, list[int]]:
         # the engine build that called this (its model's weights), for as long as a log handler keeps it.
         log.warning("no tokenizer in %s (%s): stop strings are unavailable", model_dir, str(err))
         return _no_text, _configured_eos(model_dir)
-    return decode, _configured_eos(model_dir) or eos_from_tokenizer
+    return _contained(decode), _configured_eos(model_dir) or eos_from_tokenizer
+
+
+def _contained(decode: Decode) -> Decode:
+    """`decode` whose native panics are ValueErrors: a hostile `tokenizer.json` (a decoder regex that backtracks
+    past onig's retry limit) panics inside `tokenizers`, and the sampler then fails that request alone."""
+
+    def safe(tokens: list[int]) -> str:
+        try:
+            return decode(tokens)
+        except EXITS:
+            raise
+        except BaseException as err:  # pyo3's PanicException is not an Exception
+            raise ValueError(f"the model's tokenizer failed to decode: {type(err).__name__}: {err}") from None
+
+    return safe
 
 
 def _configured_eos(model_dir: Path) -> list[int]:
