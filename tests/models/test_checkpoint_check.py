@@ -65,6 +65,12 @@ def header_length_past_the_end(d: Path) -> None:
     f.write_bytes(struct.pack("<Q", 10**9) + f.read_bytes()[8:])
 
 
+def a_header_nested_past_the_stack(d: Path) -> None:  # json.loads raised RecursionError: a 500 at upload
+    header = b"[" * 100_000 + b"]" * 100_000
+    f = d / "model.safetensors"
+    f.write_bytes(struct.pack("<Q", len(header)) + header + f.read_bytes())
+
+
 def cut_the_data(d: Path) -> None:
     f = d / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-4])
@@ -107,6 +113,7 @@ def unsupported_architecture(d: Path) -> None:
     "spoil,message",
     [
         (header_length_past_the_end, r"model.safetensors is truncated or not safetensors: header of 1000000000 bytes"),
+        (a_header_nested_past_the_stack, r"model.safetensors: header is not JSON \(RecursionError"),
         (cut_the_data, r"model.safetensors is truncated: tensor '.*' ends at data byte \d+, the file holds \d+"),
         (
             integer_weights,

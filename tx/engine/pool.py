@@ -228,7 +228,9 @@ class ModelPool:
                 del self.fetching[key]
                 try:
                     self.located[key] = fetch.result()
-                except Exception as err:
+                except EXITS:
+                    raise
+                except BaseException as err:  # a native panic of the fetch too: that model's requests fail
                     self._fail_waiting(key, err)
 
     def _finish_loads(self) -> None:
@@ -238,7 +240,9 @@ class ModelPool:
             del self.loading[key]
             try:
                 runner, info = load.result()
-            except Exception as err:
+            except EXITS:
+                raise
+            except BaseException as err:  # a native panic in the build too: that model's requests fail alone
                 log.warning("loading %s failed: %s", self.names[key], err, exc_info=True)
                 self._fail_waiting(key, err)
                 continue

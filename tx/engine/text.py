@@ -30,7 +30,9 @@ def load_decoder(model_dir: Path) -> tuple[Decode, list[int]]:
     settings = _json(model_dir / "tokenizer_config.json")
     try:
         decode, eos_from_tokenizer = _fast(model_dir, settings) or _transformers(model_dir)
-    except Exception as err:  # a model directory without tokenizer files still trains and samples
+    except EXITS:
+        raise
+    except BaseException as err:  # a model directory without a usable tokenizer still trains and samples
         # The message as text: a record holding `err` would hold its traceback, and with it the frames of
         # the engine build that called this (its model's weights), for as long as a log handler keeps it.
         log.warning("no tokenizer in %s (%s): stop strings are unavailable", model_dir, str(err))

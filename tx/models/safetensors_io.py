@@ -49,8 +49,8 @@ def read_header(path: Path) -> tuple[dict, int]:
             raise BadSafetensors(f"{path.name} is truncated or not safetensors: header of {size} bytes")
         try:
             header = json.loads(f.read(size))
-        except ValueError as err:
-            raise BadSafetensors(f"{path.name}: header is not JSON ({err})") from None
+        except (ValueError, RecursionError) as err:  # RecursionError: JSON nested past Python's stack
+            raise BadSafetensors(f"{path.name}: header is not JSON ({type(err).__name__}: {err})") from None
     if not isinstance(header, dict):
         raise BadSafetensors(f"{path.name}: header is not a JSON object")
     header.pop("__metadata__", None)
