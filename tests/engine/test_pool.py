@@ -246,6 +246,7 @@ def test_a_hub_model_over_the_budget_is_refused_before_its_download(dirs, tmp_pa
     (tmp_path / "config-only").mkdir()
     (tmp_path / "config-only" / "config.json").write_text(json.dumps(config))
     fetched: list[str] = []
+    threads: list[str] = []
 
     def locate(name: str) -> Path:
         fetched.append(name)
@@ -256,7 +257,7 @@ def test_a_hub_model_over_the_budget_is_refused_before_its_download(dirs, tmp_pa
         lambda d: estimate_bytes(d, "float32"),
         100 * MB,
         locate=locate,
-        locate_config=lambda name: tmp_path / "config-only",
+        locate_config=lambda name: threads.append(threading.current_thread().name) or tmp_path / "config-only",
     )
     (refused,) = _drain(pool, [_sample("org/huge")]).values()
     assert isinstance(refused, RequestError) and refused.category == "user", refused
@@ -264,6 +265,7 @@ def test_a_hub_model_over_the_budget_is_refused_before_its_download(dirs, tmp_pa
     assert f"'org/huge' needs about {needed}, more than the memory budget 100.00 MB" in refused.message
     assert estimate_bytes(tmp_path / "config-only", "float32") >= 30e9
     assert fetched == [] and not pool.fetching
+    assert threads and all(name.startswith("tx-fetch") for name in threads)  # the hub lookup: not the engine's
 
 
 def test_other_models_keep_running_while_one_loads(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

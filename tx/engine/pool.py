@@ -205,13 +205,8 @@ class ModelPool:
                 continue
             directory = self._directory(key)
             if directory is None:
-                try:  # sized from its config before its weights are downloaded (a 470 GB fetch, then refused)
-                    self._check_budget(key, self._estimate(self._locate_config(key)))
-                except Exception as err:
-                    self._fail_waiting(key, err)
-                    continue
                 log.info("fetching %s for %d waiting requests", self.names[key], len(self.waiting[key]))
-                self.fetching[key] = self._fetcher.submit(self._locate, key)
+                self.fetching[key] = self._fetcher.submit(self._fetch, key)
                 continue
             try:
                 needed = self._size_of(key)
@@ -221,6 +216,12 @@ class ModelPool:
                 continue
             log.info("loading %s for %d waiting requests", self.names[key], len(self.waiting[key]))
             self.loading[key] = (self._loader.submit(self._build, self.names[key], directory), needed)
+
+    def _fetch(self, key: str) -> Path:
+        """On the fetcher thread (the hub is network; the engine thread steps every model): the model sized from
+        its config alone first (a 470 GB download, then refused, would fill the disk), then its weights."""
+        self._check_budget(key, self._estimate(self._locate_config(key)))
+        return self._locate(key)
 
     def _finish_fetches(self) -> None:
         for key, fetch in list(self.fetching.items()):
