@@ -621,3 +621,31 @@ def test_a_split_burst_takes_the_next_compiled_bucket(qwen):
     alone = Sampler(qwen.graphdef, lambda: qwen.state, qwen.cfg, CFG, (), char_decode, qwen.fixed())
     expected, _ = run(alone, two)
     assert {k: tokens_of(v) for k, v in results.items()} == {k: tokens_of(v) for k, v in expected.items()}
+
+
+def test_one_clients_backlog_delays_anothers_request_by_one_of_its_requests(qwen):
+    """Waiting requests take turns by sampling session: before, admission was first come, first served, so a
+    session's backlog of requests that each fill every row held another session's one-token request behind
+    all of them. A session's own requests keep their order."""
+    sampler = qwen.sampler
+    for i in range(5):
+        sampler.submit(f"a{i}", make_req(PROMPTS[0], 8, n=CFG.max_rows, temperature=1.0, seed=i), 0, "session-a")
+    sampler.submit("b", make_req(PROMPTS[1], 1, temperature=0.0), 0, "session-b")
+    order = []
+    while not sampler.idle():
+        order += [request_id for request_id, _ in sampler.step()]
+    assert order.index("b") < order.index("a1") and [r for r in order if r != "b"] == [f"a{i}" for i in range(5)]
+
+
+def test_the_queue_takes_turns_by_group():
+    from collections import deque
+
+    from tx.engine.sampler_rows import Job, queue_fairly
+
+    waiting: deque[Job] = deque()
+    for name in ["a1", "a2", "a3", "b1", "c1", "b2", "a4"]:
+        queue_fairly(waiting, Job(name, None, 0, [], None, group=name[0]))  # type: ignore[arg-type]
+    assert [job.request_id for job in waiting] == ["a1", "b1", "c1", "a2", "b2", "a3", "a4"]
+    waiting.popleft()  # a1 admitted: a's next request keeps its turn, a new group's first goes ahead of it
+    queue_fairly(waiting, Job("d1", None, 0, [], None, group="d"))  # type: ignore[arg-type]
+    assert [job.request_id for job in waiting] == ["b1", "c1", "d1", "a2", "b2", "a3", "a4"]

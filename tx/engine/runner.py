@@ -345,7 +345,7 @@ class JaxRunner:
             slot = self.weights.resolve(req, self._path, self._protect)
             snapshot = req.weights.snapshot_id if req.weights else None
             full = self.full.use(snapshot) if snapshot else None
-            (full or self.sampler).submit(item.future_id, req, 0 if full else slot)
+            (full or self.sampler).submit(item.future_id, req, 0 if full else slot, item.model_id or "")
         except SlotsExhausted:  # its snapshot would read one slot too many (`check_sampling_room`): wait
             self.slot_waiting.append(item)
         except Exception as err:  # contained: this request fails, nothing else does

@@ -37,6 +37,7 @@ from tx.engine.sampler_rows import (
     plan_admission,
     prefill_batch,
     prompt_results,
+    queue_fairly,
     row_slots,
     warm_bucket,
 )
@@ -169,8 +170,9 @@ class Sampler:
         """Adapter slots that waiting or decoding requests read: they must not be evicted or rewritten."""
         return {job.slot for job in self._waiting} | {row.job.slot for row in self._rows if row is not None}
 
-    def submit(self, request_id: str, req: SampleRequest, slot: int) -> None:
-        """Queue a request sampled with the weights in adapter `slot`; errors come out of the next `step`."""
+    def submit(self, request_id: str, req: SampleRequest, slot: int, group: str = "") -> None:
+        """Queue a request sampled with the weights in adapter `slot`; errors come out of the next `step`.
+        Requests wait round-robin by `group` (the sampling session: `queue_fairly`)."""
         try:
             self._validate(req, slot)
             stop = StopChecker(
@@ -183,7 +185,7 @@ class Sampler:
             self._outbox.append((request_id, err if isinstance(err, RequestError) else RequestError(str(err), "user")))
             return
         seeds = sample_seeds(resolve_seed(req.params.seed, request_id), req.num_samples)
-        self._waiting.append(Job(request_id, req, slot, seeds, stop))
+        queue_fairly(self._waiting, Job(request_id, req, slot, seeds, stop, group=group))
 
     def step(self) -> list[Outcome]:
         """Admit waiting requests, run one decode chunk, return the requests that finished."""

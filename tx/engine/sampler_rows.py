@@ -10,6 +10,7 @@ token 0. The functions here turn rows into the numpy inputs of `decode_steps` an
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -33,6 +34,8 @@ class Job:
     seeds: list[int]
     stop: StopChecker
     admitted: int = 0
+    group: str = ""  # whose turn it takes in the queue (`queue_fairly`): its sampling session
+    turn: int = 0
     sequences: dict[int, SampledSequence] = dataclasses.field(default_factory=dict)
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[TopK | None] | None = None
@@ -119,6 +122,19 @@ def warm_bucket(n: int, buckets: Sequence[int], used: set[tuple[int, int]], othe
         if exact < size <= reach * exact and (size, other) in used:
             return size
     return exact
+
+
+def queue_fairly(waiting: deque[Job], job: Job) -> None:
+    """Queue `job` round-robin by group: its turn is one past its group's last waiting job (0 when it has none),
+    and it goes behind every waiting job of the same or an earlier turn (the queue stays sorted by turn). One
+    client's backlog then delays another client's next request by one of its requests, not by all of them;
+    a single group keeps its order (FIFO)."""
+    turns = [other.turn for other in waiting if other.group == job.group]
+    job.turn = max(turns) + 1 if turns else 0
+    at = len(waiting)
+    while at > 0 and waiting[at - 1].turn > job.turn:
+        at -= 1
+    waiting.insert(at, job)
 
 
 def plan_admission(waiting: Sequence[tuple[int, int]], free_rows: int, max_rows: int, prefill_budget: int) -> list[int]:
