@@ -309,3 +309,33 @@ def test_a_backlog_of_samples_leaves_training_a_slot(runner: JaxRunner) -> None:
     runner.bank.host_snapshots.clear()
     for info in list(runner.slots):
         runner.bank.clear(runner.bank.release(info.owner).slot)
+
+
+def test_samples_kept_coming_on_one_snapshot_do_not_hold_its_slot_from_another(runner: JaxRunner) -> None:
+    """With the one slot sampling may read taken by snapshot a, a sample of snapshot b waits; a sample of a kept
+    joining a's busy slot, so a client who kept one queued held the slot for good and b never ran. Now, while
+    b waits, a's new samples wait too: a drains, b runs, then a again."""
+    for name in ("a", "b"):
+        _create(runner, name)
+        _ok(runner, _item("save_weights_for_sampler", name, SaveSamplerRequest(f"snap-{name}")))
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=7)
+
+    def sample(name: str) -> WorkItem:
+        return _item("sample", "s", SampleRequest([1, 2, 3], 1, params, "m", weights=WeightsRef(f"snap-{name}")))
+
+    stream = [sample("a") for _ in range(30)]
+    waiting = sample("b")
+    runner.submit([stream[0], waiting])
+    finished: dict[str, int] = {}
+    for round_ in range(300):
+        if round_ + 1 < len(stream):
+            runner.submit([stream[round_ + 1]])  # one more of a's every round, before a's earlier ones end
+        finished.update((c.future_id, round_) for c in runner.step())
+        if runner.idle() and round_ + 1 >= len(stream):
+            break
+    assert runner.idle() and len(finished) == len(stream) + 1
+    assert finished[waiting.future_id] < len(stream) - 1, (finished[waiting.future_id], len(stream))
+    _unload(runner, "a", "b")
+    runner.bank.host_snapshots.clear()
+    for info in list(runner.slots):
+        runner.bank.clear(runner.bank.release(info.owner).slot)

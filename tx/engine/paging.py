@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from tx.engine.trainer import Trainer, lora_targets
-from tx.lora.slots import OwnerKind, SlotsExhausted
+from tx.lora.slots import OwnerKind, ReadSlotsBusy, SlotsExhausted
 from tx.protocol import LoraConfig
 
 log = logging.getLogger("tx.engine")
@@ -93,7 +93,7 @@ class Pager:
     def check_sampling_room(self, snapshot_id: str) -> None:
         """Sampling reads at most `max_adapters - 1` adapter slots at once (the one slot, with one), so a
         training run always finds a slot: a backlog of samples over as many snapshots as slots held them all
-        and training waited until it drained. Raises `SlotsExhausted` (the sample waits for a later step)
+        and training waited until it drained. Raises `ReadSlotsBusy` (the sample waits for a later step)
         when reading `snapshot_id` would make one slot too many."""
         slots = self.bank.slots
         info = slots.get(snapshot_id)
@@ -101,7 +101,7 @@ class Pager:
         if (info is not None and info.slot in busy) or slots.max_adapters == 1:
             return
         if len(busy) >= slots.max_adapters - 1:
-            raise SlotsExhausted(f"{len(busy)} snapshots are being sampled: one slot stays free for training")
+            raise ReadSlotsBusy(f"{len(busy)} snapshots are being sampled: one slot stays free for training")
 
     def host_report(self) -> str:
         """What the host store holds: runs and snapshots, and their bytes (each run's too)."""

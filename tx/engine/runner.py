@@ -36,7 +36,7 @@ from tx.engine.sampler_weights import SamplerWeights
 from tx.engine.snapshots import FullSnapshots, HeldSnapshots, SamplerFactory
 from tx.engine.trainer import Trainer
 from tx.engine.weights_io import WeightsIO
-from tx.lora.slots import SlotsExhausted, SlotTable
+from tx.lora.slots import ReadSlotsBusy, SlotsExhausted, SlotTable
 from tx.names import contained
 from tx.protocol import (
     CheckpointResult,
@@ -89,6 +89,7 @@ class JaxRunner:
         self.pending: list[WorkItem] = []
         self.outbox: list[Completion] = []  # requests refused at submit, reported by the next step
         self.slot_waiting: list[WorkItem] = []  # samples whose snapshot waits in host memory for a free slot
+        self.read_queue: set[str] = set()  # those of them that wait for a slot sampling may read: first in turn
         data_dirs = [checkpoint_root.parent] if checkpoint_root is not None else []
         # a request over one round's tokens, a micro-batch per round
         self.long = LongItem(trainer, functools.partial(as_request_error, roots=data_dirs))
@@ -109,6 +110,7 @@ class JaxRunner:
         self.pending = [i for i in self.pending if i.future_id not in gone]
         self.outbox = [c for c in self.outbox if c.future_id not in gone]
         self.slot_waiting = [i for i in self.slot_waiting if i.future_id not in gone]
+        self.read_queue -= gone
         for sampler in self._samplers():
             sampler.discard(gone)
         self.long.discard(gone)
@@ -156,8 +158,8 @@ class JaxRunner:
         return self.bank.slots
 
     def step(self) -> list[Completion]:
-        waiting, self.slot_waiting = self.slot_waiting, []
-        self.submit(waiting)
+        waiting, self.slot_waiting, self.read_queue = self.slot_waiting, [], set()
+        self.submit(waiting)  # in their order: the first that finds no slot makes the rest wait behind it
         done, self.outbox = self.outbox, []
         plan = self._resident(plan_round(self.pending, self._full_runs(), self._limits()))
         self.notes.planned(plan, self.trainer.runs)
@@ -342,11 +344,14 @@ class JaxRunner:
         req = item.payload
         assert isinstance(req, SampleRequest)
         try:
-            slot = self.weights.resolve(req, self._path, self._protect)
+            slot = self.weights.resolve(req, self._path, self._protect, bool(self.read_queue))
             snapshot = req.weights.snapshot_id if req.weights else None
             full = self.full.use(snapshot) if snapshot else None
             (full or self.sampler).submit(item.future_id, req, 0 if full else slot, item.model_id or "")
-        except SlotsExhausted:  # its snapshot would read one slot too many (`check_sampling_room`): wait
+        except ReadSlotsBusy:  # its snapshot would read one slot too many (`check_sampling_room`): wait in turn
+            self.slot_waiting.append(item)
+            self.read_queue.add(item.future_id)
+        except SlotsExhausted:  # every full fine-tuning snapshot kept is being sampled: wait
             self.slot_waiting.append(item)
         except Exception as err:  # contained: this request fails, nothing else does
             self.outbox.append(Completion(item.future_id, self._error(err)))

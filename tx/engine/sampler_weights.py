@@ -18,6 +18,7 @@ from tx.engine.sampler import Sampler
 from tx.engine.snapshots import FullSnapshots
 from tx.engine.trainer import Run, Trainer
 from tx.engine.weights_io import WeightsIO
+from tx.lora.slots import ReadSlotsBusy
 from tx.models.causal_lm import decode_layout
 from tx.protocol import CheckpointResult, LoraConfig, RequestError, SampleRequest, SaveSamplerRequest
 
@@ -54,13 +55,16 @@ class SamplerWeights:
             return CheckpointResult(p.tinker_path, size_bytes=self.io.save_full(dest, run.params, self.trainer.config))
         return CheckpointResult(p.tinker_path, size_bytes=self.io.save_peft(dest, self.bank, run.slot, run.lora))
 
-    def resolve(self, req: SampleRequest, path: PathCheck, protect: frozenset[str]) -> int:
+    def resolve(self, req: SampleRequest, path: PathCheck, protect: frozenset[str], queued: bool = False) -> int:
         """The adapter slot the sample reads (0: the base weights, or a full snapshot's own sampler),
         loading its snapshot from host memory or disk when it is not on the device. Raises `SlotsExhausted`
-        when the sample must wait for a slot."""
+        when the sample must wait for a slot; `ReadSlotsBusy` at once while others wait for one (`queued`):
+        they go first, or a client who kept a sample queued on a snapshot being read held its slot for good."""
         ref = req.weights
         if ref is None or ref.snapshot_id in self.full:
             return 0
+        if queued:
+            raise ReadSlotsBusy("samples of other snapshots wait for a sampling slot first")
         info = self.bank.slots.get(ref.snapshot_id)
         if info is not None:
             self.pager.check_sampling_room(ref.snapshot_id)

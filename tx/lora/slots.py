@@ -34,6 +34,10 @@ class SlotsExhausted(RuntimeError):
     """Every adapter slot is held; the message tells the operator which flag raises the limit."""
 
 
+class ReadSlotsBusy(SlotsExhausted):
+    """Sampling already reads every adapter slot it may (all but one): the sample waits its turn."""
+
+
 def targets_from_flags(train_attn: bool, train_mlp: bool, train_unembed: bool) -> frozenset[str]:
     """The SDK's `train_attn/train_mlp/train_unembed` flags as the set of short module names to adapt."""
     targets = (
