@@ -421,10 +421,10 @@ def test_a_sample_that_fails_on_submission_fails_alone(runner: JaxRunner, monkey
     submits the batch's other items a second time."""
     submit = runner.sampler.submit
 
-    def faulty(request_id, req, slot):  # type: ignore[no-untyped-def]
+    def faulty(request_id, req, slot, group=""):  # type: ignore[no-untyped-def]
         if req.prompt[0] == CULPRIT:
             raise MemoryError("planted: no room on the device")
-        return submit(request_id, req, slot)
+        return submit(request_id, req, slot, group)
 
     monkeypatch.setattr(runner.sampler, "submit", faulty)
     params = SamplingParams(max_tokens=3, temperature=0.0)
