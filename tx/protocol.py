@@ -310,12 +310,23 @@ class SampledSequence:
 
 
 @dataclass
+class TopkLogprobs:
+    """The k likeliest tokens at each of a prompt's P positions, likeliest first: `ids` [P, k] int32 and
+    `logprobs` [P, k] float32. Row 0 (nothing precedes the first token) is undefined: ids 0, logprobs NaN."""
+
+    ids: np.ndarray
+    logprobs: np.ndarray
+
+
+@dataclass
 class SampleResult:
-    """`prompt_logprobs[0]` is None; `topk_prompt_logprobs[j]` lists (token, logprob), row 0 None."""
+    """`prompt_logprobs` [P] float32 scores each prompt token given the ones before it; entry 0 is NaN (the
+    wire's None). Arrays, not lists of floats: a long prompt's scores are stored and sent as raw bytes, never
+    turned into Python objects one by one on the engine thread."""
 
     sequences: list[SampledSequence]
-    prompt_logprobs: list[float | None] | None = None
-    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_logprobs: np.ndarray | None = None
+    topk_prompt_logprobs: TopkLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -369,6 +380,7 @@ PROTOCOL_TYPES: tuple[type, ...] = (
     LoadWeightsRequest,
     WeightsRef,
     SamplingParams,
+    TopkLogprobs,
     SampleRequest,
     UnloadModelRequest,
     CreateModelResult,

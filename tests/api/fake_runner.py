@@ -30,6 +30,7 @@ from tx.protocol import (
     SampleResult,
     SaveSamplerRequest,
     SaveStateRequest,
+    TopkLogprobs,
     UnloadResult,
     WorkItem,
 )
@@ -119,11 +120,10 @@ def _sample(request: SampleRequest) -> SampleResult:
         SampledSequence([(request.prompt[-1] + i + j) % 50 for j in range(n_new)], [-0.5] * n_new, "length")
         for i in range(request.num_samples)
     ]
-    prompt_lp: list[float | None] | None = None
-    topk: list[list[tuple[int, float]] | None] | None = None
-    if request.prompt_logprobs:
-        prompt_lp = [None] + [-1.0] * (len(request.prompt) - 1)
-    if request.topk_prompt_logprobs:
-        k = request.topk_prompt_logprobs
-        topk = [None] + [[(t, -0.1 * (t + 1)) for t in range(k)] for _ in request.prompt[1:]]
+    P, k = len(request.prompt), request.topk_prompt_logprobs
+    prompt_lp = np.full(P, -1.0, np.float32) if request.prompt_logprobs else None
+    if prompt_lp is not None:
+        prompt_lp[0] = np.nan
+    ids = np.broadcast_to(np.arange(k, dtype=np.int32), (P, k))
+    topk = TopkLogprobs(ids, (-0.1 * (ids + 1)).astype(np.float32)) if k else None
     return SampleResult(sequences, prompt_lp, topk)

@@ -13,7 +13,7 @@ from tx.api.routes_futures import _render
 from tx.api.wire_decode import WireError, json_tensor, parse_forward_backward_proto, sampling_params
 from tx.api.wire_encode import clean_metrics, forward_backward_proto, sample_proto
 from tx.db.tables import FutureRow
-from tx.protocol import ForwardBackwardResult, SampledSequence, SampleResult
+from tx.protocol import ForwardBackwardResult, SampledSequence, SampleResult, TopkLogprobs
 
 LIMITS = Limits(max_seq_len=64, vocab_size=256)
 
@@ -34,8 +34,10 @@ def test_ragged_outputs_become_several_records() -> None:
 def test_sample_proto_decoded_by_sdk() -> None:
     result = SampleResult(
         [SampledSequence([5, 6], [-0.1, -0.2], "stop"), SampledSequence([7], [-0.3], "length")],
-        prompt_logprobs=[None, -1.5, -2.5],
-        topk_prompt_logprobs=[None, [(1, -0.5)], [(2, -0.25), (3, -0.75)]],
+        prompt_logprobs=np.array([np.nan, -1.5, -2.5], np.float32),
+        topk_prompt_logprobs=TopkLogprobs(
+            np.array([[0, 0], [1, 4], [2, 3]], np.int32), np.array([[0, 0], [-0.5, -1], [-0.25, -0.75]], np.float32)
+        ),
     )
     decoded = deserialize_sample_response(sample_proto(result))
     assert [s.tokens for s in decoded.sequences] == [[5, 6], [7]]

@@ -18,6 +18,7 @@ from tx.protocol import (
     OptimStepResult,
     SampledSequence,
     SampleResult,
+    TopkLogprobs,
     UnloadResult,
 )
 
@@ -87,17 +88,29 @@ def test_sample_protobuf_stop_reasons_and_absent_prompt_logprobs() -> None:
     assert decoded.prompt_logprobs is None and decoded.topk_prompt_logprobs is None
 
 
-def test_ragged_top_k_rows_are_padded_and_read_back_as_sent() -> None:
-    rows = [None, [(4, -0.5)], [(1, -0.25), (2, -1.0), (3, -3.0)], []]
-    message = wire_proto.SampleResponse.FromString(result_proto(_sample(topk_prompt_logprobs=rows)))
-    assert (message.topk_prompt_logprobs.k, message.topk_prompt_logprobs.length) == (3, 4)
-    ids = np.frombuffer(message.topk_prompt_logprobs.token_ids, "<i4").reshape(4, 3)
-    assert ids.tolist() == [[0, 0, 0], [4, 0, 0], [1, 2, 3], [0, 0, 0]]
-    decoded = deserialize_sample_response(result_proto(_sample(topk_prompt_logprobs=rows)))
-    assert decoded.topk_prompt_logprobs[1] == [(4, -0.5)] and decoded.topk_prompt_logprobs[2] == rows[2]
-    assert not decoded.topk_prompt_logprobs[3]
-    empty = wire_proto.SampleResponse.FromString(result_proto(_sample(topk_prompt_logprobs=[None, None])))
-    assert (empty.topk_prompt_logprobs.k, empty.topk_prompt_logprobs.length) == (0, 2)
+def _topk(ids: list[list[int]], logprobs: list[list[float]]) -> TopkLogprobs:
+    return TopkLogprobs(np.array(ids, np.int32), np.array(logprobs, np.float32))
+
+
+def test_top_k_rows_are_sent_dense_with_the_first_as_none() -> None:
+    topk = _topk([[9, 9], [4, 1], [1, 2]], [[np.nan, np.nan], [-0.5, -1.5], [-0.25, -1.0]])
+    message = wire_proto.SampleResponse.FromString(result_proto(_sample(topk_prompt_logprobs=topk)))
+    assert (message.topk_prompt_logprobs.k, message.topk_prompt_logprobs.length) == (2, 3)
+    ids = np.frombuffer(message.topk_prompt_logprobs.token_ids, "<i4").reshape(3, 2)
+    assert ids.tolist() == [[0, 0], [4, 1], [1, 2]]  # row 0: the sentinel, whatever the result held
+    decoded = deserialize_sample_response(result_proto(_sample(topk_prompt_logprobs=topk)))
+    assert decoded.topk_prompt_logprobs == [None, [(4, -0.5), (1, -1.5)], [(1, -0.25), (2, -1.0)]]
+    one = deserialize_sample_response(result_proto(_sample(topk_prompt_logprobs=_topk([[0, 0]], [[0.0, 0.0]]))))
+    assert one.topk_prompt_logprobs == [None]  # a one-token prompt: its only row is the undefined first one
+    assert topk.ids[0].tolist() == [9, 9]  # the result itself is left as it was
+
+
+def test_prompt_logprobs_send_entry_zero_as_none() -> None:
+    prompt = np.array([-7.0, -1.5, -2.25], np.float32)
+    decoded = deserialize_sample_response(result_proto(_sample(prompt_logprobs=prompt)))
+    assert decoded.prompt_logprobs == [None, -1.5, -2.25]
+    assert result_json(_sample(prompt_logprobs=prompt))["prompt_logprobs"] == [None, -1.5, -2.25]
+    assert prompt[0] == -7.0
 
 
 def test_json_forward_backward_tensors_name_their_dtype_and_shape() -> None:
@@ -123,15 +136,15 @@ def test_json_for_every_other_result_type() -> None:
 
 
 def test_json_sample_keeps_prompt_logprobs_and_top_k_rows() -> None:
-    rows = [None, [(np.int32(4), np.float32(-0.5))]]
-    body = result_json(_sample(prompt_logprobs=[None, -1.5], topk_prompt_logprobs=rows))
+    topk = _topk([[0], [4]], [[np.nan], [-0.5]])
+    body = result_json(_sample(prompt_logprobs=np.array([np.nan, -1.5], np.float32), topk_prompt_logprobs=topk))
     assert body == {
         "sequences": [{"stop_reason": "stop", "tokens": [5, 6], "logprobs": [-0.5, -0.25]}],
         "prompt_logprobs": [None, -1.5],
         "topk_prompt_logprobs": [None, [[4, -0.5]]],
         "type": "sample",
     }
-    assert type(body["topk_prompt_logprobs"][1][0][0]) is int
+    assert type(body["topk_prompt_logprobs"][1][0][0]) is int and type(body["prompt_logprobs"][1]) is float
     assert result_json(_sample())["topk_prompt_logprobs"] is None
 
 

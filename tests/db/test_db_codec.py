@@ -22,6 +22,7 @@ from tx.protocol import (
     SampleRequest,
     SampleResult,
     SamplingParams,
+    TopkLogprobs,
     WeightsRef,
 )
 
@@ -47,10 +48,12 @@ def test_roundtrip_forward_backward_with_arrays() -> None:
         OptimStepRequest(AdamParams(learning_rate=3e-4, grad_clip_norm=1.0)),
         LoadWeightsRequest("b", LoraConfig(8, train_unembed=False), "/d", "tinker://r/weights/x", True, {"k": "v"}),
         SampleRequest([1, 2], 2, SamplingParams(5, stop_token_ids=[7], stop_at_eos=False), "b", WeightsRef("s")),
-        SampleResult([SampledSequence([1, 2], [-0.5, -0.25], "stop")], [None, -1.5], [None, [(3, -0.1), (4, -0.2)]]),
+        SampleResult([SampledSequence([1, 2], [-0.5, -0.25], "stop")]),
         RequestError("bad", "user"),
         [1, True, 2.5] + [3] * 40,
         [2**40] + [-1] * 40,
+        [0.1 * i - 1e-300 for i in range(40)] + [float("inf"), 5e-324],  # packed as float64: every bit kept
+        [0.5] * 40 + [None, 1],
     ],
 )
 def test_roundtrip(obj: object) -> None:
@@ -61,6 +64,26 @@ def test_result_arrays_roundtrip() -> None:
     result = ForwardBackwardResult([{"logprobs": np.linspace(0, 1, 7, dtype=np.float32)}], {"loss:sum": 1.5})
     back = codec.decode(codec.encode(result))
     np.testing.assert_array_equal(back.outputs[0]["logprobs"], result.outputs[0]["logprobs"])
+
+
+def test_prompt_scores_and_long_logprob_lists_travel_as_raw_bytes() -> None:
+    """A long prompt's scores and a long sample's logprobs are arrays in the blob, not JSON text: the header
+    stays small whatever the length, and every value comes back bit for bit."""
+    P, k, T = 4096, 20, 4096
+    rng = np.random.default_rng(0)
+    prompt = rng.standard_normal(P).astype(np.float32)
+    prompt[0] = np.nan
+    ids = rng.integers(0, 2**31 - 1, (P, k)).astype(np.int32)
+    topk = TopkLogprobs(ids, rng.standard_normal((P, k)).astype(np.float32))
+    sequence = SampledSequence(rng.integers(0, 2**17, T).tolist(), rng.standard_normal(T).tolist(), "length")
+    blob = codec.encode(SampleResult([sequence], prompt, topk))
+    (header_len,) = struct.unpack_from("<I", blob, 4)
+    assert header_len < 1000
+    back = codec.decode(blob)
+    np.testing.assert_array_equal(back.prompt_logprobs, prompt)
+    np.testing.assert_array_equal(back.topk_prompt_logprobs.ids, topk.ids)
+    np.testing.assert_array_equal(back.topk_prompt_logprobs.logprobs, topk.logprobs)
+    assert back.sequences == [sequence]
 
 
 def _blob(header: object) -> bytes:

@@ -102,9 +102,11 @@ def _only(results: dict[str, Any]) -> Any:
 
 
 def _same_sample(a: SampleResult, b: SampleResult) -> bool:
-    return (a.sequences[0].tokens, a.sequences[0].logprobs, a.prompt_logprobs) == (
-        b.sequences[0].tokens, b.sequences[0].logprobs, b.prompt_logprobs
-    )  # fmt: skip
+    same_prompt = (a.prompt_logprobs is None) == (b.prompt_logprobs is None) and (
+        a.prompt_logprobs is None or np.array_equal(a.prompt_logprobs, b.prompt_logprobs, equal_nan=True)
+    )
+    first, second = a.sequences[0], b.sequences[0]
+    return same_prompt and (first.tokens, first.logprobs) == (second.tokens, second.logprobs)
 
 
 def _all_ok(results: dict[str, Any]) -> None:

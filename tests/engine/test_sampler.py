@@ -359,14 +359,13 @@ def test_prompt_logprobs_match_teacher_forcing(qwen):
     results, _ = run(qwen.sampler, {"p": (req, LORA_SLOT), "one": (one, 0), "plain": (make_req(prompt, 2), 0)})
     logp = qwen.logprobs(prompt, LORA_SLOT)
     got = results["p"]
-    assert got.prompt_logprobs[0] is None and got.topk_prompt_logprobs[0] is None
+    assert np.isnan(got.prompt_logprobs[0]) and got.topk_prompt_logprobs.ids.shape == (len(prompt), 3)
     expected = [logp[j - 1, prompt[j]] for j in range(1, len(prompt))]
     np.testing.assert_allclose(got.prompt_logprobs[1:], expected, atol=2e-4)
     for j in range(1, len(prompt)):
-        top = got.topk_prompt_logprobs[j]
-        assert [t for t, _ in top] == list(np.argsort(-logp[j - 1])[:3])
-        np.testing.assert_allclose([lp for _, lp in top], np.sort(logp[j - 1])[::-1][:3], atol=2e-4)
-    assert results["one"].prompt_logprobs == [None]
+        assert got.topk_prompt_logprobs.ids[j].tolist() == list(np.argsort(-logp[j - 1])[:3])
+        np.testing.assert_allclose(got.topk_prompt_logprobs.logprobs[j], np.sort(logp[j - 1])[::-1][:3], atol=2e-4)
+    assert results["one"].prompt_logprobs.shape == (1,) and np.isnan(results["one"].prompt_logprobs[0])
     assert results["plain"].prompt_logprobs is None and results["plain"].topk_prompt_logprobs is None
 
 
@@ -401,7 +400,7 @@ def test_prompt_scores_in_blocks_only_for_the_rows_that_asked(qwen):
             got.prompt_logprobs[1:], [logp[j - 1, prompt[j]] for j in range(1, len(prompt))], atol=2e-4
         )
         for j in range(1, len(prompt)):
-            assert [t for t, _ in got.topk_prompt_logprobs[j]] == list(np.argsort(-logp[j - 1])[:2])
+            assert got.topk_prompt_logprobs.ids[j].tolist() == list(np.argsort(-logp[j - 1])[:2])
     assert all(results[f"plain{i}"].prompt_logprobs is None for i in range(3))
 
 

@@ -21,8 +21,11 @@ def test_any_prompt_score_request_wants_scores_once() -> None:
     assert _job([1, 2, 3], prompt_logprobs=True).wants_prompt_scores()
     top1 = _job([1, 2, 3], topk_prompt_logprobs=1)
     assert top1.wants_prompt_scores()
-    top1.topk_prompt_logprobs = [None, [(2, -0.1)], [(3, -0.2)]]
+    top1.score_prompt(np.array([-0.1, -0.2]), np.array([[2, 9], [3, 9]]), np.array([[-0.1, -3.0], [-0.2, -3.0]]))
     assert not top1.wants_prompt_scores()
+    assert top1.prompt_logprobs is None  # it asked for the top tokens only
+    assert top1.topk_prompt_logprobs.ids[1:].tolist() == [[2], [3]]  # cut to its k
+    np.testing.assert_array_equal(top1.topk_prompt_logprobs.logprobs[1:], np.float32([[-0.1], [-0.2]]))
 
 
 def test_a_one_token_prompt_scores_only_its_undefined_first_entry() -> None:
@@ -31,8 +34,8 @@ def test_a_one_token_prompt_scores_only_its_undefined_first_entry() -> None:
     for job in (plain, scored, topk):
         job.sequences[0] = done
     assert (plain.result().prompt_logprobs, plain.result().topk_prompt_logprobs) == (None, None)
-    assert (scored.result().prompt_logprobs, scored.result().topk_prompt_logprobs) == ([None], None)
-    assert (topk.result().prompt_logprobs, topk.result().topk_prompt_logprobs) == (None, [None])
+    assert np.isnan(scored.result().prompt_logprobs).tolist() == [True] and scored.result().topk_prompt_logprobs is None
+    assert topk.result().prompt_logprobs is None and topk.result().topk_prompt_logprobs.ids.shape == (1, 2)
 
 
 def test_a_row_reaches_no_further_than_its_last_useful_position() -> None:

@@ -23,6 +23,7 @@ from tx.protocol import (
     OptimStepResult,
     Result,
     SampleResult,
+    TopkLogprobs,
     UnloadResult,
 )
 
@@ -103,22 +104,20 @@ def sample_proto(result: SampleResult) -> bytes:
         out.tokens = np.asarray(seq.tokens, dtype="<i4").tobytes()
         out.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
     if result.prompt_logprobs is not None:
-        values = [math.nan if v is None else v for v in result.prompt_logprobs]
-        message.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
+        values = np.array(result.prompt_logprobs, dtype="<f4")
+        values[:1] = math.nan  # the wire's None: nothing precedes the first token
+        message.prompt_logprobs = values.tobytes()
     if result.topk_prompt_logprobs is not None:
         _fill_topk(message.topk_prompt_logprobs, result.topk_prompt_logprobs)
     return bytes(message.SerializeToString())
 
 
-def _fill_topk(message: Any, rows: list[Any]) -> None:
-    k = max((len(row) for row in rows if row), default=0)
-    ids = np.full((len(rows), k), EMPTY_TOPK[0], dtype="<i4")
-    logprobs = np.full((len(rows), k), EMPTY_TOPK[1], dtype="<f4")
-    for i, row in enumerate(rows):
-        for j, (token, logprob) in enumerate(row or []):
-            ids[i, j], logprobs[i, j] = token, logprob
+def _fill_topk(message: Any, topk: TopkLogprobs) -> None:
+    """Dense [P, k] matrices; row 0 holds the sentinel the SDK reads as None."""
+    ids, logprobs = np.array(topk.ids, dtype="<i4"), np.array(topk.logprobs, dtype="<f4")
+    ids[:1], logprobs[:1] = EMPTY_TOPK
     message.token_ids, message.logprobs = ids.tobytes(), logprobs.tobytes()
-    message.k, message.length = k, len(rows)
+    message.length, message.k = ids.shape
 
 
 def _tensor_json(array: np.ndarray) -> dict[str, Any]:
@@ -167,12 +166,19 @@ def _sample_json(result: SampleResult) -> dict[str, Any]:
     sequences = [
         {"stop_reason": s.stop_reason, "tokens": list(s.tokens), "logprobs": list(s.logprobs)} for s in result.sequences
     ]
-    topk = None
-    if result.topk_prompt_logprobs is not None:
-        topk = [None if row is None else [[int(t), float(lp)] for t, lp in row] for row in result.topk_prompt_logprobs]
+    prompt = None if result.prompt_logprobs is None else [None, *result.prompt_logprobs[1:].tolist()]
+    topk = None if result.topk_prompt_logprobs is None else _topk_json(result.topk_prompt_logprobs)
     return {
         "sequences": sequences,
-        "prompt_logprobs": result.prompt_logprobs,
+        "prompt_logprobs": prompt,
         "topk_prompt_logprobs": topk,
         "type": "sample",
     }
+
+
+def _topk_json(topk: TopkLogprobs) -> list[list[list[int | float]] | None]:
+    """Row j lists [token, logprob] pairs; row 0 is None."""
+    rows: list[list[list[int | float]] | None] = [None]
+    for ids, logprobs in zip(topk.ids[1:].tolist(), topk.logprobs[1:].tolist(), strict=True):
+        rows.append([[t, lp] for t, lp in zip(ids, logprobs, strict=True)])
+    return rows

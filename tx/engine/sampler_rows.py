@@ -19,9 +19,7 @@ from tx.engine.batching import bucket_size
 from tx.engine.decode_steps import DecodeRows, PrefillBatch, PromptScores
 from tx.engine.sampling import StopChecker, greedy_below
 from tx.gather import to_host
-from tx.protocol import SampledSequence, SampleRequest, SampleResult
-
-TopK = list[tuple[int, float]]
+from tx.protocol import SampledSequence, SampleRequest, SampleResult, TopkLogprobs
 
 
 @dataclasses.dataclass(eq=False)
@@ -37,8 +35,8 @@ class Job:
     group: str = ""  # whose turn it takes in the queue (`queue_fairly`): its sampling session
     turn: int = 0
     sequences: dict[int, SampledSequence] = dataclasses.field(default_factory=dict)
-    prompt_logprobs: list[float | None] | None = None
-    topk_prompt_logprobs: list[TopK | None] | None = None
+    prompt_logprobs: np.ndarray | None = None
+    topk_prompt_logprobs: TopkLogprobs | None = None
 
     def wants_prompt_scores(self) -> bool:
         wanted = self.req.prompt_logprobs or self.req.topk_prompt_logprobs > 0
@@ -48,12 +46,23 @@ class Job:
         return len(self.sequences) == self.req.num_samples
 
     def result(self) -> SampleResult:
-        # A one-token prompt has nothing to score: its only entry is the undefined first one.
-        one_token = len(self.req.prompt) == 1
-        prompt_lp = self.prompt_logprobs or ([None] if one_token and self.req.prompt_logprobs else None)
-        topk = self.topk_prompt_logprobs or ([None] if one_token and self.req.topk_prompt_logprobs else None)
+        if len(self.req.prompt) == 1 and self.wants_prompt_scores():
+            # A one-token prompt has nothing to score: its only entry is the undefined first one.
+            k = self.req.topk_prompt_logprobs
+            self.score_prompt(np.zeros(0, np.float32), np.zeros((0, k), np.int32), np.zeros((0, k), np.float32))
         sequences = [self.sequences[i] for i in range(self.req.num_samples)]
-        return SampleResult(sequences, prompt_lp, topk)
+        return SampleResult(sequences, self.prompt_logprobs, self.topk_prompt_logprobs)
+
+    def score_prompt(self, logprobs_N: np.ndarray, ids_NK: np.ndarray, top_NK: np.ndarray) -> None:
+        """Keep the scores this request asked for, given those of prompt[1:] (`ids_NK`/`top_NK` at least as
+        wide as its k); entry 0, before the first token, is undefined."""
+        if self.req.prompt_logprobs:
+            self.prompt_logprobs = np.concatenate([np.full(1, np.nan, np.float32), logprobs_N.astype(np.float32)])
+        if k := self.req.topk_prompt_logprobs:
+            ids = np.zeros((len(ids_NK) + 1, k), np.int32)
+            top = np.full((len(top_NK) + 1, k), np.nan, np.float32)
+            ids[1:], top[1:] = ids_NK[:, :k], top_NK[:, :k]
+            self.topk_prompt_logprobs = TopkLogprobs(ids, top)
 
 
 @dataclasses.dataclass(eq=False)
@@ -189,14 +198,9 @@ def copy_sources(table: Sequence[Row | None], new_rows: Sequence[Row], piece_of:
 
 
 def prompt_results(jobs: Sequence[Job], scores: PromptScores) -> None:
-    """Fill in the prompt logprobs of the jobs that asked: entry j scores prompt[j]; entry 0 is None."""
+    """Fill in the prompt logprobs of the jobs that asked: entry j scores prompt[j]; entry 0 is undefined."""
     logprobs, ids, top = (to_host(x) for x in (scores.logprobs, scores.topk_ids, scores.topk_logprobs))
     for i, job in enumerate(jobs):
-        if not job.wants_prompt_scores():
-            continue
-        n, k = len(job.req.prompt) - 1, job.req.topk_prompt_logprobs
-        if job.req.prompt_logprobs:
-            job.prompt_logprobs = [None, *(float(lp) for lp in logprobs[i, :n])]
-        if k:
-            rows = [[(int(t), float(lp)) for t, lp in zip(ids[i, j, :k], top[i, j, :k], strict=True)] for j in range(n)]
-            job.topk_prompt_logprobs = [None, *rows]
+        if job.wants_prompt_scores():
+            n = len(job.req.prompt) - 1
+            job.score_prompt(logprobs[i, :n], ids[i, :n], top[i, :n])
