@@ -21,7 +21,7 @@ def test_help_lists_every_option() -> None:
                  "--max-lora-rank", "--tensor-parallel-size", "--fsdp-size", "--expert-parallel-size", "--dtype",
                  "--train-micro-batch-tokens",
                  "--api-key", "--api-keys-file", "--prompt-cache-mb", "--role", "--allow-models",
-                 "--memory-budget-gb", "--max-upload-gb", "--max-runs"):  # fmt: skip
+                 "--memory-budget-gb", "--max-upload-gb", "--max-runs", "--max-run-state-gb"):  # fmt: skip
         assert flag in out
 
 
@@ -95,6 +95,8 @@ def test_mesh_sizes_reach_the_engine_config(capsys: pytest.CaptureFixture[str]) 
         (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"], "--process-id must be in [0, 2)"),
         (["--coordinator", "h:1", "--num-processes", "0", "--process-id", "0"], "--num-processes must be >= 1"),
         (["--coordinator", "auto", "--follower-timeout", "0"], "--follower-timeout must be > 0"),
+        (["--max-run-state-gb", "0"], "--max-run-state-gb must be > 0 and finite, got 0.0"),
+        (["--max-run-state-gb", "nan"], "--max-run-state-gb must be > 0 and finite, got nan"),
     ],
 )
 def test_cluster_flags_are_checked_at_start(argv: list[str], names: str, capsys: pytest.CaptureFixture[str]) -> None:

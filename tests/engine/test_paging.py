@@ -181,6 +181,30 @@ def test_max_runs_is_refused_by_name(runner: JaxRunner) -> None:
     _unload(runner, *names)
 
 
+def test_runs_past_the_run_state_limit_are_refused_and_an_unload_gives_their_bytes_back(runner: JaxRunner) -> None:
+    """`--max-run-state-gb` counts each LoRA run's state from creation to unload: exactly the bytes paging
+    puts in host memory. A run past the limit is a user error naming the flag and leaves nothing behind."""
+    memory, limit = runner.run_memory, runner.run_memory.limit_bytes
+    _create(runner, "r0")
+    per_run = memory.held["r0"]
+    memory.limit_bytes = 3 * per_run
+    try:
+        _create(runner, "r1")
+        _create(runner, "r2")  # two slots: r0 is paged out to make room
+        assert not runner.trainer.runs["r0"].resident and runner.bank.host["r0"].nbytes == per_run
+        refused = _run(runner, _item("create_model", "r3", CreateModelRequest("m", LoraConfig(4, 8.0))))[0]
+        assert isinstance(refused, RequestError) and refused.category == "user"
+        assert "--max-run-state-gb" in str(refused) and "r3" not in runner.trainer.runs
+        assert "r3" not in runner.slots and set(memory.held) == {"r0", "r1", "r2"}
+        _ok(runner, *(_item("unload_model", n, UnloadModelRequest()) for n in ("r1", "r0")))
+        _create(runner, "r3")
+        assert memory.used() == 2 * per_run
+    finally:
+        memory.limit_bytes = limit
+    _unload(runner, "r2", "r3")
+    assert memory.used() == 0
+
+
 def _race(runner: JaxRunner, *items: WorkItem) -> dict[str, tuple[int, float, Any]]:
     """Each item's (round it completed in, seconds since submission, result), items submitted together."""
     runner.submit(items)

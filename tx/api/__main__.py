@@ -82,6 +82,7 @@ def build_pool(args: argparse.Namespace) -> ModelPool:
         from tx.engine import build_runner
         from tx.engine.build import estimate_bytes
         from tx.engine.pool import ModelPool, default_budget_bytes
+        from tx.engine.run_memory import RunMemory
     except ImportError:
         sys.exit("error: tx.engine is not available (the JAX engine failed to import)")
     try:
@@ -89,8 +90,10 @@ def build_pool(args: argparse.Namespace) -> ModelPool:
     except ValueError as err:  # a flag out of range: say which, no traceback
         sys.exit(f"error: {err}")
 
+    run_memory = RunMemory(int(args.max_run_state_gb * 1e9) if args.max_run_state_gb else None)
+
     def build(name: str, model_dir: Path) -> Any:
-        return build_runner(dataclasses.replace(config, base_model=name), model_dir)
+        return build_runner(dataclasses.replace(config, base_model=name), model_dir, run_memory)
 
     budget = int(args.memory_budget_gb * 1e9) if args.memory_budget_gb else default_budget_bytes()
     no_loads = NO_LOADS if args.coordinator else ""

@@ -69,6 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="training runs per server, on the device or paged out to host memory (default 256)",
     )
     p.add_argument(
+        "--max-run-state-gb",
+        type=float,
+        default=None,
+        help="memory all LoRA runs' state (adapter, gradients, AdamW moments) may take together, on the device "
+        "or paged out to host memory; a new run past it is refused (default: a quarter of the host's memory)",
+    )
+    p.add_argument(
         "--max-lora-rank",
         type=int,
         default=128,
@@ -145,6 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-upload-gb must be > 0, got {args.max_upload_gb}")
     if args.memory_budget_gb is not None and args.memory_budget_gb <= 0:
         p.error(f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
+    if args.max_run_state_gb is not None and not 0 < args.max_run_state_gb < 1e9:
+        p.error(f"--max-run-state-gb must be > 0 and finite, got {args.max_run_state_gb}")
     if args.role != "all" and not is_postgres_url(args.database_url):
         p.error(
             f"--role {args.role} needs a shared Postgres --database-url (postgresql://...): SQLite's write lock "

@@ -13,6 +13,7 @@ from typing import Any
 from tx.engine.bank import AdapterBank
 from tx.engine.compiles import enable_persistent_cache, install_counter
 from tx.engine.config import EngineConfig
+from tx.engine.run_memory import RunMemory
 from tx.engine.runner import JaxRunner
 from tx.engine.sampler import Sampler
 from tx.engine.text import load_decoder
@@ -65,9 +66,12 @@ def machine_tuning(cfg: ModelConfig, max_rows: int, store: Path | None = None) -
     return tuned_for(for_backend(), cfg.hidden_size, cfg.intermediate_size, cfg.dtype, max_rows, store)
 
 
-def build_runner(config: EngineConfig, model_dir: Path | None = None) -> tuple[JaxRunner, ModelInfo]:
+def build_runner(
+    config: EngineConfig, model_dir: Path | None = None, run_memory: RunMemory | None = None
+) -> tuple[JaxRunner, ModelInfo]:
     """`config.base_model` is the name the model is served under; `model_dir` its files when the caller has
-    located them already (default: `locate_model(config.base_model)`)."""
+    located them already (default: `locate_model(config.base_model)`); `run_memory` the bytes of the
+    server's LoRA runs, shared by its models (default: this model's own, at the default limit)."""
     install_counter()
     enable_persistent_cache(Path(config.data_dir) / "compile-cache")
     model_dir = model_dir or locate_model(config.base_model)
@@ -103,7 +107,7 @@ def build_runner(config: EngineConfig, model_dir: Path | None = None) -> tuple[J
     io = WeightsIO(config.base_model, model_dir, cfg, tuning, mesh)
     runner = JaxRunner(
         trainer, sampler, io, config.base_model, lambda get_base: make_sampler(get_base, sampler.programs),
-        checkpoint_root=Path(config.data_dir).resolve() / "checkpoints",
+        checkpoint_root=Path(config.data_dir).resolve() / "checkpoints", run_memory=run_memory,
     )  # fmt: skip
     info = describe_model(
         config.base_model, model_dir, config.max_seq_len, adapters.max_lora_rank, adapters.max_lora_adapters

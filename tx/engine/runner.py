@@ -31,6 +31,7 @@ from tx.engine.loop import Completion
 from tx.engine.paging import Pager
 from tx.engine.planner import Plan, RoundLimits, plan_round
 from tx.engine.round_notes import RoundNotes
+from tx.engine.run_memory import RunMemory, lora_run_bytes
 from tx.engine.sampler import Sampler
 from tx.engine.sampler_weights import SamplerWeights
 from tx.engine.snapshots import FullSnapshots, HeldSnapshots, SamplerFactory
@@ -74,15 +75,18 @@ class JaxRunner:
         make_sampler: SamplerFactory | None = None,
         max_full_snapshots: int = 2,
         checkpoint_root: Path | None = None,
+        run_memory: RunMemory | None = None,
     ) -> None:
         """`checkpoint_root`: every checkpoint directory a request names must lie inside it (the API
-        checked the name too); None only in tests that write to temporary directories."""
+        checked the name too); None only in tests that write to temporary directories. `run_memory`: the
+        bytes of the server's LoRA runs, shared by every model's runner (default: this runner's own)."""
         self.trainer, self.sampler, self.io = trainer, sampler, io
         self.bank = trainer.bank
         # Neither holds the runner (no reference cycle): an unloaded model's arrays go with its last reference.
         self.pager = Pager(trainer, sampler.slots_in_use)
         self._protect: frozenset[str] = frozenset()  # the runs of the round being executed
         self.checkpoint_root = checkpoint_root
+        self.run_memory = run_memory or RunMemory()
         self.base_model = base_model
         full = FullSnapshots(make_sampler, max_full_snapshots)  # full fine-tuning runs' snapshots
         self.weights = SamplerWeights(trainer, sampler, io, self.pager, full)
@@ -299,7 +303,8 @@ class JaxRunner:
         self._check_run_limit()
         slot = self.pager.claim(run_id, "run", lora, self._protect)
         try:
-            self.trainer.create_lora_run(run_id, lora, slot, seed=lora.seed or 0)
+            run = self.trainer.create_lora_run(run_id, lora, slot, seed=lora.seed or 0)
+            self.run_memory.admit(run_id, lora_run_bytes(run.grads, run.opt_state))
         except BaseException:  # a slot held for a run the trainer does not know would fail its eviction later
             self.trainer.runs.pop(run_id, None)
             self.bank.clear(self.bank.release(run_id).slot)
@@ -307,6 +312,7 @@ class JaxRunner:
 
     def _forget(self, run_id: str) -> None:
         self.trainer.drop_run(run_id)  # a paged-out run leaves the host store
+        self.run_memory.release(run_id)
         self.bank.release(run_id) if run_id in self.slots else None
 
     def _check_run_limit(self) -> None:
