@@ -205,6 +205,40 @@ def test_runs_past_the_run_state_limit_are_refused_and_an_unload_gives_their_byt
     assert memory.used() == 0
 
 
+def test_host_snapshots_keep_to_the_bytes_the_runs_leave(runner: JaxRunner) -> None:
+    """An RL loop saves a sampler snapshot every step: those paged out to host memory keep within the memory
+    limit less the runs' state, least recently used dropped first, and give way to a new run."""
+    memory, limit = runner.run_memory, runner.run_memory.limit_bytes
+    _create(runner, "rl")
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+
+    def save(name: str) -> None:
+        _ok(runner, _item("save_weights_for_sampler", "rl", SaveSamplerRequest(name)))
+
+    def sample(name: str) -> Any:
+        return _run(runner, _item("sample", "s", SampleRequest([1, 2], 1, params, "m", weights=WeightsRef(name))))[0]
+
+    save("t1")
+    save("t2")  # two slots, held by the run and t1: t1 goes to host memory
+    snapshot = runner.bank.host_snapshots["t1"].nbytes
+    memory.limit_bytes = memory.used() + 2 * snapshot + snapshot // 2
+    try:
+        for name in ("t3", "t4", "t5"):
+            save(name)
+        assert list(runner.bank.host_snapshots) == ["t3", "t4"]  # t1 and t2 dropped, oldest first
+        dropped = sample("t1")
+        assert isinstance(dropped, RequestError) and "not available" in str(dropped)
+        assert isinstance(sample("t3"), SampleResult)
+        memory.limit_bytes = 2 * memory.held["rl"] + snapshot // 2
+        _create(runner, "rl2")  # t3 back on the device: a second run's state leaves no room for host snapshots
+        assert not runner.bank.host_snapshots
+    finally:
+        memory.limit_bytes = limit
+    _unload(runner, "rl", "rl2")
+    for info in list(runner.slots):
+        runner.bank.clear(runner.bank.release(info.owner).slot)
+
+
 def _race(runner: JaxRunner, *items: WorkItem) -> dict[str, tuple[int, float, Any]]:
     """Each item's (round it completed in, seconds since submission, result), items submitted together."""
     runner.submit(items)

@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=None,
         help="memory all LoRA runs' state (adapter, gradients, AdamW moments) may take together, on the device "
-        "or paged out to host memory; a new run past it is refused (default: a quarter of the host's memory)",
+        "or paged out to host memory; a new run past it is refused, and sampler snapshots paged out to host "
+        "memory keep to what the runs leave, oldest dropped first (default: a quarter of the host's memory)",
     )
     p.add_argument(
         "--max-lora-rank",

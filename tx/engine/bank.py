@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from tx.engine import train_step as ts
+from tx.engine.run_memory import RunMemory
 from tx.gather import packed_to_host
 from tx.lora import adapters
 from tx.lora.params import AdapterRoles, LoRAParam
@@ -69,7 +70,9 @@ class AdapterBank:
     """Adapter slots of one model; `max_runs` bounds the training runs on the device and in host memory,
     `max_rank` the rank of any adapter (`--max-lora-rank`; default: the stacks' width as built)."""
 
-    def __init__(self, lora: nnx.State, max_runs: int = 256, max_rank: int | None = None) -> None:
+    def __init__(
+        self, lora: nnx.State, max_runs: int = 256, max_rank: int | None = None, memory: RunMemory | None = None
+    ) -> None:
         if max_runs < 1:
             raise ValueError(f"--max-runs must be >= 1, got {max_runs}")
         # Committed copies: the bank updates them in place (donated buffers), and an uncommitted input would
@@ -88,14 +91,18 @@ class AdapterBank:
         self.version = 0  # bumped on every adapter write
         self.max_runs = max_runs
         self.host: dict[str, HostRun] = {}  # paged-out runs by run id
-        # Snapshots moved off the device, least recently used first; at most `max_runs` are kept (older ones
-        # are gone, as evicted snapshots were before: a named one reloads from its checkpoint).
+        # Snapshots moved off the device, least recently used first; at most `max_runs` are kept, and no more
+        # bytes than the runs' state leaves of `memory`'s limit (older ones are gone, as evicted snapshots were
+        # before: a named one reloads from its checkpoint).
         self.host_snapshots: OrderedDict[str, HostSnapshot] = OrderedDict()
+        self.memory = memory
         self._fit()
 
     @classmethod
-    def of(cls, model: nnx.Module, max_runs: int = 256, max_rank: int | None = None) -> AdapterBank:
-        return cls(nnx.state(model, LoRAParam), max_runs, max_rank)
+    def of(
+        cls, model: nnx.Module, max_runs: int = 256, max_rank: int | None = None, memory: RunMemory | None = None
+    ) -> AdapterBank:
+        return cls(nnx.state(model, LoRAParam), max_runs, max_rank, memory)
 
     @property
     def arrays(self) -> Flat:
@@ -223,7 +230,7 @@ class AdapterBank:
         host = self.host_snapshots[owner] = self._host_copy(info)
         self.clear(info.slot)
         self.release(owner)
-        self._trim_snapshots()
+        self.trim_snapshots()
         return host
 
     def keep_run(self, run_id: str, host: HostRun) -> HostRun:
@@ -248,9 +255,15 @@ class AdapterBank:
         cut = ts.slot_at_rank(self._arrays, jnp.int32(info.slot), info.rank, self.roles)
         return HostSnapshot(info, packed_to_host(cut), self.scale[info.slot].copy())
 
-    def _trim_snapshots(self) -> None:
-        while len(self.host_snapshots) > self.max_runs:
-            self.host_snapshots.popitem(last=False)
+    def trim_snapshots(self) -> None:
+        """Drop the least recently used host snapshots past `max_runs` of them, or past the bytes the runs'
+        state leaves of the memory limit: an RL loop's ephemeral saves of a large adapter, 256 of them kept,
+        would otherwise take tens of GB of host memory."""
+        held = sum(h.nbytes for h in self.host_snapshots.values())
+        room = self.memory.limit_bytes - self.memory.used() if self.memory is not None else held
+        while self.host_snapshots and (len(self.host_snapshots) > self.max_runs or held > room):
+            _, dropped = self.host_snapshots.popitem(last=False)
+            held -= dropped.nbytes
 
     def snapshots_on_host(self) -> OrderedDict[str, HostSnapshot]:
         """Every sampler snapshot as a host copy (those on the device copied, not moved; the stashed ones first):
@@ -261,7 +274,7 @@ class AdapterBank:
     def adopt_snapshots(self, held: OrderedDict[str, HostSnapshot]) -> None:
         """Take the snapshots of a previous load of this model into the host store (sampled: back on the device)."""
         self.host_snapshots.update(held)
-        self._trim_snapshots()
+        self.trim_snapshots()
 
     def restore_snapshot(self, owner: str, slot: int) -> None:
         """Write a stashed snapshot back into `slot` (allocated to it) and forget the host copy."""

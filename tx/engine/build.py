@@ -88,7 +88,8 @@ def build_runner(
     model, cfg = load_model(
         str(model_dir), dtype=dtype, lora=lora, mesh=mesh, remat=config.trainer.remat, tuning=tuning
     )
-    bank = AdapterBank.of(model, adapters.max_runs, adapters.max_lora_rank)
+    run_memory = run_memory or RunMemory()
+    bank = AdapterBank.of(model, adapters.max_runs, adapters.max_lora_rank, run_memory)
     trainer = Trainer(model, bank, config.trainer.micro_batch_tokens)
     decode, eos = load_decoder(model_dir)
     seq_len = min(config.max_seq_len, cfg.max_position_embeddings)
@@ -107,7 +108,7 @@ def build_runner(
     io = WeightsIO(config.base_model, model_dir, cfg, tuning, mesh)
     runner = JaxRunner(
         trainer, sampler, io, config.base_model, lambda get_base: make_sampler(get_base, sampler.programs),
-        checkpoint_root=Path(config.data_dir).resolve() / "checkpoints", run_memory=run_memory,
+        checkpoint_root=Path(config.data_dir).resolve() / "checkpoints",
     )  # fmt: skip
     info = describe_model(
         config.base_model, model_dir, config.max_seq_len, adapters.max_lora_rank, adapters.max_lora_adapters

@@ -37,12 +37,12 @@ import jax
 
 from tx.engine.errors import EXITS, as_request_error
 from tx.engine.loop import Completion, Runner
+from tx.engine.run_memory import gb
 from tx.engine.snapshots import HeldSnapshots
 from tx.models.catalog import locate_config, locate_model
 from tx.protocol import CreateModelRequest, LoadWeightsRequest, ModelInfo, RequestError, SampleRequest, WorkItem
 
 log = logging.getLogger("tx.engine")
-GB = 1e9
 HEADROOM = 0.8  # of device memory for weights: the rest is for caches, activations and the compiler
 
 
@@ -77,11 +77,6 @@ def default_budget_bytes() -> int:
     if all(limits):
         return int(sum(limits) * HEADROOM)
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.5)
-
-
-def gb(n: int) -> str:
-    """A size for people: GB with two decimals, MB below 1 GB (a tiny test model would show as 0.00 GB)."""
-    return f"{n / GB:.2f} GB" if n >= GB else f"{n / 1e6:.2f} MB"
 
 
 class ModelPool:

@@ -21,6 +21,11 @@ from tx.protocol import RequestError
 GB = 1e9
 
 
+def gb(n: int) -> str:
+    """A size for people: GB with two decimals, MB below 1 GB (a tiny test model would show as 0.00 GB)."""
+    return f"{n / GB:.2f} GB" if n >= GB else f"{n / 1e6:.2f} MB"
+
+
 def default_limit_bytes() -> int:
     """A quarter of the machine's physical memory (the pool's models may take half of it on a CPU)."""
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.25)
@@ -38,7 +43,7 @@ class RunMemory:
     def __init__(self, limit_bytes: int | None = None) -> None:
         self.limit_bytes = default_limit_bytes() if limit_bytes is None else limit_bytes
         if self.limit_bytes < 1:
-            raise ValueError(f"--max-run-state-gb must be > 0, got {self.limit_bytes / GB}")
+            raise ValueError(f"--max-run-state-gb must be > 0, got {gb(self.limit_bytes)}")
         self.held: dict[str, int] = {}
 
     def used(self) -> int:
@@ -49,9 +54,9 @@ class RunMemory:
         used = self.used() - self.held.get(run_id, 0)
         if used + nbytes > self.limit_bytes:
             raise RequestError(
-                f"a new run needs {nbytes / GB:.3f} GB for its adapter, gradients and AdamW moments, but this "
-                f"server's {len(self.held)} LoRA runs already hold {used / GB:.3f} GB of the "
-                f"{self.limit_bytes / GB:.3f} GB they may use (--max-run-state-gb); unload a run, let an idle "
+                f"a new run needs {gb(nbytes)} for its adapter, gradients and AdamW moments, but this "
+                f"server's {len(self.held)} LoRA runs already hold {gb(used)} of the "
+                f"{gb(self.limit_bytes)} they may use (--max-run-state-gb); unload a run, let an idle "
                 "session expire, ask for a lower rank, or restart with a higher limit",
                 "user",
             )

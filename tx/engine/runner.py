@@ -75,18 +75,17 @@ class JaxRunner:
         make_sampler: SamplerFactory | None = None,
         max_full_snapshots: int = 2,
         checkpoint_root: Path | None = None,
-        run_memory: RunMemory | None = None,
     ) -> None:
         """`checkpoint_root`: every checkpoint directory a request names must lie inside it (the API
-        checked the name too); None only in tests that write to temporary directories. `run_memory`: the
-        bytes of the server's LoRA runs, shared by every model's runner (default: this runner's own)."""
+        checked the name too); None only in tests that write to temporary directories."""
         self.trainer, self.sampler, self.io = trainer, sampler, io
         self.bank = trainer.bank
         # Neither holds the runner (no reference cycle): an unloaded model's arrays go with its last reference.
         self.pager = Pager(trainer, sampler.slots_in_use)
         self._protect: frozenset[str] = frozenset()  # the runs of the round being executed
         self.checkpoint_root = checkpoint_root
-        self.run_memory = run_memory or RunMemory()
+        # The bytes of the server's LoRA runs, shared by every model's bank (a bank built alone: its own).
+        self.run_memory = self.bank.memory = self.bank.memory or RunMemory()
         self.base_model = base_model
         full = FullSnapshots(make_sampler, max_full_snapshots)  # full fine-tuning runs' snapshots
         self.weights = SamplerWeights(trainer, sampler, io, self.pager, full)
@@ -305,6 +304,7 @@ class JaxRunner:
         try:
             run = self.trainer.create_lora_run(run_id, lora, slot, seed=lora.seed or 0)
             self.run_memory.admit(run_id, lora_run_bytes(run.grads, run.opt_state))
+            self.bank.trim_snapshots()  # host snapshots give way to runs
         except BaseException:  # a slot held for a run the trainer does not know would fail its eviction later
             self.trainer.runs.pop(run_id, None)
             self.bank.clear(self.bank.release(run_id).slot)
