@@ -21,7 +21,8 @@ def test_help_lists_every_option() -> None:
                  "--max-lora-rank", "--tensor-parallel-size", "--fsdp-size", "--expert-parallel-size", "--dtype",
                  "--train-micro-batch-tokens",
                  "--api-key", "--api-keys-file", "--prompt-cache-mb", "--role", "--allow-models",
-                 "--memory-budget-gb", "--max-upload-gb", "--max-runs", "--max-run-state-gb"):  # fmt: skip
+                 "--memory-budget-gb", "--max-upload-gb", "--max-runs", "--max-run-state-gb",
+                 "--decode-cache-gb"):  # fmt: skip
         assert flag in out
 
 
@@ -80,6 +81,8 @@ def test_mesh_sizes_reach_the_engine_config(capsys: pytest.CaptureFixture[str]) 
     config = cli.engine_config(args)
     assert (config.expert_parallel_size, config.fsdp_size, config.tensor_parallel_size) == (4, 2, 1)
     assert cli.engine_config(cli.parse_args([])).expert_parallel_size == 1
+    assert cli.engine_config(cli.parse_args([])).sampler.cache_limit_bytes is None  # follow the free memory
+    assert cli.engine_config(cli.parse_args(["--decode-cache-gb", "2.5"])).sampler.cache_limit_bytes == 2_500_000_000
     for flag in ("--expert-parallel-size", "--fsdp-size", "--tensor-parallel-size"):
         with pytest.raises(SystemExit):
             cli.parse_args([flag, "0"])
@@ -97,6 +100,7 @@ def test_mesh_sizes_reach_the_engine_config(capsys: pytest.CaptureFixture[str]) 
         (["--coordinator", "auto", "--follower-timeout", "0"], "--follower-timeout must be > 0"),
         (["--max-run-state-gb", "0"], "--max-run-state-gb must be > 0 and finite, got 0.0"),
         (["--max-run-state-gb", "nan"], "--max-run-state-gb must be > 0 and finite, got nan"),
+        (["--decode-cache-gb", "-1"], "--decode-cache-gb must be > 0 and finite, got -1.0"),
     ],
 )
 def test_cluster_flags_are_checked_at_start(argv: list[str], names: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -70,7 +70,10 @@ def engine_config(args: argparse.Namespace) -> Any:
         adapters=AdapterConfig(args.max_lora_adapters, args.max_lora_rank, args.max_runs),
         trainer=TrainerConfig(args.train_micro_batch_tokens, args.remat),
         sampler=SamplerConfig(
-            max_rows=args.decode_rows, max_seq_len=args.max_seq_len, prompt_cache_bytes=args.prompt_cache_mb << 20
+            max_rows=args.decode_rows,
+            max_seq_len=args.max_seq_len,
+            prompt_cache_bytes=args.prompt_cache_mb << 20,
+            cache_limit_bytes=int(args.decode_cache_gb * 1e9) if args.decode_cache_gb else None,
         ),
     )
 

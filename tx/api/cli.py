@@ -118,6 +118,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--decode-rows", type=int, default=64, help="sampling rows decoded together at most (default 64)")
     p.add_argument(
+        "--decode-cache-gb",
+        type=float,
+        default=None,
+        help="the decode cache's size at most: rows past it wait, a request with more samples is split (default: "
+        "45%% of the memory free when rows are admitted; with several processes, no limit unless given)",
+    )
+    p.add_argument(
         "--prompt-cache-mb",
         type=int,
         default=256,
@@ -153,8 +160,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-upload-gb must be > 0, got {args.max_upload_gb}")
     if args.memory_budget_gb is not None and args.memory_budget_gb <= 0:
         p.error(f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
-    if args.max_run_state_gb is not None and not 0 < args.max_run_state_gb < 1e9:
-        p.error(f"--max-run-state-gb must be > 0 and finite, got {args.max_run_state_gb}")
+    for flag in ("max_run_state_gb", "decode_cache_gb"):
+        value = getattr(args, flag)
+        if value is not None and not 0 < value < 1e9:
+            p.error(f"--{flag.replace('_', '-')} must be > 0 and finite, got {value}")
     if args.role != "all" and not is_postgres_url(args.database_url):
         p.error(
             f"--role {args.role} needs a shared Postgres --database-url (postgresql://...): SQLite's write lock "

@@ -23,10 +23,12 @@ from collections import deque
 from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Protocol
 
+import jax
 import numpy as np
 from flax import nnx
 
 from tx.engine.batching import bucket_size
+from tx.engine.cache_budget import CacheBudget, cache_bytes_of
 from tx.engine.decode_steps import Cache, DecodePrograms, Fresh, Weights
 from tx.engine.prompt_cache import Key, PromptCache
 from tx.engine.sampler_rows import (
@@ -78,6 +80,7 @@ class SamplerConfig:
     # The decode cache's form between chunks: per layer (`LayerCache`) for per-layer weights, else stacked
     # (`KVCache`); it should match the weights' form (`Tuning.per_layer_decode`), or each chunk converts it.
     layer_cache: bool = True
+    cache_limit_bytes: int | None = None  # the decode cache's bytes at most; None: follow free memory
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_seq_len", "chunk_steps", "k_cap", "max_prefill_tokens"):
@@ -150,6 +153,8 @@ class Sampler:
         self._outbox: list[Outcome] = []
         self._rows: list[Row | None] = []  # one entry per cache row
         self._cache: Cache | None = None
+        self.budget = CacheBudget(cache_bytes_of(model_cfg, cfg.layer_cache), cfg.row_buckets, cfg.cache_limit_bytes)
+        self._row_cap = cfg.max_rows  # rows the cache may hold at its rows' final length (`_admit`)
         self._decoded: set[tuple[int, int]] = set()  # (rows, length) decode shapes used so far
         # (rows, prompt length) prefill shapes used so far, without and with prompt scores
         self._prefilled: dict[bool, set[tuple[int, int]]] = {False: set(), True: set()}
@@ -225,11 +230,12 @@ class Sampler:
 
     def _admit(self) -> list[Row]:
         """Take waiting requests into new rows (host bookkeeping only: `_fit_cache` places them)."""
+        if not self._waiting:
+            return []  # rows only leave: the cap stays as it was
         active = [row for row in self._rows if row is not None]
         waiting = [(job.req.num_samples - job.admitted, len(job.req.prompt)) for job in self._waiting]
-        counts = plan_admission(
-            waiting, self.cfg.max_rows - len(active), self.cfg.max_rows, self.cfg.max_prefill_tokens
-        )
+        self._row_cap = cap = min(self.cfg.max_rows, self._rows_that_fit(active))
+        counts = plan_admission(waiting, max(cap - len(active), 0), cap, self.cfg.max_prefill_tokens)
         new_rows: list[Row] = []
         for take in counts:
             job = self._waiting[0]
@@ -238,6 +244,15 @@ class Sampler:
             if job.admitted == job.req.num_samples:
                 self._waiting.popleft()
         return new_rows
+
+    def _rows_that_fit(self, active: list[Row]) -> int:
+        """Rows whose cache fits the budget at the longest final length of the active and waiting rows."""
+        ends = [row.last_useful for row in active]
+        ends += [len(job.req.prompt) + job.req.params.max_tokens - 1 for job in self._waiting]
+        if not ends:
+            return self.cfg.max_rows
+        held = sum(int(x.nbytes) for x in jax.tree.leaves(self._cache)) if self._cache is not None else 0
+        return self.budget.row_cap(bucket_size(max(ends), self.cfg.length_buckets), held)
 
     def _fit_cache(self, active: list[Row], new_rows: list[Row]) -> None:
         """Move to the row and length buckets the next chunk needs, compacting rows; place the new rows.
@@ -249,7 +264,9 @@ class Sampler:
         need = max(row.need(self.cfg.chunk_steps) for row in [*active, *new_rows])
         length = bucket_size(need, self.cfg.length_buckets)
         count = len(active) + len(new_rows)
-        rows = warm_bucket(count, self.cfg.row_buckets, self._decoded, length)
+        # a larger compiled row bucket only within the budget
+        buckets = [b for b in self.cfg.row_buckets if b <= max(self._row_cap, bucket_size(count, self.cfg.row_buckets))]
+        rows = warm_bucket(count, buckets, self._decoded, length)
         self._decoded.add((rows, length))
         if self._cache is None:
             self._cache = self.programs.empty(self.model_cfg, rows, length, self.cfg.layer_cache)

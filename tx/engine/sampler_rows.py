@@ -80,10 +80,14 @@ class Row:
     def start(job: Job, sample: int) -> Row:
         return Row(job, sample, job.req.prompt[-1], len(job.req.prompt) - 1)
 
+    @property
+    def last_useful(self) -> int:
+        """The cache positions the row may ever need: its prompt and max_tokens, less the last token's."""
+        return len(self.job.req.prompt) + self.job.req.params.max_tokens - 1
+
     def need(self, chunk_steps: int) -> int:
         """Cache positions the next chunk touches; past the row's last useful position writes may drop."""
-        last_useful = len(self.job.req.prompt) + self.job.req.params.max_tokens - 1
-        return min(self.position + chunk_steps, last_useful)
+        return min(self.position + chunk_steps, self.last_useful)
 
     def advance(self, tokens_C: np.ndarray, logprobs_C: np.ndarray) -> bool:
         """Append one chunk's output; True (and the job's sequence recorded) once the row is finished."""

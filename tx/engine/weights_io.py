@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
 import numpy as np
-import psutil
 from flax import nnx
 from jax.sharding import Mesh
 from safetensors import SafetensorError
 
 from tx.engine.bank import AdapterBank
+from tx.engine.cache_budget import free_bytes
 from tx.engine.errors import check_finite, damaged_checkpoint
 from tx.engine.trainer import Trainer, lora_targets
 from tx.gather import is_writer
@@ -117,15 +116,6 @@ class WeightsIO:
                 f"full fine-tuning needs about {need / 2**30:.1f} GiB (weights copy, fp32 gradients, Adam moments "
                 f"for {params / 1e6:.0f}M parameters) but only {free / 2**30:.1f} GiB is free; use LoRA instead"
             )
-
-
-def free_bytes(devices: set[jax.Device]) -> int:
-    """Free memory over `devices`: their allocators' limits minus use, or the host's when one reports none
-    (CPU)."""
-    stats = [device.memory_stats() for device in devices]
-    if not stats or any(not s or "bytes_limit" not in s for s in stats):
-        return int(psutil.virtual_memory().available)
-    return sum(int(s["bytes_limit"]) - int(s.get("bytes_in_use", 0)) for s in stats if s)
 
 
 # What reading a truncated or garbled weights file raises (our own checks name their fields instead).

@@ -1,0 +1,64 @@
+"""The decode cache stays within its byte budget: rows wait (or a request is split) rather than the cache
+growing past the limit, and what is sampled does not change."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from test_sampler import CFG, LORA_SLOT, PROMPTS, Setup, char_decode, make_req, run, tokens_of
+
+from tx.engine import cache_budget
+from tx.engine.cache_budget import CacheBudget, cache_bytes_of
+from tx.engine.sampler import Sampler
+
+
+def _linear(rows: int, length: int) -> int:
+    return rows * length * 10
+
+
+def test_the_row_cap_is_the_largest_bucket_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    fixed = CacheBudget(_linear, (1, 2, 4, 8), limit_bytes=10 * 64 * 2)
+    assert [fixed.row_cap(64, held_bytes=10**9), fixed.row_cap(32, 0), fixed.row_cap(16, 0)] == [2, 4, 8]
+    assert fixed.row_cap(256, 0) == 1  # nothing fits: one row still runs
+    free = CacheBudget(_linear, (1, 2, 4, 8), limit_bytes=None)
+    monkeypatch.setattr(cache_budget, "free_bytes", lambda devices: 10 * 64 * 4 / cache_budget.SHARE_OF_FREE)
+    assert free.row_cap(64, held_bytes=0) == 4
+    # what the cache holds now counts as free for it
+    assert free.row_cap(64, held_bytes=10 * 64 * 4 / cache_budget.SHARE_OF_FREE) == 8
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> Setup:
+    return Setup(tmp_path_factory.mktemp("qwen-budget"), "qwen3", True, lora=True)
+
+
+def test_rows_past_the_budget_wait_and_sample_the_same(qwen: Setup) -> None:
+    """A budget of two rows at 64 positions: a five-sample request is split over the two rows and another
+    waits its turn; every sequence equals what an unlimited sampler draws with the same seeds."""
+    two_rows = cache_bytes_of(qwen.cfg, CFG.layer_cache)(2, 64)
+    limited = Sampler(
+        qwen.graphdef, lambda: qwen.weights, qwen.cfg, dataclasses.replace(CFG, cache_limit_bytes=two_rows), (),
+        char_decode, qwen.fixed(),
+    )  # fmt: skip
+
+    def workload() -> dict:
+        return {
+            "five": (make_req(PROMPTS[2], 40, n=5, temperature=1.0, seed=7), LORA_SLOT),
+            "three": (make_req(PROMPTS[3], 30, n=3, temperature=1.0, seed=8), 0),
+        }
+
+    shapes: list[tuple[int, int]] = []
+    step = limited.step
+
+    def watched() -> list:
+        out = step()
+        shapes.append(limited.cache_shape or (0, 0))
+        return out
+
+    limited.step = watched  # type: ignore[method-assign]
+    got, _ = run(limited, workload())
+    want, _ = run(qwen.sampler, workload())
+    assert max(rows for rows, _ in shapes) == 2 and max(length for _, length in shapes) == 64
+    for name in ("five", "three"):
+        assert tokens_of(got[name]) == tokens_of(want[name])
