@@ -15,6 +15,7 @@ a sample reads, and the snapshots saves make, are `tx.engine.sampler_weights`'s.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 from collections.abc import Sequence
@@ -54,6 +55,7 @@ from tx.protocol import (
     SaveSamplerRequest,
     SaveStateRequest,
     UnloadResult,
+    WeightsRef,
     WorkItem,
     weights_shape,
 )
@@ -163,6 +165,7 @@ class JaxRunner:
     def step(self) -> list[Completion]:
         waiting, self.slot_waiting, self.read_queue = self.slot_waiting, [], set()
         self.submit(waiting)  # in their order: the first that finds no slot makes the rest wait behind it
+        self.weights.loads.keep_only({ref.snapshot_id for i in self.slot_waiting if (ref := _weights_of(i))})
         done, self.outbox = self.outbox, []
         plan = self._resident(plan_round(self.pending, self._full_runs(), self._limits()))
         self.notes.planned(plan, self.trainer.runs)
@@ -181,6 +184,8 @@ class JaxRunner:
         for sampler in self._samplers():
             if not sampler.idle():
                 done += [Completion(rid, out) for rid, out in sampler.step()]
+        if not done and not self.pending and all(s.idle() for s in self._samplers()):
+            concurrent.futures.wait(self.weights.loads.pending(), 0.05)  # only reads from disk to wait for
         return done
 
     def _full_runs(self) -> set[str]:
@@ -361,3 +366,7 @@ class JaxRunner:
             self.slot_waiting.append(item)
         except Exception as err:  # contained: this request fails, nothing else does
             self.outbox.append(Completion(item.future_id, self._error(err)))
+
+
+def _weights_of(item: WorkItem) -> WeightsRef | None:
+    return item.payload.weights if isinstance(item.payload, SampleRequest) else None

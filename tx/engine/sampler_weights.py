@@ -13,6 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
+
+from tx.engine.full_loads import FullLoads
 from tx.engine.paging import Pager
 from tx.engine.sampler import Sampler
 from tx.engine.snapshots import FullSnapshots
@@ -33,6 +36,8 @@ class SamplerWeights:
     def __init__(self, trainer: Trainer, sampler: Sampler, io: WeightsIO, pager: Pager, full: FullSnapshots) -> None:
         self.trainer, self.sampler, self.io, self.pager, self.full = trainer, sampler, io, pager, full
         self.bank = trainer.bank
+        # late-bound (a test may stand in for the read); over `io`, not self: no reference cycle
+        self.loads = FullLoads(lambda directory: io.load_full(directory), background=jax.process_count() == 1)
 
     def save(self, run: Run, p: SaveSamplerRequest, path: PathCheck, protect: frozenset[str]) -> CheckpointResult:
         """A sampler snapshot of the run under `p.snapshot_id` (and its files, when `p.dest_dir`)."""
@@ -76,7 +81,7 @@ class SamplerWeights:
         directory = path(ref.checkpoint_dir) if ref.checkpoint_dir else None
         if directory and ref.checkpoint_type == "sampler" and self.io.is_full(directory):
             self.full.check_room(ref.snapshot_id)  # before the load: a sample that must wait loads nothing
-            self.full.add(ref.snapshot_id, self.io.load_full(directory))
+            self.full.add(ref.snapshot_id, self.loads.take(ref.snapshot_id, directory))
             return 0
         if directory and ref.checkpoint_type == "sampler":
             return self._load_peft(ref.snapshot_id, directory, protect)
