@@ -185,7 +185,7 @@ class JaxRunner:
             if not sampler.idle():
                 done += [Completion(rid, out) for rid, out in sampler.step()]
         if not done and not self.pending and all(s.idle() for s in self._samplers()):
-            concurrent.futures.wait(self.weights.loads.pending(), 0.05)  # only reads from disk to wait for
+            concurrent.futures.wait(self.weights.loads.pending(), 0.01)  # only reads from disk to wait for: no spin
         return done
 
     def _full_runs(self) -> set[str]:
