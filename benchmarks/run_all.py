@@ -47,6 +47,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "ranks": ([], ["--quick"]),
     "host_overhead": ([], ["--quick"]),  # runs api_overhead.py against its own server (its "sdk" cases)
     "load": ([], ["--quick"]),
+    "result_encoding": ([], ["--samples", "4", "--tokens", "64", "--prompt", "64", "--repeats", "1"]),
     "profile_step": ([], ["--shape", "tiny", "--batch", "2", "--length", "32", "--warmup", "1", "--top", "5"]),
 }
 
