@@ -18,6 +18,7 @@ from tx.engine import AdapterConfig, EngineConfig, build_runner
 from tx.engine.build import estimate_bytes
 from tx.engine.compiles import compile_count
 from tx.engine.pool import ModelPool, gb
+from tx.engine.run_memory import RunMemory
 from tx.engine.sampler import SamplerConfig
 from tx.protocol import (
     AdamParams,
@@ -44,15 +45,15 @@ def dirs(hf_models) -> dict[str, Path]:  # type: ignore[no-untyped-def]
     return {"qwen": hf_models("qwen3", 2, True)[0], "llama": hf_models("llama", 2, False)[0]}
 
 
-def _pool(tmp_path: Path, budget_bytes: int) -> ModelPool:
+def _pool(tmp_path: Path, budget_bytes: int, memory: RunMemory | None = None) -> ModelPool:
     def build(name: str, model_dir: Path) -> Any:
         config = EngineConfig(
             data_dir=tmp_path, base_model=name, dtype="float32", adapters=AdapterConfig(2, 4),
             sampler=SamplerConfig(max_rows=4, max_seq_len=64),
         )  # fmt: skip
-        return build_runner(config, model_dir)
+        return build_runner(config, model_dir, memory)
 
-    return ModelPool(build, lambda d: estimate_bytes(d, "float32"), budget_bytes)
+    return ModelPool(build, lambda d: estimate_bytes(d, "float32"), budget_bytes, memory=memory)
 
 
 def _item(kind: str, model_id: str, payload: Any) -> WorkItem:
@@ -149,6 +150,21 @@ def test_snapshots_of_a_model_whose_directory_is_gone_are_not_held(dirs, tmp_pat
     shutil.rmtree(doomed)
     _only(_drain(pool, [_sample(dirs["llama"])]))
     assert set(pool.models) == {str(dirs["llama"])} and pool.held == {}
+
+
+def test_unloaded_models_snapshots_keep_to_the_run_state_limit(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The snapshots an unloaded model leaves in host memory count against `--max-run-state-gb` (less the runs'
+    state): past it they are dropped, and sampling one fails as an evicted snapshot does."""
+    memory = RunMemory(10**9)
+    pool = _pool(tmp_path, int(1.5 * MB), memory)
+    qwen = dirs["qwen"]
+    _all_ok(_drain(pool, [_create(qwen, "run-h"), *_step_and_save("run-h", "snap-h")]))
+    _all_ok(_drain(pool, [_item("unload_model", "run-h", UnloadModelRequest())]))
+    memory.limit_bytes = 1  # no room left for held snapshots
+    _only(_drain(pool, [_sample(dirs["llama"])]))  # unloads the idle Qwen3 model
+    assert set(pool.models) == {str(dirs["llama"])} and pool.held == {}
+    (lost,) = _drain(pool, [_sample(qwen, snapshot="snap-h")]).values()
+    assert isinstance(lost, RequestError) and "not available" in str(lost)
 
 
 def test_a_model_no_sampling_client_reads_goes_before_one_holding_snapshots(dirs, hf_models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -100,7 +100,11 @@ def build_pool(args: argparse.Namespace) -> ModelPool:
 
     budget = int(args.memory_budget_gb * 1e9) if args.memory_budget_gb else default_budget_bytes()
     no_loads = NO_LOADS if args.coordinator else ""
-    return ModelPool(build, lambda model_dir: estimate_bytes(model_dir, args.dtype), budget, no_loads=no_loads)
+
+    def estimate(model_dir: Path) -> int:
+        return estimate_bytes(model_dir, args.dtype)
+
+    return ModelPool(build, estimate, budget, no_loads=no_loads, memory=run_memory)
 
 
 def build_catalog(args: argparse.Namespace, pool: ModelPool | None, uploads: UploadStore | None = None) -> ModelCatalog:

@@ -37,7 +37,7 @@ import jax
 
 from tx.engine.errors import EXITS, as_request_error
 from tx.engine.loop import Completion, Runner
-from tx.engine.run_memory import gb
+from tx.engine.run_memory import RunMemory, gb
 from tx.engine.snapshots import HeldSnapshots
 from tx.models.catalog import locate_config, locate_model
 from tx.protocol import CreateModelRequest, LoadWeightsRequest, ModelInfo, RequestError, SampleRequest, WorkItem
@@ -91,9 +91,11 @@ class ModelPool:
         locate: Callable[[str], Path] = locate_model,
         no_loads: str = "",
         locate_config: Callable[[str], Path] = locate_config,
+        memory: RunMemory | None = None,
     ) -> None:
         """`no_loads`: why models may not load on demand (an engine over several processes), or "".
-        `locate`: a model's weights (downloading them); `locate_config`: its config alone."""
+        `locate`: a model's weights (downloading them); `locate_config`: its config alone. `memory`: the
+        server's run-state limit, which unloaded models' snapshots keep to (None: they are kept)."""
         self._build, self._estimate, self.budget_bytes, self._locate = build, estimate, budget_bytes, locate
         self._locate_config = locate_config
         self.no_loads = no_loads
@@ -107,6 +109,7 @@ class ModelPool:
         self.located: dict[str, Path] = {}  # hub-name key -> the directory its weights were downloaded to
         self.fetching: dict[str, concurrent.futures.Future] = {}  # key -> download of its weights
         self.held: dict[str, HeldSnapshots] = {}  # unloaded model key -> its sampler snapshots, in host memory
+        self.memory = memory
         self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tx-fetch")
         self.outbox: list[Completion] = []
         self.routed: dict[str, str] = {}  # future id -> the key of the model whose runner holds it
@@ -145,9 +148,19 @@ class ModelPool:
         self.held[key] = self.models.pop(key).runner.snapshots_to_host()
         for gone in [k for k in self.held if not ((d := self._directory(k)) and d.is_dir())]:
             del self.held[gone]  # its model cannot load again (a deleted upload): nothing will sample them
+        self._trim_held()
         self._loaded = {k: m.info for k, m in self.models.items()}
         gc.collect()  # the runner's closures hold its arrays in cycles: free the device memory now
         log.info("unloaded %s to make room", self.names.get(key, key))
+
+    def _trim_held(self) -> None:
+        """Unloaded models' snapshots keep to what the runs leave of the run-state limit: those of the model
+        unloaded longest ago go first (their sampling clients then fail as an evicted snapshot's do)."""
+        room = self.memory.limit_bytes - self.memory.used() if self.memory is not None else None
+        while room is not None and self.held and sum(h.nbytes for h in self.held.values()) > room:
+            dropped = next(iter(self.held))
+            log.info("dropped the sampler snapshots of unloaded %s (host memory)", self.names.get(dropped, dropped))
+            del self.held[dropped]
 
     def _in_use(self) -> int:
         loaded = sum(m.runner.resident_bytes() for m in self.models.values())

@@ -53,6 +53,11 @@ class HeldSnapshots:
     lora: OrderedDict[str, HostSnapshot]  # least recently used first
     full: dict[str, HostWeights]
 
+    @property
+    def nbytes(self) -> int:
+        full = sum(int(a.nbytes) for weights in self.full.values() for a in weights.arrays.values())
+        return sum(h.nbytes for h in self.lora.values()) + full
+
 
 class FullSnapshots:
     """Full fine-tuning snapshots by snapshot id; `make_sampler(get_weights)` builds a sampler over one (None:
