@@ -47,6 +47,7 @@ def start_server(
     max_lora_adapters: int = 16,
     fsdp_size: int = 1,
     tensor_parallel_size: int = 1,
+    max_run_state_bytes: int | None = None,
 ) -> tuple[str, callable]:
     """Runs are never evicted and most e2e tests leave theirs loaded: the shared server needs a slot per
     run of the whole session (the old-SDK client alone leaves two), plus room for sampler snapshots.
@@ -56,6 +57,7 @@ def start_server(
     from tx.db import open_database
     from tx.engine import AdapterConfig, EngineConfig, build_runner
     from tx.engine.loop import Engine
+    from tx.engine.run_memory import RunMemory
     from tx.engine.sampler import SamplerConfig
 
     db = open_database(database_url, data_dir)
@@ -63,7 +65,8 @@ def start_server(
     runner, info = build_runner(
         EngineConfig(base_model=str(model_dir), data_dir=data_dir, fsdp_size=fsdp_size,
             tensor_parallel_size=tensor_parallel_size, adapters=AdapterConfig(max_lora_adapters, 16),
-            sampler=SamplerConfig(max_rows=16, max_seq_len=256))
+            sampler=SamplerConfig(max_rows=16, max_seq_len=256)),
+        run_memory=RunMemory(max_run_state_bytes),
     )  # fmt: skip
     engine = Engine(db.queue, runner)
     engine.start()

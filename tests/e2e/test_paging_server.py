@@ -50,3 +50,22 @@ def test_three_times_more_runs_than_slots_all_train_save_and_sample(two_slots):
         results = list(pool.map(lambda i: _tenant(url, base_model, i), range(RUNS)))
     assert len(results) == RUNS and all(len(first) == 6 for first, _ in results)
     assert all(first == again for first, again in results)
+
+
+@pytest.fixture(scope="module")
+def no_run_state(hf_models, tmp_path_factory):
+    model_dir, _ = hf_models("qwen3", 2, False)
+    url, stop = start_server(model_dir, tmp_path_factory.mktemp("e2e-run-state"), max_run_state_bytes=1)
+    yield url, str(model_dir)
+    stop()
+
+
+def test_a_run_past_the_run_state_limit_is_refused_by_name_and_the_server_serves_on(no_run_state):
+    url, base_model = no_run_state
+    with tinker.ServiceClient(base_url=url, api_key=KEY) as service:
+        with pytest.raises(Exception, match="--max-run-state-gb"):
+            service.create_lora_training_client(base_model=base_model, rank=4).result()
+        sampler = service.create_sampling_client(base_model=base_model)
+        params = types.SamplingParams(max_tokens=4, temperature=0.0)
+        result = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), num_samples=1, sampling_params=params).result()
+        assert len(result.sequences[0].tokens) == 4
