@@ -27,7 +27,9 @@ from tx.engine.batching import (
 from tx.engine.losses import LossInputs
 from tx.engine.train_step import TrainBatch
 from tx.lora.select import select
-from tx.protocol import Datum
+from tx.protocol import Datum, ForwardBackwardRequest, ForwardBackwardResult
+
+MAX_EXPERT_FRACTION = "moe/max_expert_fraction:max"  # a MoE model's router balance per forward_backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,3 +160,29 @@ def max_expert_fraction(load: np.ndarray) -> float:
     1/X when the router spreads tokens evenly, 1/k when every token picks the same expert."""
     total = load.sum(axis=1, keepdims=True)
     return float((load / np.maximum(total, 1)).max())
+
+
+def request_results(
+    work: Sequence[tuple[str, ForwardBackwardRequest]], examples: Sequence[Example], owner: Sequence[int], outputs: dict
+) -> list[ForwardBackwardResult]:
+    """Per request: its datums' outputs; metrics `loss:sum` and, for a MoE model, the router's balance
+    `moe/max_expert_fraction:max` (`train_batch.max_expert_fraction` of the request's tokens)."""
+    results = []
+    for index, (_, req) in enumerate(work):
+        per_datum: list[dict[str, np.ndarray]] = []
+        total = 0.0
+        loads = []
+        for d in (d for d, o in enumerate(owner) if o == index):
+            out = outputs[d]
+            if "expert_load" in out:
+                loads.append(out["expert_load"])
+            k = examples[d].targets.shape[1]
+            one_d = np.asarray(req.data[len(per_datum)].loss_fn_inputs["target_tokens"]).ndim == 1
+            lp = out["logprobs"][:, 0] if one_d else out["logprobs"][:, :k]
+            per_datum.append({"logprobs": lp.astype(np.float32), "elementwise_loss": out["elementwise_loss"]})
+            total += float(out["elementwise_loss"].sum())
+        metrics = {"loss:sum": total}
+        if loads:
+            metrics[MAX_EXPERT_FRACTION] = max_expert_fraction(sum(loads))
+        results.append(ForwardBackwardResult(per_datum, metrics))
+    return results

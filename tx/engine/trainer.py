@@ -31,8 +31,8 @@ from tx.engine.train_batch import (
     build_batch,
     gather_expert_load,
     make_example,
-    max_expert_fraction,
     plan_rows,
+    request_results,
     scatter_outputs,
 )
 from tx.gather import packed_to_device, packed_to_host, to_host
@@ -56,9 +56,6 @@ def _hyper_params(values: dict[str, float]) -> dict[str, np.float32]:
 
 def _zero_hyper_params() -> dict[str, np.float32]:  # the warm-up compiles with the same kind of inputs
     return _hyper_params(dict.fromkeys(HYPER_PARAMS, 0.0))
-
-
-MAX_EXPERT_FRACTION = "moe/max_expert_fraction:max"  # a MoE model's router balance per forward_backward
 
 
 def lora_targets(cfg: LoraConfig) -> frozenset[str]:
@@ -262,7 +259,7 @@ class Trainer:
             training = {r for r, req in work if not req.forward_only}
             with self._undo_on_error(training):
                 yield from self._run_batches(examples, [work[o] for o in owner], outputs)
-        return self._results(work, examples, owner, outputs)
+        return request_results(work, examples, owner, outputs)
 
     @contextlib.contextmanager
     def _undo_on_error(self, run_ids: set[str]) -> Iterator[None]:
@@ -318,29 +315,6 @@ class Trainer:
             index = jnp.int32(active.index(run.slot))  # the run's place in the compact stack
             run.grads = ts.accumulate_slot(run.grads, grads, index, self.bank.roles)
         return out
-
-    def _results(self, work, examples, owner, outputs) -> list[ForwardBackwardResult]:
-        """Per request: its datums' outputs; metrics `loss:sum` and, for a MoE model, the router's balance
-        `moe/max_expert_fraction:max` (`train_batch.max_expert_fraction` of the request's tokens)."""
-        results = []
-        for index, (_, req) in enumerate(work):
-            per_datum: list[dict[str, np.ndarray]] = []
-            total = 0.0
-            loads = []
-            for d in (d for d, o in enumerate(owner) if o == index):
-                out = outputs[d]
-                if "expert_load" in out:
-                    loads.append(out["expert_load"])
-                k = examples[d].targets.shape[1]
-                one_d = np.asarray(req.data[len(per_datum)].loss_fn_inputs["target_tokens"]).ndim == 1
-                lp = out["logprobs"][:, 0] if one_d else out["logprobs"][:, :k]
-                per_datum.append({"logprobs": lp.astype(np.float32), "elementwise_loss": out["elementwise_loss"]})
-                total += float(out["elementwise_loss"].sum())
-            metrics = {"loss:sum": total}
-            if loads:
-                metrics[MAX_EXPERT_FRACTION] = max_expert_fraction(sum(loads))
-            results.append(ForwardBackwardResult(per_datum, metrics))
-        return results
 
     # ---- optimizer ----------------------------------------------------------------------------------
 
