@@ -173,6 +173,16 @@ def micro_batches(
     return PackPlan(tuple(pieces), plan.lengths)
 
 
+def halve_rows(batch: PackedBatch, lengths: tuple[int, ...]) -> tuple[PackedBatch, ...]:
+    """`batch`'s rows in batches of at most half as many (row counts bucketed), or () when one row holds all
+    its segments: what a batch too large for the memory free runs as."""
+    used = max((segment.row for segment in batch.segments), default=0) + 1
+    if used <= 1:
+        return ()
+    pieces = micro_batches(PackPlan((batch,), lengths), batch.row_tokens * ((used + 1) // 2))
+    return tuple(piece for piece in pieces.batches if piece.segments)
+
+
 def pack(per_datum: Sequence[np.ndarray], plan: PackPlan, fill: float | int = 0) -> list[np.ndarray]:
     """Scatter per-datum arrays [length_i, ...] into one [R, T, ...] array per batch, `fill` elsewhere."""
     if len(per_datum) != len(plan.lengths):

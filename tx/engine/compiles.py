@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 
+from tx.engine.memory_guard import MemoryCheck
 from tx.tuning import for_backend
 
 log = logging.getLogger("tx.engine")
@@ -27,9 +28,12 @@ class train_jit:  # noqa: N801 - used like jax.jit
     at first use (so importing the engine does not initialise a JAX backend). Decode programs keep XLA's
     defaults (on CPU the fusion emitters make its steps 5-11% faster)."""
 
-    def __init__(self, fn: Callable[..., Any], **kwargs: Any) -> None:
+    def __init__(self, fn: Callable[..., Any], checked: bool = False, **kwargs: Any) -> None:
+        """`checked`: compiled ahead of its first call per shape and checked against the memory free at each
+        call (`tx.engine.memory_guard`): the forward and gradient programs, whose activations grow with a batch."""
         self.fn, self.kwargs = fn, kwargs
         self._jitted: Any = None
+        self._check = MemoryCheck() if checked else None
         functools.update_wrapper(self, fn)
 
     def _get(self) -> Any:
@@ -40,7 +44,10 @@ class train_jit:  # noqa: N801 - used like jax.jit
         return self._jitted
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._get()(*args, **kwargs)
+        jitted = self._get()
+        if self._check is not None:
+            self._check(jitted, args, kwargs)
+        return jitted(*args, **kwargs)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         return self._get().lower(*args, **kwargs)

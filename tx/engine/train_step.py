@@ -127,9 +127,9 @@ class StepFunctions:
         self.graphdef = graphdef
         self.roles = roles
         self.logit_elements = logit_elements
-        self.forward = _jit(self._forward)
-        self.lora_grad = _jit(functools.partial(self._grad, train_lora=True))
-        self.full_grad = _jit(functools.partial(self._grad, train_lora=False))
+        self.forward = _jit(self._forward, checked=True)
+        self.lora_grad = _jit(functools.partial(self._grad, train_lora=True), checked=True)
+        self.full_grad = _jit(functools.partial(self._grad, train_lora=False), checked=True)
 
     def model(self, lora: Flat, base: Flat) -> Any:
         return nnx.merge(self.graphdef, as_state(lora), as_state(base))

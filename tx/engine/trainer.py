@@ -26,6 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from tx.engine import train_step as ts
 from tx.engine.bank import AdapterBank, HostRun
+from tx.engine.batching import PackedBatch, halve_rows
+from tx.engine.memory_guard import ProgramTooLarge
 from tx.engine.train_batch import (
     Example,
     build_batch,
@@ -285,16 +287,38 @@ class Trainer:
     def _run_batches(self, examples: list[Example], work_of: list, outputs: dict) -> Iterator[None]:
         plan = plan_rows(examples, self.micro_batch_tokens)
         for batch in plan.batches:
-            if not batch.segments:
-                continue
-            inputs, datums = build_batch(examples, batch, self.bank.scale)
-            present = {work_of[d][0] for d in datums}
-            needs_grad = {work_of[d][0] for d in datums if not work_of[d][1].forward_only}
-            out = self._execute(inputs, present, needs_grad)
-            scatter_outputs(batch, to_host(out.target_logprobs), to_host(out.token_loss), outputs)
-            if out.expert_picks is not None and self.config.moe is not None:
-                gather_expert_load(batch, to_host(out.expert_picks), self.config.moe.experts, outputs)
-            yield
+            if batch.segments:
+                self._run_fitting(examples, batch, plan.lengths, work_of, outputs)
+                yield
+
+    def _run_fitting(
+        self, examples: list[Example], batch: PackedBatch, lengths: tuple[int, ...], work_of: list, outputs: dict
+    ) -> None:
+        """Run `batch`, or, when its program would not fit the memory free (`ProgramTooLarge`, raised before
+        it runs), its rows in two halves, and so on down to one row, which fails the request if it still
+        does not fit."""
+        try:
+            self._run_batch(examples, batch, work_of, outputs)
+        except ProgramTooLarge as err:
+            halves = halve_rows(batch, lengths)
+            if not halves:
+                raise RequestError(
+                    f"one row of {batch.row_tokens} tokens does not fit this machine's free memory ({err}): send "
+                    "shorter datums, or restart the server with --remat (activations recomputed in the backward)",
+                    "user",
+                ) from err
+            log.warning("a %d x %d training batch does not fit (%s): running it in halves", *batch.shape, err)
+            for half in halves:
+                self._run_fitting(examples, half, lengths, work_of, outputs)
+
+    def _run_batch(self, examples: list[Example], batch: PackedBatch, work_of: list, outputs: dict) -> None:
+        inputs, datums = build_batch(examples, batch, self.bank.scale)
+        present = {work_of[d][0] for d in datums}
+        needs_grad = {work_of[d][0] for d in datums if not work_of[d][1].forward_only}
+        out = self._execute(inputs, present, needs_grad)
+        scatter_outputs(batch, to_host(out.target_logprobs), to_host(out.token_loss), outputs)
+        if out.expert_picks is not None and self.config.moe is not None:
+            gather_expert_load(batch, to_host(out.expert_picks), self.config.moe.experts, outputs)
 
     def _execute(self, inputs: ts.TrainBatch, present: set[str], needs_grad: set[str]) -> ts.StepOutputs:
         full = [self.runs[r] for r in present if self.runs[r].lora is None]

@@ -1,0 +1,78 @@
+"""A training batch whose compiled program would not fit the memory free runs in smaller pieces, with the
+same results; a single row that does not fit fails its request by name and leaves the run as it was."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from test_trainer import make_datum, random_lora
+
+from tx.engine import memory_guard
+from tx.engine.bank import AdapterBank
+from tx.engine.batching import PackedBatch, Segment, halve_rows
+from tx.engine.trainer import Trainer
+from tx.lora.layers import LoRASpec
+from tx.models.weights import load_model
+from tx.protocol import ForwardBackwardRequest, LoraConfig, RequestError
+
+
+@pytest.fixture(scope="module")
+def setup(hf_models):  # type: ignore[no-untyped-def]
+    path, _ = hf_models("qwen3", 2, False)
+    model, cfg = load_model(str(path), lora=LoRASpec(slots=4, max_rank=8), progress=False)
+    return model, cfg
+
+
+def _rows_of_one(cfg, rows: int, length: int = 100) -> ForwardBackwardRequest:  # type: ignore[no-untyped-def]
+    """Datums too long to share a row: one packed row each."""
+    rng = np.random.RandomState(3)
+    return ForwardBackwardRequest(
+        [make_datum(rng, cfg.vocab_size, length, "cross_entropy") for _ in range(rows)], "cross_entropy"
+    )
+
+
+def test_halving_keeps_every_segment_and_stops_at_one_row() -> None:
+    batch = PackedBatch(8, 128, tuple(Segment(d, d, 0, 100) for d in range(5)))
+    halves = halve_rows(batch, (100,) * 5)
+    assert len(halves) == 2 and all(max(s.row for s in h.segments) < 3 for h in halves)  # 5 rows: 3 + 2
+    assert sorted(s.datum for h in halves for s in h.segments) == list(range(5))
+    assert halve_rows(PackedBatch(2, 128, (Segment(0, 0, 0, 50), Segment(1, 0, 50, 50))), (50, 50)) == ()
+
+
+def test_a_batch_too_large_for_the_free_memory_runs_in_halves_alike(setup, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    model, cfg = setup
+    req = _rows_of_one(cfg, 4)
+    outs, needs = [], []
+    for squeeze in (False, True):
+        trainer = Trainer(model, AdapterBank.of(model), micro_batch_tokens=1 << 16)
+        run = trainer.create_lora_run("a", LoraConfig(rank=4), slot=1)
+        random_lora(trainer, run, 7)
+        if squeeze:  # the 4-row program no longer fits; one of half as many rows does
+            devices = len(run.grads[next(iter(run.grads))].sharding.device_set)
+            free = int(max(needs) * devices / memory_guard.SHARE_OF_FREE) - 1
+            monkeypatch.setattr(memory_guard, "free_bytes", lambda _, free=free: free)
+        with caplog.at_level(logging.WARNING, logger="tx.engine"):
+            outs.append((trainer.forward_backward([("a", req)])[0], run.grads))
+        needs = list(trainer.steps.lora_grad._check._need.values())
+    assert "running it in halves" in caplog.text
+    (r1, g1), (r2, g2) = outs
+    np.testing.assert_allclose(r1.metrics["loss:sum"], r2.metrics["loss:sum"], rtol=1e-5)
+    for d1, d2 in zip(r1.outputs, r2.outputs, strict=True):
+        np.testing.assert_allclose(d1["logprobs"], d2["logprobs"], atol=1e-5)
+    for p in g1:
+        want = np.asarray(g1[p])
+        np.testing.assert_allclose(np.asarray(g2[p]), want, rtol=1e-4, atol=2e-6 * max(1.0, np.abs(want).max()))
+
+
+def test_one_row_that_does_not_fit_fails_by_name_and_leaves_the_run(setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    model, cfg = setup
+    trainer = Trainer(model, AdapterBank.of(model))
+    run = trainer.create_lora_run("a", LoraConfig(rank=4), slot=1)
+    monkeypatch.setattr(memory_guard, "free_bytes", lambda _: 1000)
+    with pytest.raises(RequestError) as refused:
+        trainer.forward_backward([("a", _rows_of_one(cfg, 1))])
+    assert refused.value.category == "user" and "--remat" in str(refused.value)
+    assert "one row of 128 tokens does not fit" in str(refused.value)
+    assert all(not np.asarray(g).any() for g in run.grads.values())
