@@ -76,3 +76,16 @@ def test_one_row_that_does_not_fit_fails_by_name_and_leaves_the_run(setup, monke
     assert refused.value.category == "user" and "--remat" in str(refused.value)
     assert "one row of 128 tokens does not fit" in str(refused.value)
     assert all(not np.asarray(g).any() for g in run.grads.values())
+
+
+def test_a_program_that_has_run_is_not_refused_later(setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On CPU the memory a program's first run took stays with the process (not free to the OS): its later
+    runs reuse it, so the free memory shrinking after that run must not refuse the same program."""
+    model, cfg = setup
+    trainer = Trainer(model, AdapterBank.of(model))
+    trainer.create_lora_run("a", LoraConfig(rank=4), slot=1)
+    trainer.forward_backward([("a", _rows_of_one(cfg, 2))])
+    monkeypatch.setattr(memory_guard, "free_bytes", lambda _: 1000)
+    trainer.forward_backward([("a", _rows_of_one(cfg, 2))])  # the same shapes: runs
+    with pytest.raises(RequestError, match="does not fit"):
+        trainer.forward_backward([("a", _rows_of_one(cfg, 1, length=300))])  # a new shape is still checked

@@ -45,9 +45,12 @@ class train_jit:  # noqa: N801 - used like jax.jit
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         jitted = self._get()
-        if self._check is not None:
-            self._check(jitted, args, kwargs)
-        return jitted(*args, **kwargs)
+        if self._check is None:
+            return jitted(*args, **kwargs)
+        key = self._check(jitted, args, kwargs)
+        out = jitted(*args, **kwargs)
+        self._check.ran(key)
+        return out
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         return self._get().lower(*args, **kwargs)

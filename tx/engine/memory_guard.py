@@ -5,7 +5,7 @@ backward pass: on a 24 GB machine's CPU the kernel's out-of-memory killer would 
 tenant (an accelerator raises an error instead, after the allocation fails). So the forward and gradient
 programs are lowered and compiled ahead of their first call at each argument shape (the call then reuses
 that compile), and the bytes XLA assigned them (temporaries and outputs, per device) are compared with the
-memory free at each call: a program that does not fit raises `ProgramTooLarge` before anything runs, and
+memory free at each call until it has run once: a program that does not fit raises `ProgramTooLarge` before anything runs, and
 the trainer runs its batch in smaller pieces (`Trainer`), or fails the request when one row alone does not
 fit. An engine over several processes runs unchecked.
 """
@@ -34,15 +34,20 @@ class MemoryCheck:
 
     def __init__(self) -> None:
         self._need: dict[Hashable, int] = {}
+        self._ran: set[Hashable] = set()
 
-    def __call__(self, jitted: Any, args: tuple, kwargs: dict) -> None:
-        """Raise `ProgramTooLarge` when `jitted(*args, **kwargs)` would not fit the memory free now. Not with
-        several processes: each sees its own free memory, and they must decide alike (they step in lockstep)."""
+    def __call__(self, jitted: Any, args: tuple, kwargs: dict) -> Hashable:
+        """Raise `ProgramTooLarge` when `jitted(*args, **kwargs)` would not fit the memory free now; else the
+        call's key, for `ran`. A program that has run fits from then on: its buffers stay with the process
+        for its next run (on CPU the memory the first run took is not given back as free). Not with several
+        processes: each sees its own free memory, and they must decide alike (they step in lockstep)."""
         if jax.process_count() > 1:
-            return
+            return None
         leaves, tree = jax.tree.flatten((args, kwargs))
         arrays = [x for x in leaves if isinstance(x, jax.Array)]
         key = (tree, tuple((x.shape, x.dtype) for x in arrays))
+        if key in self._ran:
+            return key
         need = self._need.get(key)
         if need is None:
             need = self._need[key] = _assigned_bytes(jitted.lower(*args, **kwargs).compile())
@@ -50,6 +55,10 @@ class MemoryCheck:
         total, free = _total_need(need, devices), free_bytes(devices)
         if total > SHARE_OF_FREE * free:
             raise ProgramTooLarge(total, free)
+        return key
+
+    def ran(self, key: Hashable) -> None:
+        self._ran.add(key)
 
 
 def _assigned_bytes(compiled: Any) -> int:
