@@ -50,6 +50,7 @@ def test_a_batch_too_large_for_the_free_memory_runs_in_halves_alike(setup, monke
         run = trainer.create_lora_run("a", LoraConfig(rank=4), slot=1)
         random_lora(trainer, run, 7)
         if squeeze:  # the 4-row program no longer fits; one of half as many rows does
+            monkeypatch.setattr(memory_guard._LastRun, "held", 0)  # the first trainer's run: memory gone elsewhere
             devices = len(run.grads[next(iter(run.grads))].sharding.device_set)
             free = int(max(needs) * devices / memory_guard.SHARE_OF_FREE) - 1
             monkeypatch.setattr(memory_guard, "free_bytes", lambda _, free=free: free)
@@ -71,6 +72,7 @@ def test_one_row_that_does_not_fit_fails_by_name_and_leaves_the_run(setup, monke
     trainer = Trainer(model, AdapterBank.of(model))
     run = trainer.create_lora_run("a", LoraConfig(rank=4), slot=1)
     monkeypatch.setattr(memory_guard, "free_bytes", lambda _: 1000)
+    monkeypatch.setattr(memory_guard._LastRun, "held", 0)  # no earlier run's memory to reuse
     with pytest.raises(RequestError) as refused:
         trainer.forward_backward([("a", _rows_of_one(cfg, 1))])
     assert refused.value.category == "user" and "--remat" in str(refused.value)
@@ -79,13 +81,15 @@ def test_one_row_that_does_not_fit_fails_by_name_and_leaves_the_run(setup, monke
 
 
 def test_a_program_that_has_run_is_not_refused_later(setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """On CPU the memory a program's first run took stays with the process (not free to the OS): its later
-    runs reuse it, so the free memory shrinking after that run must not refuse the same program."""
+    """On CPU the memory a program's run took stays with the process (not free to the OS) until another
+    program runs and reuses it: the free memory shrinking after that run refuses neither the same program nor
+    a smaller one, while a larger new one is still checked."""
     model, cfg = setup
     trainer = Trainer(model, AdapterBank.of(model))
     trainer.create_lora_run("a", LoraConfig(rank=4), slot=1)
     trainer.forward_backward([("a", _rows_of_one(cfg, 2))])
     monkeypatch.setattr(memory_guard, "free_bytes", lambda _: 1000)
     trainer.forward_backward([("a", _rows_of_one(cfg, 2))])  # the same shapes: runs
+    trainer.forward_backward([("a", _rows_of_one(cfg, 1))])  # one row: fits in what the two-row run holds
     with pytest.raises(RequestError, match="does not fit"):
         trainer.forward_backward([("a", _rows_of_one(cfg, 1, length=300))])  # a new shape is still checked
