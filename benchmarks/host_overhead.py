@@ -114,7 +114,7 @@ class Bench:
             wrap(trainer_module, name, "pack")  # datums -> packed rows -> device inputs
         wrap(trainer_module, "scatter_outputs", "readback")
         wrap(trainer_module, "to_host", "readback")
-        wrap(Trainer, "_results", "results")
+        wrap(trainer_module, "request_results", "results")  # per request: its datums' outputs, its metrics
         wrap(Trainer, "optim_step", "optim_step")  # hyper-parameters in, the gradient norm out
         wrap(Sampler, "_admit", "admission")  # waiting requests into rows, cache resized
         wrap(Sampler, "_prefill", "prefill")  # prompts batched, the prompt cache
