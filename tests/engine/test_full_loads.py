@@ -110,3 +110,29 @@ def test_a_damaged_full_checkpoint_fails_its_sample_alone(runner: JaxRunner) -> 
     error = results[bad.future_id]
     assert isinstance(error, RequestError) and "sampler checkpoint 'damaged' cannot be read" in str(error)
     assert runner.idle() and not runner.weights.loads.pending()
+
+
+def test_checkpoints_are_read_one_at_a_time(runner: JaxRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Samples naming two full checkpoints: the second read starts only once the first is taken, so they
+    never hold two whole weight sets beside the kept snapshots."""
+    assert runner.checkpoint_root is not None
+    first, second = (Path(shutil.copytree(runner.io.model_dir, runner.checkpoint_root / n)) for n in ("one", "two"))
+    gate, readers = threading.Event(), []
+    read = runner.io.load_full
+
+    def gated(directory: Path) -> dict:
+        readers.append(directory.name)
+        assert gate.wait(60)
+        return read(directory)
+
+    monkeypatch.setattr(runner.io, "load_full", gated)
+    a, b = _sample("snap-one", first), _sample("snap-two", second)
+    runner.submit([a, b])
+    results: dict[str, Any] = {}
+    for _ in range(20):
+        results.update({c.future_id: c.result for c in runner.step()})
+    assert readers == ["one"] and not results and len(runner.weights.loads.pending()) == 1  # none queued behind
+    gate.set()
+    _step_until(runner, {a.future_id, b.future_id}, results)
+    assert readers == ["one", "two"]
+    assert all(isinstance(r, SampleResult) for r in results.values())

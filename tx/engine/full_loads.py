@@ -1,11 +1,13 @@
 """Full fine-tuning sampler checkpoints read from disk on a thread of their own.
 
-A sample that names a full sampler checkpoint no longer in memory needs a whole weight set read from disk:
-2.4 GB for Qwen3-0.6B in float32, seconds, and every tenant's training and sampling steps waited on the
-engine thread meanwhile. `FullLoads.take` starts the read on a loader thread and raises `LoadWaiting`
-(a `SlotsExhausted`: the runner keeps the sample waiting and retries it each step) until the weights are
-in; a failed read fails the samples that asked for it. An engine over several processes reads in line:
-its processes step in lockstep, and a thread finishing at different moments would split their decisions.
+A sample that names a full sampler checkpoint no longer in memory needs a whole weight set read from disk: 2.4
+GB for Qwen3-0.6B in float32, seconds, and every tenant's training and sampling steps waited on the engine
+thread meanwhile. `FullLoads.take` starts the read on a loader thread and raises `LoadWaiting` (a
+`SlotsExhausted`: the runner keeps the sample waiting and retries it each step) until the weights are in; a
+failed read fails the samples that asked for it. One read at a time: samples naming many checkpoints must not
+hold many whole weight sets in memory at once (the kept snapshots are bounded, reads must be too). An engine
+over several processes reads in line: its processes step in lockstep, and a thread finishing at different
+moments would split their decisions.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class FullLoads:
         if not self._background:
             return self._load(directory)
         read = self._reads.get(snapshot_id)
+        if read is None and self._reads:  # one weight set read (or waiting to be taken) at a time
+            raise LoadWaiting(f"sampler checkpoint {directory.name} waits for another checkpoint's read")
         if read is None:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tx-snapshot-load")
