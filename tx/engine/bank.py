@@ -95,7 +95,7 @@ class AdapterBank:
         # bytes than the runs' state leaves of `memory`'s limit (older ones are gone, as evicted snapshots were
         # before: a named one reloads from its checkpoint).
         self.host_snapshots: OrderedDict[str, HostSnapshot] = OrderedDict()
-        self.memory = memory
+        self.memory = memory or RunMemory()  # the server's, shared by its models' banks; alone: its own
         self._fit()
 
     @classmethod
@@ -260,7 +260,7 @@ class AdapterBank:
         state leaves of the memory limit: an RL loop's ephemeral saves of a large adapter, 256 of them kept,
         would otherwise take tens of GB of host memory."""
         held = sum(h.nbytes for h in self.host_snapshots.values())
-        room = self.memory.limit_bytes - self.memory.used() if self.memory is not None else held
+        room = self.memory.limit_bytes - self.memory.used()
         while self.host_snapshots and (len(self.host_snapshots) > self.max_runs or held > room):
             _, dropped = self.host_snapshots.popitem(last=False)
             held -= dropped.nbytes

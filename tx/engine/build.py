@@ -88,7 +88,6 @@ def build_runner(
     model, cfg = load_model(
         str(model_dir), dtype=dtype, lora=lora, mesh=mesh, remat=config.trainer.remat, tuning=tuning
     )
-    run_memory = run_memory or RunMemory()
     bank = AdapterBank.of(model, adapters.max_runs, adapters.max_lora_rank, run_memory)
     trainer = Trainer(model, bank, config.trainer.micro_batch_tokens)
     decode, eos = load_decoder(model_dir)

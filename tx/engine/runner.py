@@ -32,7 +32,7 @@ from tx.engine.loop import Completion
 from tx.engine.paging import Pager
 from tx.engine.planner import Plan, RoundLimits, plan_round
 from tx.engine.round_notes import RoundNotes
-from tx.engine.run_memory import RunMemory, lora_run_bytes
+from tx.engine.run_memory import lora_run_bytes
 from tx.engine.sampler import Sampler
 from tx.engine.sampler_weights import SamplerWeights
 from tx.engine.snapshots import FullSnapshots, HeldSnapshots, SamplerFactory
@@ -86,8 +86,7 @@ class JaxRunner:
         self.pager = Pager(trainer, sampler.slots_in_use)
         self._protect: frozenset[str] = frozenset()  # the runs of the round being executed
         self.checkpoint_root = checkpoint_root
-        # The bytes of the server's LoRA runs, shared by every model's bank (a bank built alone: its own).
-        self.run_memory = self.bank.memory = self.bank.memory or RunMemory()
+        self.run_memory = self.bank.memory  # the bytes of the server's LoRA runs, shared by every model's bank
         self.base_model = base_model
         full = FullSnapshots(make_sampler, max_full_snapshots)  # full fine-tuning runs' snapshots
         self.weights = SamplerWeights(trainer, sampler, io, self.pager, full)
