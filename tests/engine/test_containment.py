@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from drive import tiny_runner
 
 from tx.engine.runner import JaxRunner
 from tx.protocol import (
@@ -45,15 +46,7 @@ CULPRIT = 77  # a datum starting with this token makes the planted fault fire
 
 @pytest.fixture(scope="module")
 def runner(hf_models, tmp_path_factory) -> Iterator[JaxRunner]:  # type: ignore[no-untyped-def]
-    from tx.engine import AdapterConfig, EngineConfig, build_runner
-    from tx.engine.sampler import SamplerConfig
-
-    model_dir, _ = hf_models()
-    built, _ = build_runner(
-        EngineConfig(base_model=str(model_dir), data_dir=tmp_path_factory.mktemp("containment"), dtype="float32",
-            adapters=AdapterConfig(8, 8), sampler=SamplerConfig(max_rows=4, max_seq_len=64))
-    )  # fmt: skip
-    yield built
+    yield tiny_runner(hf_models()[0], tmp_path_factory.mktemp("containment"), slots=8)
 
 
 _ids = iter(range(10**6))

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from drive import tiny_runner
 
 from tx.engine.runner import JaxRunner
 from tx.protocol import (
@@ -32,15 +33,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def runner(hf_models, tmp_path_factory) -> Iterator[JaxRunner]:  # type: ignore[no-untyped-def]
-    from tx.engine import AdapterConfig, EngineConfig, build_runner
-    from tx.engine.sampler import SamplerConfig
-
-    model_dir, _ = hf_models()
-    built, _ = build_runner(
-        EngineConfig(base_model=str(model_dir), data_dir=tmp_path_factory.mktemp("full-loads"), dtype="float32",
-            adapters=AdapterConfig(4, 8), sampler=SamplerConfig(max_rows=4, max_seq_len=64))
-    )  # fmt: skip
-    yield built
+    yield tiny_runner(hf_models()[0], tmp_path_factory.mktemp("full-loads"), slots=4)
 
 
 _ids = iter(range(10**6))

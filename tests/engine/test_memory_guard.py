@@ -7,7 +7,7 @@ import logging
 
 import numpy as np
 import pytest
-from test_trainer import make_datum, random_lora
+from test_trainer import assert_same_training, make_datum, random_lora
 
 from tx.engine import memory_guard
 from tx.engine.bank import AdapterBank
@@ -58,13 +58,7 @@ def test_a_batch_too_large_for_the_free_memory_runs_in_halves_alike(setup, monke
             outs.append((trainer.forward_backward([("a", req)])[0], run.grads))
         needs = list(trainer.steps.lora_grad._check._need.values())
     assert "running it in halves" in caplog.text
-    (r1, g1), (r2, g2) = outs
-    np.testing.assert_allclose(r1.metrics["loss:sum"], r2.metrics["loss:sum"], rtol=1e-5)
-    for d1, d2 in zip(r1.outputs, r2.outputs, strict=True):
-        np.testing.assert_allclose(d1["logprobs"], d2["logprobs"], atol=1e-5)
-    for p in g1:
-        want = np.asarray(g1[p])
-        np.testing.assert_allclose(np.asarray(g2[p]), want, rtol=1e-4, atol=2e-6 * max(1.0, np.abs(want).max()))
+    assert_same_training(*outs[0], *outs[1])
 
 
 def test_one_row_that_does_not_fit_fails_by_name_and_leaves_the_run(setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
