@@ -48,6 +48,7 @@ SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
     "host_overhead": ([], ["--quick"]),  # runs api_overhead.py against its own server (its "sdk" cases)
     "load": ([], ["--quick"]),
     "result_encoding": ([], ["--samples", "4", "--tokens", "64", "--prompt", "64", "--repeats", "1"]),
+    "token_selection": ([], ["--batch", "8", "--vocab", "8192", "--repeats", "1"]),
     "profile_step": ([], ["--shape", "tiny", "--batch", "2", "--length", "32", "--warmup", "1", "--top", "5"]),
 }
 

@@ -72,7 +72,7 @@ class SamplerConfig:
     max_rows: int = 64  # decode rows at most
     max_seq_len: int = 2048  # prompt + generated tokens per row at most
     chunk_steps: int = 16  # decode steps per jitted call
-    k_cap: int = 64  # widest top-k served without a full-vocabulary sort
+    k_cap: int = 64  # widest top-k served from the batch's candidates (past it, per-row thresholds)
     max_prefill_tokens: int = 8192  # padded prompt tokens prefilled per step (the first request always goes)
     prompt_cache_bytes: int = 256 << 20  # prefilled prompts kept for reuse (0 = off)
     row_buckets: tuple[int, ...] = ()  # decode (and prefill) row counts
