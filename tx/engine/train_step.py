@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -177,6 +178,23 @@ def write_slot_params(lora: Flat, slot: jax.Array, params: Flat, roles: AdapterR
     """`params` (one run's adapter) into slot `slot` of the stacks, zero-padded to their rank; the slot then
     holds that adapter alone (the modules it does not train are zero there)."""
     return {p: slot_put(v, slot, params[p] if p in params else _slot_zeros(v), roles.is_a(p)) for p, v in lora.items()}
+
+
+@functools.partial(jax.jit, static_argnames=("rank", "a_paths"))
+def new_run_params(stacks: Flat, slot: jax.Array, rank: int, a_paths: frozenset) -> Flat:
+    """A new run's parameters: its slot of every stacked adapter, first `rank` columns, in one program (one
+    eager take per weight compiled a program each: ~0.25 s of a `small` run's creation)."""
+    return {p: slot_slice(v, slot, rank, p in a_paths) for p, v in stacks.items()}
+
+
+def zeros_of(shapes: dict[tuple[str, ...], jax.ShapeDtypeStruct]) -> Flat:
+    """Zeros of every shape, made by one program (not one per shape)."""
+    return _zeros(tuple((p, v.shape, np.dtype(v.dtype).name) for p, v in shapes.items()))
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _zeros(spec: tuple[tuple[tuple[str, ...], tuple[int, ...], str], ...]) -> Flat:
+    return {p: jnp.zeros(shape, dtype) for p, shape, dtype in spec}
 
 
 def _slot_zeros(stacked: jax.Array) -> jax.Array:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import math
 import threading
@@ -39,7 +38,7 @@ from tx.engine.train_batch import (
 )
 from tx.gather import packed_to_device, packed_to_host, to_host
 from tx.lora.params import LoRAParam
-from tx.lora.select import select, slot_slice, take_adapters
+from tx.lora.select import select, take_adapters
 from tx.lora.slots import targets_from_flags
 from tx.models.causal_lm import CausalLM
 from tx.models.qwen3_5 import Qwen3_5CausalLM
@@ -110,7 +109,7 @@ class Trainer:
         self.bank.init(slot, cfg.rank, cfg.alpha, targets, seed if cfg.seed is None else cfg.seed)
         slot_, roles = jnp.int32(slot), self.bank.roles
         stacks = {p: v for p, v in self.bank.arrays.items() if p[-2] in targets}
-        params = _slot_params(stacks, slot_, cfg.rank, frozenset(p for p in stacks if roles.is_a(p)))
+        params = ts.new_run_params(stacks, slot_, cfg.rank, frozenset(p for p in stacks if roles.is_a(p)))
         # Placed as `adam_step` returns them (replicated over the mesh), or the second step recompiles
         # `accumulate_slot` and `adam_step` for the new placement (+0.6 s on `small`).
         grads, opt_state = self._placed_like(ts.fresh_state(params), {})
@@ -121,7 +120,7 @@ class Trainer:
         alone = select([slot], self.bank.scale)
         assert alone is not None
         shapes = jax.eval_shape(lambda weights: take_adapters(weights, alone, roles), lora)
-        compact = self._placed_like(_zeros_like(shapes), {})
+        compact = self._placed_like(ts.zeros_of(shapes), {})
         self._warm_up(
             [
                 (ts.copy_weights, (run.grads,)),  # the accumulators saved before each batch
@@ -378,20 +377,3 @@ class Trainer:
         if run_id not in self.runs:
             raise RequestError(f"unknown model_id {run_id!r}", "user")
         return self.runs[run_id]
-
-
-@functools.partial(jax.jit, static_argnames=("rank", "a_paths"))
-def _slot_params(stacks: Flat, slot: jax.Array, rank: int, a_paths: frozenset) -> Flat:
-    """A new run's parameters: its slot of every stacked adapter, first `rank` columns, in one program (one
-    eager take per weight compiled a program each: ~0.25 s of a `small` run's creation)."""
-    return {p: slot_slice(v, slot, rank, p in a_paths) for p, v in stacks.items()}
-
-
-def _zeros_like(shapes: dict[tuple[str, ...], jax.ShapeDtypeStruct]) -> Flat:
-    """Zeros of every shape, made by one program (not one per shape)."""
-    return _zeros(tuple((p, v.shape, np.dtype(v.dtype).name) for p, v in shapes.items()))
-
-
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _zeros(spec: tuple[tuple[tuple[str, ...], tuple[int, ...], str], ...]) -> Flat:
-    return {p: jnp.zeros(shape, dtype) for p, shape, dtype in spec}
