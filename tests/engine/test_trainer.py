@@ -250,6 +250,36 @@ def test_a_gradient_that_is_not_finite_is_refused_and_leaves_the_run_as_it_was(s
     assert all(np.isfinite(np.asarray(v)).all() for v in trainer.run_params(run).values()) and run.step == 2
 
 
+@pytest.mark.parametrize("poison", ["loss weights", "adapter"])
+def test_one_runs_overflow_does_not_reach_another_run_in_the_same_batch(setup, poison):
+    """Run a's loss weights of 3e38 (finite, so valid) or its adapter trained to 1e30 overflow a's share of a
+    fused batch. The one-hot products that give each slot its gradient met those infs with zeros (0 * inf =
+    NaN): b's gradient was NaN and b's optim_step refused. Now b's outputs and gradient are what b alone
+    gets, b steps, and only a's step is refused."""
+    _, _, model, cfg = setup
+    trainer = Trainer(model, AdapterBank.of(model))
+    a = trainer.create_lora_run("a", LoraConfig(rank=4), slot=1)
+    b = trainer.create_lora_run("b", LoraConfig(rank=4), slot=2)
+    random_lora(trainer, a, 3), random_lora(trainer, b, 4)
+    alone = trainer.forward_backward([("b", sft_batch(cfg, 2))])[0]
+    grads_alone = {p: np.asarray(g).copy() for p, g in b.grads.items()}
+    b.grads = {p: g * 0 for p, g in b.grads.items()}
+    req_a = sft_batch(cfg, 1)
+    if poison == "adapter":
+        trainer.set_run_params(a, {p: np.full(v.shape, 1e30, np.float32) for p, v in trainer.run_params(a).items()})
+    else:
+        for datum in req_a.data:
+            datum.loss_fn_inputs["weights"] = np.full_like(datum.loss_fn_inputs["weights"], 3e38)
+    fused = trainer.forward_backward([("a", req_a), ("b", sft_batch(cfg, 2))])[1]
+    for got, want in zip(fused.outputs, alone.outputs, strict=True):
+        np.testing.assert_allclose(got["logprobs"], want["logprobs"], rtol=1e-5, atol=1e-6)
+    for p, want in grads_alone.items():
+        np.testing.assert_allclose(np.asarray(b.grads[p]), want, rtol=1e-4, atol=1e-7, err_msg=str(p))
+    assert np.isfinite(trainer.optim_step("b", AdamParams(learning_rate=1e-2))["grad_norm:mean"])
+    with pytest.raises(RequestError, match="not finite"):
+        trainer.optim_step("a", AdamParams(learning_rate=1e-2))
+
+
 def test_an_update_that_overflows_is_refused_and_leaves_the_run_as_it_was(setup):
     """A finite gradient under weight_decay 1e38 (within float32, so validation lets it through) makes an
     update of inf: the step is a user error naming the adam_params, the run keeps its finite weights and

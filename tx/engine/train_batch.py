@@ -93,6 +93,17 @@ def plan_rows(examples: Sequence[Example], max_tokens: int) -> PackPlan:
     return micro_batches(PackPlan(batches, tuple(e.length for e in examples)), max_tokens)
 
 
+def slot_parts(examples: Sequence[Example], batch: PackedBatch) -> tuple[PackedBatch, ...]:
+    """`batch` as one batch per adapter slot (a row holds one slot), rows renumbered, row counts bucketed."""
+    parts = []
+    for slot in sorted({examples[s.datum].slot for s in batch.segments}):
+        rows = sorted({s.row for s in batch.segments if examples[s.datum].slot == slot})
+        new = {row: i for i, row in enumerate(rows)}
+        segments = tuple(Segment(s.datum, new[s.row], s.start, s.length) for s in batch.segments if s.row in new)
+        parts.append(PackedBatch(bucket_size(len(rows)), batch.row_tokens, segments))
+    return tuple(parts)
+
+
 def build_batch(examples: Sequence[Example], batch: PackedBatch, scale: np.ndarray) -> tuple[TrainBatch, list[int]]:
     """The device inputs for one packed micro-batch, and the datum index of each local datum slot."""
     R, T = batch.shape

@@ -180,6 +180,12 @@ def write_slot_params(lora: Flat, slot: jax.Array, params: Flat, roles: AdapterR
     return {p: slot_put(v, slot, params[p] if p in params else _slot_zeros(v), roles.is_a(p)) for p, v in lora.items()}
 
 
+@_jit
+def all_finite(tree: Flat) -> jax.Array:
+    """bool []: no inf or NaN in any array of `tree`."""
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
+
+
 @functools.partial(jax.jit, static_argnames=("rank", "a_paths"))
 def new_run_params(stacks: Flat, slot: jax.Array, rank: int, a_paths: frozenset) -> Flat:
     """A new run's parameters: its slot of every stacked adapter, first `rank` columns, in one program (one

@@ -35,6 +35,7 @@ from tx.engine.train_batch import (
     plan_rows,
     request_results,
     scatter_outputs,
+    slot_parts,
 )
 from tx.gather import packed_to_device, packed_to_host, to_host
 from tx.lora.params import LoRAParam
@@ -77,6 +78,12 @@ class Run:
     def resident(self) -> bool:
         """False while a LoRA run is paged out to host memory (slot 0, state in `AdapterBank.host`)."""
         return self.lora is None or self.slot != 0
+
+
+class SharedNotFinite(Exception):
+    """A fused batch's gradient holds inf or NaN. One run's values (loss weights near float32's limit, an
+    adapter trained to huge values) reach every slot's gradient through products where they meet zeros
+    (0 * inf is NaN): the batch runs again, each run's rows apart, so that only that run's gradient is."""
 
 
 class Trainer:
@@ -298,6 +305,10 @@ class Trainer:
         does not fit."""
         try:
             self._run_batch(examples, batch, work_of, outputs)
+        except SharedNotFinite:
+            log.warning("a fused batch's gradient is not finite: running its %d runs' rows apart", len(work_of))
+            for part in slot_parts(examples, batch):
+                self._run_fitting(examples, part, lengths, work_of, outputs)
         except ProgramTooLarge as err:
             halves = halve_rows(batch, lengths)
             if not halves:
@@ -331,6 +342,8 @@ class Trainer:
             return out
         grads, out = self.steps.lora_grad(self.bank.arrays, base, inputs)
         self.await_warm_up()
+        if len(needs_grad) > 1 and not bool(ts.all_finite(grads)):
+            raise SharedNotFinite  # before any run's accumulator took its share
         assert inputs.adapters is not None  # a LoRA run's rows always carry its slot
         active = [int(s) for s in np.asarray(inputs.adapters.active)]
         for run_id in sorted(needs_grad):
