@@ -68,22 +68,20 @@ class ExpertAdapter:
 
     def dense(self, x: jax.Array) -> jax.Array:
         """Every expert on every token: x [N, in] -> [X, N, out]."""
-        xa = jnp.einsum("ni,xiq->xnq", x, self.a) * self.mask[None]
-        return jnp.einsum("xnq,xqo->xno", xa, self.b)
+        return jnp.einsum("xnq,xqo->xno", _own(jnp.einsum("ni,xiq->xnq", x, self.a), self.mask[None]), self.b)
 
     def dense_summed(self, h: jax.Array) -> jax.Array:
         """Each expert on its own inputs, summed: h [X, N, in] -> [N, out]."""
-        xa = jnp.einsum("xni,xiq->xnq", h, self.a) * self.mask[None]
-        return jnp.einsum("xnq,xqo->no", xa, self.b)
+        return jnp.einsum("xnq,xqo->no", _own(jnp.einsum("xni,xiq->xnq", h, self.a), self.mask[None]), self.b)
 
     def ragged(self, rows: jax.Array, token: jax.Array, sizes: jax.Array) -> jax.Array:
         """(token, expert) pairs sorted by expert: rows [M, in], each pair's token [M], group sizes [X] -> [M, out]."""
-        xa = jax.lax.ragged_dot(rows, self.a, sizes) * jnp.take(self.mask, token, axis=0)
+        xa = _own(jax.lax.ragged_dot(rows, self.a, sizes), jnp.take(self.mask, token, axis=0))
         return jax.lax.ragged_dot(xa, self.b, sizes)
 
     def pair(self, row: jax.Array, e: jax.Array, n: int) -> jax.Array:
         """One (token, expert) pair: row [1, in] (token n's), expert e -> [1, out]."""
-        xa = (row @ jax.lax.dynamic_index_in_dim(self.a, e, keepdims=False)) * self.mask[n]
+        xa = _own(row @ jax.lax.dynamic_index_in_dim(self.a, e, keepdims=False), self.mask[n])
         return xa @ jax.lax.dynamic_index_in_dim(self.b, e, keepdims=False)
 
     def blocked(self, blocks: jax.Array, expert: jax.Array, mask: jax.Array) -> jax.Array:
@@ -92,5 +90,12 @@ class ExpertAdapter:
         nb, n, _ = blocks.shape
         a_t = jnp.take(self.a.transpose(0, 2, 1), expert, axis=0)  # [nb, Q, in]: its gradient [nb, Q, in] too,
         # which XLA:CPU computes 4x faster than the [nb, in, Q] one (small: a matrix-vector-like product each)
-        xa = jnp.einsum("bni,bqi->bnq", blocks, a_t) * mask.reshape(nb, n, -1)
+        xa = _own(jnp.einsum("bni,bqi->bnq", blocks, a_t), mask.reshape(nb, n, -1))
         return jnp.einsum("bnq,bqo->bno", xa, jnp.take(self.b, expert, axis=0))
+
+
+def _own(xa: jax.Array, mask: jax.Array) -> jax.Array:
+    """Each token's own slot columns of `xa`, scaled; 0 elsewhere by `where`, not by the mask's product:
+    another slot's columns may overflow for this token (an adapter trained to huge finite values), and
+    0 * inf would be NaN in this token's output, and in its gradient."""
+    return jnp.where(mask != 0, xa * mask, 0)
