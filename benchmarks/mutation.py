@@ -95,6 +95,10 @@ TARGETS: dict[str, list[str]] = {
     "tx/api/wire_encode.py": ["tests/api/test_api_wire.py", "tests/api/test_wire_encode.py"],
     # Every metadata read is scoped to its owner here: a slip shows one key's runs to another.
     "tx/db/records.py": ["tests/db/test_records.py", "tests/db/test_db_queue.py", "tests/db/test_restart_hygiene.py"],
+    # The memory a request or a run may take before it is refused (a silent slip: the kernel ends the server).
+    "tx/engine/run_memory.py": ["tests/engine/test_run_memory.py", "tests/engine/test_paging.py"],
+    "tx/engine/cache_budget.py": ["tests/engine/test_cache_budget.py"],
+    "tx/engine/memory_guard.py": ["tests/engine/test_memory_guard.py"],
 }
 SWAPS: dict[type, type] = {
     ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
