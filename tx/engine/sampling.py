@@ -201,18 +201,24 @@ def _threshold_rows(
 def _threshold_draw(scaled_V: jax.Array, hash_: jax.Array, filters: _Filters, log_z: jax.Array) -> jax.Array:
     """One row's token by Gumbel-max over the tokens its top-k then top-p keep, found without sorting: a token
     stays in the top-k when fewer than k tokens rank above it, and in the nucleus when the tokens above it
-    hold less than top_p of the (top-k renormalised) mass; both bounds are bisected over the logits' order
-    keys, 32 passes over V each. Tokens tied with the last one kept are all kept (a sort splits them)."""
-    V = scaled_V.shape[0]
+    hold less than top_p of the (top-k renormalised) mass; each bound is bisected over the logits' order
+    keys (32 passes over V), only for a filter the row has. Tokens tied with the last one kept are all kept
+    (a sort splits them)."""
     key_V = _order_key(scaled_V)
-    above_k = _lowest_key_where(key_V, jnp.ones_like(scaled_V), filters.top_k.astype(jnp.float32))
-    in_k_V = ~filters.k_on | (key_V >= above_k)
-    kept_V = jnp.where(in_k_V, scaled_V, -jnp.inf)
-    log_norm = jnp.where(filters.k_on, jax.nn.logsumexp(kept_V), log_z)
-    above_p = _lowest_key_where(key_V, jnp.exp(kept_V - log_norm), filters.top_p)
-    keep_V = in_k_V & (~filters.p_on | (key_V >= above_p))
-    noise_V = _noise_at(hash_[None], jnp.arange(V, dtype=jnp.int32)[None])[0]
-    return jnp.argmax(jnp.where(keep_V, scaled_V + noise_V, -jnp.inf)).astype(jnp.int32)
+
+    def top_k_set() -> tuple[jax.Array, jax.Array]:
+        in_k_V = key_V >= _lowest_key_where(key_V, jnp.ones_like(scaled_V), filters.top_k.astype(jnp.float32))
+        return in_k_V, jax.nn.logsumexp(jnp.where(in_k_V, scaled_V, -jnp.inf))
+
+    in_k_V, log_norm = lax.cond(filters.k_on, top_k_set, lambda: (jnp.ones_like(key_V, bool), log_z))
+
+    def nucleus() -> jax.Array:
+        probs_V = jnp.where(in_k_V, jnp.exp(scaled_V - log_norm), 0)
+        return in_k_V & (key_V >= _lowest_key_where(key_V, probs_V, filters.top_p))
+
+    keep_V = lax.cond(filters.p_on, nucleus, lambda: in_k_V)
+    kept_1V = jnp.where(keep_V, scaled_V, -jnp.inf)[None]
+    return _noisy_argmax(kept_1V, jnp.ones(1), hash_[None], jnp.zeros(1, bool))[0]
 
 
 def _order_key(x: jax.Array) -> jax.Array:
