@@ -342,7 +342,7 @@ class Trainer:
             return out
         grads, out = self.steps.lora_grad(self.bank.arrays, base, inputs)
         self.await_warm_up()
-        if len(needs_grad) > 1 and not bool(ts.all_finite(grads)):
+        if len(needs_grad) > 1 and not to_host(ts.all_finite(grads)):
             raise SharedNotFinite  # before any run's accumulator took its share
         assert inputs.adapters is not None  # a LoRA run's rows always carry its slot
         active = [int(s) for s in np.asarray(inputs.adapters.active)]
