@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import psutil
 import pytest
 from test_sampler import CFG, LORA_SLOT, PROMPTS, Setup, char_decode, make_req, run, tokens_of
 
 from tx.engine import cache_budget
-from tx.engine.cache_budget import CacheBudget, cache_bytes_of
+from tx.engine.cache_budget import CacheBudget, cache_bytes_of, free_bytes
 from tx.engine.sampler import Sampler
+from tx.models.cache import decode_cache
 
 
 def _linear(rows: int, length: int) -> int:
@@ -26,6 +29,44 @@ def test_the_row_cap_is_the_largest_bucket_that_fits(monkeypatch: pytest.MonkeyP
     assert free.row_cap(64, held_bytes=0) == 4
     # what the cache holds now counts as free for it
     assert free.row_cap(64, held_bytes=10 * 64 * 4 / cache_budget.SHARE_OF_FREE) == 8
+
+
+def test_a_fixed_limit_one_byte_short_of_a_bucket_leaves_it_out() -> None:
+    budget = CacheBudget(_linear, (1, 2, 4, 8), limit_bytes=10 * 64 * 4 - 1)
+    assert budget.row_cap(64, held_bytes=10**9) == 2
+    assert CacheBudget(_linear, (1, 2, 4, 8), limit_bytes=10 * 64 * 4).row_cap(64, 0) == 4
+
+
+def test_several_processes_without_a_flag_have_no_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """They must admit alike, and each sees its own free memory: no limit but `--decode-cache-gb`."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    free = CacheBudget(_linear, (1, 2, 4, 8), limit_bytes=None)
+    assert free.limit() is None and free.row_cap(10**6, held_bytes=0) == 8
+    assert CacheBudget(_linear, (1, 2, 4, 8), limit_bytes=640).limit() == 640
+
+
+class _Device:
+    def __init__(self, stats: dict | None) -> None:
+        self.stats = stats
+
+    def memory_stats(self) -> dict | None:
+        return self.stats
+
+
+def test_free_bytes_are_the_allocators_room_or_the_hosts() -> None:
+    accelerators = {_Device({"bytes_limit": 100, "bytes_in_use": 30}), _Device({"bytes_limit": 50})}
+    assert free_bytes(accelerators) == 70 + 50
+    available = psutil.virtual_memory().available
+    for host in ({_Device(None)}, {_Device({"bytes_in_use": 5})}, {_Device({"bytes_limit": 9}), _Device(None)}):
+        assert abs(free_bytes(host) - available) < 2**28
+
+
+def test_the_cache_bytes_are_those_of_the_cache_the_sampler_makes(qwen: Setup) -> None:
+    for per_layer in (True, False):
+        nbytes = cache_bytes_of(qwen.cfg, per_layer)
+        made = decode_cache(qwen.cfg, 4, 32, per_layer)
+        assert nbytes(4, 32) == sum(x.nbytes for x in jax.tree.leaves(made)) > 0
+        assert nbytes(8, 32) == 2 * nbytes(4, 32) and nbytes(4, 64) == 2 * nbytes(4, 32)
 
 
 @pytest.fixture(scope="module")
