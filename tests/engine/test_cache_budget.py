@@ -39,6 +39,8 @@ def test_a_fixed_limit_one_byte_short_of_a_bucket_leaves_it_out() -> None:
 
 def test_several_processes_without_a_flag_have_no_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """They must admit alike, and each sees its own free memory: no limit but `--decode-cache-gb`."""
+    monkeypatch.setattr(cache_budget, "free_bytes", lambda devices: 1000)
+    assert CacheBudget(_linear, (1, 2), limit_bytes=None).limit() == 450  # 45% of free (--decode-cache-gb's help)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     free = CacheBudget(_linear, (1, 2, 4, 8), limit_bytes=None)
     assert free.limit() is None and free.row_cap(10**6, held_bytes=0) == 8
