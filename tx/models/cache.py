@@ -9,8 +9,10 @@ the same operations, so the sampler never asks which model it runs:
 - `insert(fresh, source)`: decode row b receives row `source[b]` of a prefilled cache at its head
   (`source[b] < 0`: the row keeps what it has);
 - `head(row, length)`: one row's first `length` positions as a prefill-form cache (a prompt-cache entry);
-- `clear(new)`: rows given to a new occupant start from nothing. Attention rows need no clearing (a row
-  only reads positions it wrote itself); recurrent state does (`stateful`).
+- `clear(new)`: rows given to a new occupant start from nothing. Attention rows need no clearing: a row
+  gives the positions it did not write weight 0, and every write stores finite values (`storable`), so
+  0 times what a previous occupant left is 0 (a stored inf or NaN made it NaN); recurrent state does
+  need clearing (`stateful`).
 
 Dimension letters: L layers, B decode rows, N prefill rows, S/P positions, K kv heads, E head dim,
 W conv kernel, C conv channels, H value heads, M value head dim.
@@ -25,6 +27,14 @@ import jax
 import jax.numpy as jnp
 
 from tx.models.config import ModelConfig
+
+
+def storable(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`x` as the cache stores it: in `dtype`, its non-finite values (a row whose adapter overflowed, a
+    float32 value past bfloat16's range) as 0. A later occupant of the row reads every position with
+    weight 0 past its own, and 0 * inf or 0 * NaN is NaN: the row's own output is not finite either way."""
+    stored = x.astype(dtype)
+    return jnp.where(jnp.isfinite(stored), stored, jnp.zeros((), dtype))
 
 
 def copy_rows(dst: jax.Array, src: jax.Array, source_B: jax.Array, axis: int | None) -> jax.Array:

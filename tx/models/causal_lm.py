@@ -27,7 +27,7 @@ from tx.lora.kernels import lora_delta
 from tx.lora.layers import LoRASpec, linear, lora_pair
 from tx.lora.params import AdapterRoles, LoRARows
 from tx.models.attention import AttentionMask
-from tx.models.cache import KVCache, LayerCache
+from tx.models.cache import KVCache, LayerCache, storable
 from tx.models.config import ModelConfig
 from tx.models.layers import MLP, Attention, RMSNorm
 from tx.models.mixed_mlp import MixedMLP, Placement
@@ -80,8 +80,8 @@ class DecoderLayer(nnx.Module):
             assert isinstance(layer, int)
             k_old, v_old = own.k[layer], own.v[layer]
             row = jnp.arange(k.shape[0])[:, None]  # k, v [B, T, K, E] into keys [B, K, E, S], values [B, K, S, E]
-            k_own = k_old.at[row, :, :, positions].set(k.astype(k_old.dtype), mode="drop")
-            v_own = v_old.at[row, :, positions].set(v.astype(v_old.dtype), mode="drop")
+            k_own = k_old.at[row, :, :, positions].set(storable(k, k_old.dtype), mode="drop")
+            v_own = v_old.at[row, :, positions].set(storable(v, v_old.dtype), mode="drop")
             x = x + self.self_attn.attend_written(q, k_own, v_own, positions, rows, window)
             new = (k_own, v_own)
         else:
@@ -112,8 +112,8 @@ def _write_cache(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Arra
     """Scatter a call's new keys/values [L, B, T, K, E] into the cache at `positions` [B, T], once for all
     layers; positions past the cache length are dropped."""
     row = jnp.arange(k.shape[1])[:, None]
-    k_all = cache.k.at[:, row, positions].set(k.astype(cache.k.dtype), mode="drop")
-    v_all = cache.v.at[:, row, positions].set(v.astype(cache.v.dtype), mode="drop")
+    k_all = cache.k.at[:, row, positions].set(storable(k, cache.k.dtype), mode="drop")
+    v_all = cache.v.at[:, row, positions].set(storable(v, cache.v.dtype), mode="drop")
     return KVCache(k_all, v_all)
 
 
