@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from tx.lora.layers import LoRASpec
-from tx.lora.params import LoRAA, LoRAB, LoRARows
+from tx.lora.params import LoRAA, LoRAB, LoRARows, in_compute_dtype
 
 
 def expert_lora_pair(
@@ -63,8 +63,8 @@ class ExpertAdapter:
     def of(cls, a: jax.Array, b: jax.Array, mask: jax.Array) -> ExpertAdapter:
         """From the stacked pair a [X, G, in, R], b [X, G, R, out] (one layer's) in the mask's dtype."""
         X, G, I, R = a.shape
-        a_cat = a.astype(mask.dtype).transpose(0, 2, 1, 3).reshape(X, I, G * R)
-        return cls(a_cat, b.astype(mask.dtype).reshape(X, G * R, b.shape[-1]), mask)
+        a_cat = in_compute_dtype(a, mask.dtype).transpose(0, 2, 1, 3).reshape(X, I, G * R)
+        return cls(a_cat, in_compute_dtype(b, mask.dtype).reshape(X, G * R, b.shape[-1]), mask)
 
     def dense(self, x: jax.Array) -> jax.Array:
         """Every expert on every token: x [N, in] -> [X, N, out]."""

@@ -28,7 +28,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from tx.lora.params import LoRARows
+from tx.lora.params import LoRARows, in_compute_dtype
 
 Kernel = Literal["gather", "indexed", "grouped"]
 DEFAULT_KERNEL: Kernel = "gather"
@@ -51,8 +51,8 @@ def _decode(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array) -> jax.Arr
     B = x.shape[0]
     pick = jax.nn.one_hot(rows.slot, G, dtype=x.dtype)  # [B, G]; all zero for rows without an adapter
     mask = (pick[:, :, None] * rows.scale.astype(x.dtype)[None]).reshape(B, G * R)
-    a_cat = a.astype(x.dtype).transpose(1, 0, 2).reshape(I, G * R)
-    b_cat = b.astype(x.dtype).reshape(G * R, b.shape[-1])
+    a_cat = in_compute_dtype(a, x.dtype).transpose(1, 0, 2).reshape(I, G * R)
+    b_cat = in_compute_dtype(b, x.dtype).reshape(G * R, b.shape[-1])
     # `where`, not a product with the mask: another slot's columns may overflow for this row (a huge finite
     # adapter), and inf * 0 would be NaN in every row of the batch.
     xa = jnp.where(mask != 0, (x[:, 0] @ a_cat) * mask, 0)
@@ -71,8 +71,8 @@ def _gather(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array) -> jax.Arr
     # product, which XLA:CPU runs faster than the [I, T] x [T, R] one of a [B, I, R] gradient. One
     # projection's forward and backward, 8 x 256 tokens, rank 8: 512 -> 512 1.33 -> 0.57 ms, 1536 -> 512
     # 3.91 -> 1.53 ms, 1024 -> 3072 9.07 -> 5.89 ms; a `small` LoRA step ~5% faster.
-    a_rows = jnp.einsum("bs,sri->bri", pick, a.astype(x.dtype).transpose(0, 2, 1))
-    b_rows = jnp.einsum("bs,sro->bro", pick, b.astype(x.dtype))
+    a_rows = jnp.einsum("bs,sri->bri", pick, in_compute_dtype(a, x.dtype).transpose(0, 2, 1))
+    b_rows = jnp.einsum("bs,sro->bro", pick, in_compute_dtype(b, x.dtype))
     xa = jnp.einsum("bti,bri->btr", x, a_rows) * coef
     return jnp.einsum("btr,bro->bto", xa, b_rows)
 
@@ -82,8 +82,8 @@ def _indexed(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array) -> jax.Ar
     live = rows.slot >= 0
     slot = jnp.where(live, rows.slot, 0)
     coef = (rows.scale[slot] * live[:, None]).astype(x.dtype)[:, None, :]  # [B, 1, R]
-    xa = jnp.einsum("bti,bir->btr", x, a[slot].astype(x.dtype)) * coef
-    return jnp.einsum("btr,bro->bto", xa, b[slot].astype(x.dtype))
+    xa = jnp.einsum("bti,bir->btr", x, in_compute_dtype(a[slot], x.dtype)) * coef
+    return jnp.einsum("btr,bro->bto", xa, in_compute_dtype(b[slot], x.dtype))
 
 
 def _grouped(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -101,10 +101,10 @@ def _grouped(x: jax.Array, rows: LoRARows, a: jax.Array, b: jax.Array) -> jax.Ar
     counts = jnp.bincount(jnp.where(none, S, slot), length=S + 1)[:S] * T
     sizes = counts.astype(jnp.int32)
     tokens = jnp.roll(tokens, -skip, axis=0)
-    xa = jax.lax.ragged_dot(tokens, a.astype(x.dtype), sizes)
+    xa = jax.lax.ragged_dot(tokens, in_compute_dtype(a, x.dtype), sizes)
     token_slot = jnp.roll(jnp.repeat(sorted_slot, T), -skip)
     xa = xa * rows.scale[token_slot].astype(x.dtype)
-    out = jax.lax.ragged_dot(xa, b.astype(x.dtype), sizes)
+    out = jax.lax.ragged_dot(xa, in_compute_dtype(b, x.dtype), sizes)
     live = jnp.arange(B * T) < (B * T - skip)
     out = jnp.where(live[:, None], out, 0)
     out = jnp.roll(out, skip, axis=0).reshape(B, T, -1)

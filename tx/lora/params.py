@@ -78,6 +78,17 @@ class LoRARows:
     scale: jax.Array
 
 
+def in_compute_dtype(w: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Adapter weights `w` (float32 masters) in the compute `dtype`, clipped to its finite range first: a
+    float32 value past bfloat16's largest (an adapter an optimizer step left at ~3.4e38) would be inf there,
+    and the one-hot and masked products that keep each row to its own slot give 0 * inf = NaN in every row.
+    XLA fuses the clip into the cast."""
+    limit = float(jnp.finfo(dtype).max)
+    if limit < float(jnp.finfo(w.dtype).max):
+        w = jnp.clip(w, -limit, limit)
+    return w.astype(dtype)
+
+
 def slot_scale(rank: int, alpha: float, max_rank: int, rslora: bool = False) -> jax.Array:
     """One row of `LoRARows.scale`: PEFT's `alpha / rank` (or `alpha / sqrt(rank)`) on the live columns."""
     factor = alpha / (rank**0.5 if rslora else rank)
