@@ -149,3 +149,23 @@ def test_a_hub_model_with_only_its_config_cached_is_left_to_the_engine_to_fetch(
     (snapshot / "model.safetensors").write_bytes(b"")
     assert locate_model("org/big") == snapshot
     assert ModelCatalog(ModelRules()).get("alice", "org/big").model_dir == str(snapshot)
+
+
+def test_no_base_model_names_a_directory_in_the_data_directory(tmp_path: Path) -> None:
+    """Another tenant's full fine-tuning checkpoint is a model directory under the data directory: named by
+    path (directly, through a symlink, or with `~`), it is refused before anything reads it; its owner names
+    it by tinker:// path. Directories elsewhere still load."""
+    data = tmp_path / "data"
+    theirs = _model_dir(data, "checkpoints/run_1/sampler_weights/s1", QWEN3)
+    (tmp_path / "link").symlink_to(theirs)
+    mine = _model_dir(tmp_path, "models/mine", QWEN3)
+    catalog = ModelCatalog(ModelRules(private=(str(data),)))
+    for name in (str(theirs), str(tmp_path / "link"), str(data / "checkpoints/run_1/../run_1/sampler_weights/s1")):
+        with pytest.raises((HTTPException, ValidationError)) as err:
+            catalog.get("mallory", name)
+        assert not isinstance(err.value, HTTPException) or err.value.status_code == 403
+    with pytest.raises(HTTPException, match="data directory") as denied:
+        catalog.get("mallory", str(tmp_path / "link"))
+    assert denied.value.status_code == 403
+    assert catalog.get("mallory", str(mine)).info.base_model == str(mine)
+    assert ModelCatalog(ModelRules()).get("alice", str(theirs)).info.base_model == str(theirs)  # no data dir given

@@ -113,7 +113,7 @@ def build_catalog(args: argparse.Namespace, pool: ModelPool | None, uploads: Upl
     the catalog lists no on-demand models as loaded. `uploads`: where `upload:NAME` strings are found
     (`create_app` gives the catalog its default store otherwise)."""
     allow = tuple(args.allow_models) if args.allow_models else default_allow(args.host, args.base_model)
-    rules = ModelRules(allow, args.max_seq_len, args.max_lora_rank, args.max_lora_adapters)
+    rules = ModelRules(allow, args.max_seq_len, args.max_lora_rank, args.max_lora_adapters, (args.data_dir,))
     hooks = (uploads.find_upload, uploads.list_uploads) if uploads is not None else (None, None)
     catalog = ModelCatalog(rules, pool.loaded if pool is not None else dict, *hooks)
     catalog.only_preloaded = NO_LOADS if args.coordinator else ""

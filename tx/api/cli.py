@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="globs over the model strings clients may load on demand (e.g. 'Qwen/*' '/models/*'); default: any "
         "model when --host is loopback, otherwise only the --base-model list. Uploads are always allowed to "
-        "their owner",
+        "their owner; a path into --data-dir never is (tenants' checkpoints live there)",
     )
     p.add_argument(
         "--memory-budget-gb",

@@ -49,6 +49,7 @@ class ModelRules:
     max_seq_len: int = 4096
     max_lora_rank: int = 128
     max_lora_adapters: int = 8
+    private: tuple[str, ...] = ()  # directories no base_model may name (the data directory: every tenant's files)
 
 
 def default_allow(host: str, base_models: Sequence[str]) -> tuple[str, ...] | None:
@@ -112,7 +113,12 @@ class ModelCatalog:
             raise HTTPException(
                 403, detail=f"base_model {name!r} is not allowed on this server (--allow-models {self._allow_text()})"
             )
-        model = self._describe(owner if is_upload else None, name, self._locate_config(owner, name, is_upload))
+        if not is_upload:
+            self._refuse_private(name, Path(name).expanduser())  # as named (a hub name reads as a relative path)
+        model_dir = self._locate_config(owner, name, is_upload)
+        if not is_upload:
+            self._refuse_private(name, model_dir)  # as found: through symlinks, a hub cache, `~`
+        model = self._describe(owner if is_upload else None, name, model_dir)
         with self._lock:
             self._known[key] = model
         return model
@@ -121,6 +127,17 @@ class ModelCatalog:
         """Drop what `get` remembered of `owner`'s upload `name` (deleted: a later request must not find it)."""
         with self._lock:
             self._known.pop((owner, name), None)
+
+    def _refuse_private(self, name: str, path: Path) -> None:
+        """403 when `path`, resolved, lies in one of `rules.private`: the data directory holds every tenant's
+        checkpoints and uploads, which each owner names by tinker:// path or upload:NAME, never by path."""
+        where = path.resolve()
+        if any(where.is_relative_to(Path(root).resolve()) for root in self.rules.private):
+            raise HTTPException(
+                403,
+                detail=f"base_model {name!r} names a directory in this server's data directory: name a checkpoint "
+                "by its tinker:// path (create from state or a sampler path) or an upload as upload:NAME",
+            )
 
     def _allowed(self, name: str) -> bool:
         patterns = self.rules.allow
