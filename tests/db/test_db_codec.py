@@ -11,6 +11,7 @@ import pytest
 from tx.db import codec
 from tx.protocol import (
     AdamParams,
+    CreateModelRequest,
     Datum,
     ForwardBackwardRequest,
     ForwardBackwardResult,
@@ -168,3 +169,14 @@ def test_nested_tuples_dicts_and_numpy_scalars() -> None:
     back = codec.decode(codec.encode(obj))
     assert back == {"t": (1, (2.5, "x"), []), "s": 0.5, "n": None, "i": 3}
     assert type(back["i"]) is int and type(back["t"][1]) is tuple
+
+
+@pytest.mark.parametrize("tag", ["__t", "__tu", "__nd", "__li", "__lf", "__d"])
+def test_a_users_map_keyed_like_the_codecs_tags_comes_back_as_that_map(tag: str) -> None:
+    """`user_metadata` is the user's own map: {"__t": "SaveStateRequest"} made the stored create_model
+    unreadable (a server error, the run failed) and {"__tu": "ab"} came back as the tuple ('a', 'b')."""
+    metadata = {tag: "SaveStateRequest" if tag == "__t" else "ab", "plain": "x"}
+    request = CreateModelRequest("m", LoraConfig(rank=4), metadata)
+    back = codec.decode(codec.encode(request))
+    assert back == request and back.user_metadata == metadata
+    assert codec.decode(codec.encode({"a": {tag: [1, 2]}})) == {"a": {tag: [1, 2]}}

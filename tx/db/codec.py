@@ -57,7 +57,10 @@ class _Writer:
             # its maps were filled in. A protobuf map iterates in a per-process hash order, so the same
             # forward_backward parsed by two API servers (a retry after a failover) built its loss_fn_inputs
             # in different orders and was refused as "a different request".
-            return {str(k): self.value(obj[k]) for k in sorted(obj, key=str)}
+            keys = sorted(obj, key=str)
+            if _TAGS.intersection(map(str, keys)):  # a user's map (user_metadata) keyed like our tags
+                return {"__d": [[str(k), self.value(obj[k])] for k in keys]}
+            return {str(k): self.value(obj[k]) for k in keys}
         if isinstance(obj, list):
             return self._list(obj)
         if isinstance(obj, tuple):
@@ -89,6 +92,9 @@ def _int_array(values: list[int]) -> np.ndarray | None:
     return array
 
 
+_TAGS = frozenset({"__nd", "__li", "__lf", "__tu", "__t", "__d"})  # keys that mark an encoded value
+
+
 class _Reader:
     def __init__(self, raw: memoryview) -> None:
         self.raw = raw
@@ -111,6 +117,8 @@ class _Reader:
             return self.array(obj.get("__li") or obj["__lf"]).tolist()
         if "__tu" in obj:
             return tuple(self.value(v) for v in obj["__tu"])
+        if "__d" in obj:
+            return {k: self.value(v) for k, v in obj["__d"]}
         if "__t" in obj:
             cls = _TYPES.get(obj["__t"])
             if cls is None:
