@@ -369,6 +369,24 @@ def test_prompt_logprobs_match_teacher_forcing(qwen):
     assert results["plain"].prompt_logprobs is None and results["plain"].topk_prompt_logprobs is None
 
 
+def test_every_prompt_top_k_up_to_twenty_is_one_prefill_program(qwen):
+    """A tenant stepping through top-k 1, 2, 3, 5, ... would otherwise compile a full-model prefill for each
+    width while every other tenant's sampling waits; the widths share one, and each result keeps its own k."""
+    prompt = PROMPTS[3]
+
+    def scored(k: int) -> SampleRequest:
+        req = make_req(prompt, 1, temperature=0.0)
+        req.prompt_logprobs, req.topk_prompt_logprobs = True, k
+        return req
+
+    run(qwen.sampler, {"warm": (scored(1), 0)})
+    compiled = qwen.sampler.compile_count
+    for k in (2, 3, 5, 7, 12, 20):
+        results, _ = run(qwen.sampler, {"k": (scored(k), 0)})
+        assert results["k"].topk_prompt_logprobs.ids.shape == (len(prompt), k)
+    assert qwen.sampler.compile_count == compiled
+
+
 def test_prompt_scores_in_blocks_only_for_the_rows_that_asked(qwen):
     """Scores computed 16 positions at a time over a 24-position prompt bucket (padded to two blocks)
     equal teacher forcing; the prompts that did not ask are prefilled apart, without scores."""

@@ -51,6 +51,7 @@ from tx.models.config import ModelConfig
 from tx.protocol import RequestError, SampleRequest, SampleResult
 
 log = logging.getLogger(__name__)
+SCORE_TOPK = 20  # the prompt top-k width every request up to it is scored at (the API's default limit)
 
 Outcome = tuple[str, SampleResult | RequestError]
 
@@ -337,7 +338,9 @@ class Sampler:
         batch, slots = prefill_batch(pieces, self.cfg.row_buckets, self.cfg.length_buckets, used)
         used.add((batch.tokens.shape[0], batch.tokens.shape[1]))
         topk = max((job.req.topk_prompt_logprobs for job in pieces), default=0) if scored else 0
-        topk = min(bucket_size(topk), self.model_cfg.vocab_size) if topk else 0
+        # One width for every top-k up to SCORE_TOPK: each width is a full-model prefill compile, and a
+        # tenant stepping through 1, 2, 3, 4, 6, ... would stall every other tenant's sampling meanwhile.
+        topk = min(bucket_size(max(topk, SCORE_TOPK)), self.model_cfg.vocab_size) if topk else 0
         adapters = self._adapters(slots)
         fresh, scores = self.programs.prefill(self.get_state(), adapters, batch, scores=scored, topk=topk)
         self._cache = self.programs.insert(self._cache, fresh, source)
