@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -163,6 +164,11 @@ def test_sample_counts_and_stops() -> None:
     _refused("num_samples 0", _sample, None, 0)
     _refused("topk_prompt_logprobs 4", _sample, None, 1, 4)
     _refused("topk_prompt_logprobs -1", _sample, None, 1, -1)
+    small = dataclasses.replace(INFO, vocab_size=2)  # a top-k wider than the vocabulary failed the whole batch
+    request = SampleRequest([1, 0], 1, SamplingParams(max_tokens=1), "m", topk_prompt_logprobs=2)
+    validate.check_sample(request, small, LIMITS, 4, 3)
+    request.topk_prompt_logprobs = 3
+    _refused("the model's vocabulary 2", validate.check_sample, request, small, LIMITS, 4, 3)
     _refused("3 entries, more than the limit 2", _sample, None, 1, 0, stop_token_ids=[1], stop_strings=["a", "b"])
     _refused("outside the vocabulary", _sample, None, 1, 0, stop_token_ids=[100])
     _refused("outside the vocabulary", _sample, None, 1, 0, stop_token_ids=[-1])

@@ -69,3 +69,14 @@ def test_a_temperature_too_small_to_divide_by_samples_greedily() -> None:
         rows.append(Row.start(Job("r", req, slot=0, seeds=[0], stop=StopChecker([], [], lambda ids: "", 2)), 0))
     temperatures = decode_rows([*rows, None], 8).temperature
     np.testing.assert_array_equal(temperatures, np.array([0.0, 0.0, 1e-5, 0.7, 0.0, 0.0], np.float32))
+
+
+def test_a_prompt_top_k_past_the_vocabulary_keeps_what_the_scores_hold() -> None:
+    """The scored prefill is no wider than the vocabulary: a request asking for more keeps every token's
+    score (its k columns cut to the vocabulary) instead of raising, which failed every request in the batch."""
+    req = SampleRequest([1, 2, 3], 1, SamplingParams(max_tokens=1), "m", prompt_logprobs=True, topk_prompt_logprobs=5)
+    job = Job("r", req, 0, [0], StopChecker([], [], lambda ids: "", 1))
+    ids, top = np.array([[2, 0, 1], [0, 2, 1]], np.int32), np.log(np.full((2, 3), 1 / 3, np.float32))
+    job.score_prompt(np.zeros(2, np.float32), ids, top)
+    assert job.topk_prompt_logprobs is not None
+    assert job.topk_prompt_logprobs.ids.shape == (3, 3) and job.topk_prompt_logprobs.ids[1:].tolist() == ids.tolist()

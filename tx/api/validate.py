@@ -148,8 +148,11 @@ def check_sample(request: SampleRequest, info: ModelInfo, limits: Limits, max_nu
         raise ValidationError(f"num_samples {request.num_samples} is outside [1, {max_num_samples}]")
     _check_length(request, info)
     _check_sampling_params(request, info, limits)
-    if not 0 <= request.topk_prompt_logprobs <= max_topk:
-        raise ValidationError(f"topk_prompt_logprobs {request.topk_prompt_logprobs} is outside [0, {max_topk}]")
+    if not 0 <= request.topk_prompt_logprobs <= min(max_topk, info.vocab_size):
+        raise ValidationError(
+            f"topk_prompt_logprobs {request.topk_prompt_logprobs} is outside [0, {min(max_topk, info.vocab_size)}] "
+            f"(the server's limit {max_topk}, the model's vocabulary {info.vocab_size})"
+        )
 
 
 def _check_length(request: SampleRequest, info: ModelInfo) -> None:

@@ -58,7 +58,7 @@ class Job:
         wide as its k); entry 0, before the first token, is undefined."""
         if self.req.prompt_logprobs:
             self.prompt_logprobs = np.concatenate([np.full(1, np.nan, np.float32), logprobs_N.astype(np.float32)])
-        if k := self.req.topk_prompt_logprobs:
+        if k := min(self.req.topk_prompt_logprobs, ids_NK.shape[1]):  # no wider than the vocabulary
             ids = np.zeros((len(ids_NK) + 1, k), np.int32)
             top = np.full((len(top_NK) + 1, k), np.nan, np.float32)
             ids[1:], top[1:] = ids_NK[:, :k], top_NK[:, :k]
