@@ -76,6 +76,23 @@ def test_finish_session_unloads_its_runs(http: httpx.Client, other: httpx.Client
     assert http.post("/session_heartbeat", json={"session_id": session_id}).status_code == 410
 
 
+def test_a_finish_reason_cannot_forge_log_lines(http: httpx.Client, server: Server, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The reason is the caller's text, logged with the unload it causes: a newline in it wrote a line of
+    its own into the server's log."""
+    session_id = http.post("/create_session", json={}).json()["session_id"]
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": MODEL.base_model, "lora_config": {"rank": 4}}
+    model_id = http.post("/create_model", json=body).json()["model_id"]
+    deadline = time.monotonic() + 10
+    while server.db.records.get_run(model_id, owner_of(KEY)).status != "ready":  # type: ignore[union-attr]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    forged = {"reason": {"type": "done\nINFO tx.api: forged"}}
+    with caplog.at_level("INFO", logger="tx.api"):
+        assert http.post(f"/sessions/{session_id}/finish", json=forged).status_code == 200
+    unloads = [r.getMessage() for r in caplog.records if "unloading" in r.getMessage()]
+    assert unloads and all("\n" not in line for line in unloads), unloads
+
+
 def test_with_block_frees_the_adapter(server: Server) -> None:
     with tinker.ServiceClient(base_url=server.url, api_key=KEY) as client:
         model_id = client.create_lora_training_client(base_model=MODEL.base_model, rank=4).result().model_id

@@ -100,7 +100,7 @@ def finish_session(session_id: str, body: FinishSessionRequest, ctx: Ctx, owner:
     runs = ctx.db.records.finish_session(session_id, owner, body.reason.type)
     if runs is None:
         not_found(f"unknown session_id {session_id!r}")
-    unload_ended(ctx, runs, f"finished ({body.reason.type})")
+    unload_ended(ctx, runs, f"finished ({body.reason.type!r})")  # repr: the text is the caller's
     return {"session_id": session_id, "status": "finished"}
 
 
