@@ -214,6 +214,7 @@ def test_checkpoint_listing_lookup_expiry_and_stats(db: Database) -> None:
     assert total == 3 and {r.checkpoint_id for r in listed} == {"weights/a", "weights/b", "weights/later"}
     assert records.list_checkpoints(ME, "other:train:0", 10, 0) == ([], 0)
     assert records.session_checkpoint_stats(ME, [session_id]) == {session_id: (3, (3 << 30) + 11)}
+    assert records.checkpoint_usage(ME) == (3, (3 << 30) + 11) and records.checkpoint_usage(OTHER) == (0, 0)
     assert [r.checkpoint_id for r in records.expired_checkpoints()] == ["weights/old"]
     with pytest.raises(IntegrityError):  # the same name twice in one run
         records.add_rows([_checkpoint(run.id, "a")])

@@ -44,7 +44,6 @@ def billing_usage(_owner: Owner) -> dict[str, Any]:
 
 @router.get("/billing/usage/checkpoints/current")
 def checkpoint_storage(ctx: Ctx, owner: Owner, project_id: str | None = None) -> dict[str, Any]:
-    rows, total = ctx.db.records.list_checkpoints(owner, None, 1_000_000, 0)
-    size = sum(row.size_bytes or 0 for row in rows)
+    total, size = ctx.db.records.checkpoint_usage(owner)  # summed by the database: no row read into memory
     item = {"project_id": project_id, "checkpoint_count": total, "size_bytes": size, "size_gigabytes": size / 1e9}
     return {"data": [item]}

@@ -298,6 +298,14 @@ class Records:
             total = session.exec(select(func.count()).select_from(CheckpointRow).where(*conds)).one()
             return list(session.exec(query.offset(offset).limit(limit)).all()), int(total)
 
+    def checkpoint_usage(self, owner: str) -> tuple[int, int]:
+        """(count, total bytes) of `owner`'s listed checkpoints, summed by the database (no row is read)."""
+        conds = [CheckpointRow.owner == owner, CheckpointRow.status == "ready", _unexpired()]
+        size = func.coalesce(func.sum(CheckpointRow.size_bytes), 0)
+        with self._session() as session:
+            count, total = session.exec(select(func.count(), size).select_from(CheckpointRow).where(*conds)).one()
+        return int(count), int(total or 0)
+
     def latest_checkpoints(self, owner: str, run_ids: list[str]) -> dict[tuple[str, str], CheckpointRow]:
         """(run id, checkpoint type) -> that run's newest listed checkpoint of that type, in two queries
         however many checkpoints the runs hold (a listing of runs read every checkpoint of each)."""
