@@ -260,3 +260,31 @@ def test_the_sweeper_sees_every_owners_expired_ready_checkpoints_oldest_first(db
     records.add_rows(rows)  # type: ignore[arg-type]
     assert [r.checkpoint_id for r in records.expired_checkpoints()] == ["weights/early", "weights/late"]
     assert [r.checkpoint_id for r in records.expired_checkpoints(limit=1)] == ["weights/early"]
+
+
+def test_an_expired_checkpoints_removal_leaves_a_save_that_took_its_name_since(db: Database, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The sweeper reads an expired checkpoint, then a save over its name sets that row aside and writes into
+    the same directory before the sweeper removes it: the save's files stay (they went with the old row, and
+    the accepted save was lost). A checkpoint still as read goes, row and files, and leaves nothing behind."""
+    from tx.api.paths import checkpoints_root
+    from tx.api.routes_rest import remove_checkpoint
+
+    records = db.records
+    run = _run(records.create_session(ME, [], {}, None), 0)
+    directories = {name: checkpoints_root(tmp_path) / run.id / "weights" / name for name in ("x", "y")}
+    expired = utcnow() - timedelta(seconds=1)
+    rows = {name: _checkpoint(run.id, name, expires_at=expired) for name in directories}
+    for name, row in rows.items():
+        row.directory = str(directories[name])
+    records.add_rows([run, *rows.values()])
+    for directory in directories.values():
+        directory.mkdir(parents=True)
+        (directory / "weights.bin").write_text("old")
+    read = {r.checkpoint_id: r for r in records.expired_checkpoints()}
+    records.set_aside(rows["x"])  # a save over "x" takes the name and writes its files
+    (directories["x"] / "weights.bin").write_text("new")
+    remove_checkpoint(records, tmp_path, read["weights/x"])
+    assert (directories["x"] / "weights.bin").read_text() == "new"
+    remove_checkpoint(records, tmp_path, read["weights/y"])
+    assert not directories["y"].exists() and records.get_checkpoint(run.id, "weights/y", ME, expired=True) is None
+    assert sorted(p.name for p in directories["y"].parent.iterdir()) == ["x"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tarfile
 import time
@@ -130,10 +131,19 @@ def delete_checkpoint(run_id: str, kind: str, name: str, ctx: Ctx, owner: Owner)
 
 
 def remove_checkpoint(records: Records, data_dir: Path, row: CheckpointRow) -> None:
-    """The row, then its files: a reader never finds a row whose files are half gone."""
+    """The row, then its files: a reader never finds a row whose files are half gone. Only a row still as
+    it was read goes: one a save over its name set aside since shares its directory with that save, whose
+    files those now are. The directory is renamed before it is removed, so a save that takes the name
+    right after the row went writes a directory of its own (`sweep_partial` clears what a crash leaves)."""
     directory = contained(row.directory, checkpoints_root(data_dir))
-    records.delete_checkpoint(row)
-    shutil.rmtree(directory, ignore_errors=True)
+    if not records.delete_checkpoint(row, as_read=True):
+        return
+    doomed = directory.with_name(f".{directory.name}.removed-{row.id}")
+    try:
+        os.rename(directory, doomed)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def sweep_expired_checkpoints(records: Records, data_dir: Path) -> int:

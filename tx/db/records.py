@@ -351,12 +351,16 @@ class Records:
                 session.add(current)
                 session.commit()
 
-    def delete_checkpoint(self, row: CheckpointRow) -> None:
+    def delete_checkpoint(self, row: CheckpointRow, as_read: bool = False) -> bool:
+        """Delete `row`; with `as_read`, only while its status is still the one `row` was read with. True
+        when a row went."""
         with self.write_lock.held(), self._session() as session:
             current = session.get(CheckpointRow, row.id)
-            if current is not None:
-                session.delete(current)
-                session.commit()
+            if current is None or (as_read and current.status != row.status):
+                return False
+            session.delete(current)
+            session.commit()
+            return True
 
     def update_checkpoint(self, row: CheckpointRow, **values: Any) -> None:
         self._update(CheckpointRow, row.id, **values)
