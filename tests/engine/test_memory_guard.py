@@ -87,3 +87,40 @@ def test_a_program_that_has_run_is_not_refused_later(setup, monkeypatch) -> None
     trainer.forward_backward([("a", _rows_of_one(cfg, 1))])  # one row: fits in what the two-row run holds
     with pytest.raises(RequestError, match="does not fit"):
         trainer.forward_backward([("a", _rows_of_one(cfg, 1, length=300))])  # a new shape is still checked
+
+
+def test_the_need_is_temporaries_and_outputs_less_what_aliases_the_arguments() -> None:
+    """A program that writes a new array twice its argument's size needs at least that; one that updates its
+    donated argument in place needs less than the argument (its output is the argument's buffer)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((1 << 16,), jnp.float32)
+    doubled = jax.jit(lambda v: jnp.concatenate([v, v])).lower(x).compile()
+    in_place = jax.jit(lambda v: v + 1, donate_argnums=0).lower(x).compile()
+    assert memory_guard._assigned_bytes(doubled) >= 2 * x.nbytes
+    assert 0 <= memory_guard._assigned_bytes(in_place) < x.nbytes
+
+
+def test_each_device_counts_its_share_against_the_hosts_free_memory() -> None:
+    assert memory_guard._total_need(100, {object(), object()}) == 200  # type: ignore[arg-type]
+
+
+def test_a_program_fits_up_to_ninety_percent_of_the_free_memory(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import jax
+    import jax.numpy as jnp
+
+    monkeypatch.setattr(memory_guard._LastRun, "held", 0)
+    monkeypatch.setattr(memory_guard, "free_bytes", lambda devices: 1000)
+    args = (jnp.ones(4),)
+    for need, fits in ((900, True), (901, False)):
+        monkeypatch.setattr(memory_guard, "_assigned_bytes", lambda compiled, need=need: need)
+        check = memory_guard.MemoryCheck()
+        if fits:
+            assert check(jax.jit(jnp.sin), args, {}) is not None
+        else:
+            with pytest.raises(memory_guard.ProgramTooLarge, match="is free"):
+                check(jax.jit(jnp.sin), args, {})
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # several processes: unchecked, nothing compiled
+    monkeypatch.setattr(memory_guard, "_assigned_bytes", lambda compiled: pytest.fail("compiled"))
+    assert memory_guard.MemoryCheck()(jax.jit(jnp.cos), args, {}) is None
