@@ -302,7 +302,12 @@ def test_json_tensors() -> None:
         ({"shape": [1]}, "w must be a TensorData object with 'data'"),
         ({"data": [1], "dtype": "int32"}, "dtype must be 'float32' or 'int64', got 'int32'"),
         ({"data": 1}, "data must be a list of numbers or a base64 string"),
-        ({"data": ["a"]}, "data is not numeric"),
+        ({"data": ["a"]}, "w.data must be a flat list of numbers"),
+        ({"data": ["1e3"]}, "w.data must be a flat list of numbers"),  # numpy read it as 1000
+        ({"data": [True]}, "w.data must be a flat list of numbers"),
+        ({"data": [None]}, "w.data must be a flat list of numbers"),  # NaN
+        ({"data": [[1], [2]], "shape": [2]}, "w.data must be a flat list of numbers"),
+        ({"data": "not base64!"}, "data is not numeric"),
         ({"data": [1], "shape": "1"}, "shape must be a list of integers"),
         ({"data": [1], "shape": [1.0]}, "shape must be a list of integers"),
         ({"data": [1, 2], "shape": [-1, -2]}, r"2 values do not fit shape \[-1, -2\]"),

@@ -254,6 +254,9 @@ def json_tensor(tensor: Any, where: str, limits: Limits, budget: _Budget | None 
         raise WireError(f"{where}: data must be a list of numbers or a base64 string")
     if isinstance(data, list) and dtype == np.int64:
         data = _int_list(data, f"{where}.data")  # numpy would truncate 1.5 to 1 without a word
+    elif isinstance(data, list) and not all(type(v) is float or type(v) is int for v in data):
+        # numpy would read "1e3" as 1000, true as 1, null as NaN and [[1], [2]] as two values
+        raise WireError(f"{where}.data must be a flat list of numbers")
     try:
         flat = np.frombuffer(base64.b64decode(data), dtype=dtype) if isinstance(data, str) else np.asarray(data, dtype)
     except (TypeError, ValueError, OverflowError) as exc:
