@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from tx.engine.train_step import clear_slot_params, flat
-from tx.lora.adapters import copy_slot, init_slot, read_slot, write_slot
+from tx.lora.adapters import copy_slot, init_slot, read_slot, seed_key, write_slot
 from tx.lora.layers import LoRALinear, LoRASpec, lora_pair
 from tx.lora.params import LoRAA, LoRAParam
 from tx.lora.peft import AdapterConfig
@@ -197,6 +197,20 @@ def test_copy_and_clear(lora):
     lora = clear_slot(lora, 1)  # the bank's one program over every stacked adapter
     assert not any(a.any() or b.any() for a, b in read_slot(lora, 1, 4, targets).values())
     assert any(a.any() for a, _ in read_slot(lora, 3, 4, targets).values())
+
+
+def test_every_bit_of_a_64_bit_seed_counts() -> None:
+    """`jax.random.key` keeps a seed's low 32 bits: 2**32 initialised what 0 did, -1 what 2**32 - 1 did.
+    Seeds below 2**32 keep the key they always had."""
+    up = "model.layers.0.mlp.up_proj"
+
+    def first_a(seed: int) -> np.ndarray:
+        fresh = nnx.state(Tiny(), LoRAParam)  # init_slot donates the stacks it writes
+        return read_slot(init_slot(fresh, 1, 3, frozenset({"up_proj"}), seed=seed), 1, 4, ALL_TARGETS)[up][0]
+
+    for a, b in ((0, 2**32), (2**32 - 1, -1), (7, 7 + 2**40)):
+        assert not np.array_equal(first_a(a), first_a(b)), (a, b)
+    np.testing.assert_array_equal(jax.random.key_data(seed_key(12345)), jax.random.key_data(jax.random.key(12345)))
 
 
 def test_init_is_peft_like_and_deterministic(lora):

@@ -101,6 +101,14 @@ def _modules(flat: Mapping[tuple[str, ...], nnx.Variable]) -> dict[tuple[str, ..
     return modules
 
 
+def seed_key(seed: int) -> jax.Array:
+    """A PRNG key from every bit of a 64-bit `seed` (negative ones too): `jax.random.key` keeps the low 32
+    (2**32 seeded what 0 did); seeds below 2**32 keep the key they always had."""
+    key = jax.random.key(seed & 0xFFFFFFFF)
+    high = (seed >> 32) & 0xFFFFFFFF
+    return jax.random.fold_in(key, high) if high else key
+
+
 def _lora_flat(lora_state: nnx.State) -> dict[tuple[str, ...], nnx.Variable]:
     flat = {tuple(map(str, p)): v for p, v in nnx.to_flat_state(lora_state)}
     return {p: v for p, v in flat.items() if isinstance(v, LoRAParam)}
@@ -231,7 +239,7 @@ def init_slot(lora_state: nnx.State, slot: int, rank: int, targets: frozenset[st
         a_var = flat[module.a]
         _check_slot(slot, a_var, module.slot_axis, writing=True)
         if module.short in targets:
-            key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(".".join(module.path).encode()))
+            key = jax.random.fold_in(seed_key(seed), zlib.crc32(".".join(module.path).encode()))
             bound = jnp.float32(1.0 / np.sqrt(a_var.shape[module.slot_axis + 1]))
             values[module.a] = _run("init", a_var, module.slot_axis, slot, key, rank, bound)
         else:
