@@ -196,6 +196,26 @@ def test_far_off_policy_tokens_stay_finite() -> None:
     np.testing.assert_allclose(grad_NK[sr, 0], -math.exp(-199.0) * adv * w, atol=1e-30)
 
 
+@pytest.mark.parametrize("name", ["importance_sampling", "ppo", "gspo", "cispo", "dro", "stable_reinforce"])
+def test_a_masked_tokens_placeholder_logprob_leaves_the_gradient_finite(name: str) -> None:
+    """A token of weight 0 whose `logprobs` is a placeholder far below the learner's (-1e4): exp(p - q)
+    overflowed, and its zero cotangent times inf made the datum's gradient NaN. Its loss and gradient are 0;
+    the weighted token's are what they are alone."""
+    inputs = LossInputs(
+        datum=jnp.zeros(2, jnp.int32),
+        valid=jnp.ones(2, bool),
+        weights=jnp.array([[0.0], [1.0]]),
+        advantages=jnp.array([1.0, 1.0]),
+        sampling_logprobs=jnp.array([-1e4, -1.0]),
+        ratio_mask=jnp.array([0.0, 1.0]),
+        kind=jnp.array([losses.loss_index(name)], jnp.int32),
+        config=jnp.array([losses.config_row(name, {})], jnp.float32),
+    )
+    loss_N, grad_NK = (np.asarray(x) for x in losses_and_grads(jnp.array([[-1.0], [-1.0]]), inputs))
+    assert np.isfinite(loss_N).all() and np.isfinite(grad_NK).all(), (loss_N, grad_NK)
+    assert loss_N[0] == 0 and grad_NK[0, 0] == 0 and grad_NK[1, 0] != 0
+
+
 def test_cross_entropy_gradient_is_minus_weights() -> None:
     """forward_backward_custom relies on this: weights = -g must give gradient g, whatever its sign."""
     case = make_case(4)

@@ -102,12 +102,18 @@ def _cross_entropy(t: _Tokens) -> jax.Array:
     return -jnp.sum(t.w_NK * p_NK, axis=1)
 
 
+def _ratio(t: _Tokens) -> jax.Array:
+    """r = exp(p - q), 1 on tokens of weight 0: a masked token's placeholder q (say -1e4) overflowed the
+    exponential, and its zero cotangent times inf made the datum's gradient NaN."""
+    return jnp.exp(jnp.where(t.w_N != 0, t.p_N - t.q_N, 0.0))
+
+
 def _importance_sampling(t: _Tokens) -> jax.Array:
-    return _weighted(t, -jnp.exp(t.p_N - t.q_N) * t.adv_N)
+    return _weighted(t, -_ratio(t) * t.adv_N)
 
 
 def _ppo(t: _Tokens) -> jax.Array:
-    ratio_N = jnp.exp(t.p_N - t.q_N)
+    ratio_N = _ratio(t)
     return _weighted(t, -jnp.minimum(ratio_N * t.adv_N, t.clip(ratio_N) * t.adv_N))
 
 
@@ -126,7 +132,7 @@ def _gspo(t: _Tokens) -> jax.Array:
     log_ratio_sum_D = jax.ops.segment_sum(in_ratio_N * (p_sg_N - t.q_N), t.datum_N, num_segments=t.num_datums)
     count_D = jax.ops.segment_sum(in_ratio_N, t.datum_N, num_segments=t.num_datums)
     seq_ratio_D = jnp.exp(log_ratio_sum_D / jnp.maximum(count_D, 1.0))
-    ratio_N = seq_ratio_D[t.datum_N] * jnp.exp(t.p_N - p_sg_N)
+    ratio_N = jnp.where(t.w_N != 0, seq_ratio_D[t.datum_N] * jnp.exp(t.p_N - p_sg_N), 1.0)  # as `_ratio`
     return _weighted(t, -jnp.minimum(ratio_N * t.adv_N, t.clip(ratio_N) * t.adv_N))
 
 
