@@ -101,6 +101,7 @@ def make_case(seed: int) -> Case:
         ratio_mask=ratio_mask,
         kind=np.array([losses.loss_index(name) for name, _, _ in DATUMS], np.int32),
         config=np.array([losses.config_row(name, cfg) for name, cfg, _ in DATUMS], np.float32),
+        trains=np.ones(len(DATUMS), bool),
     )
     return Case(p, inputs, positions)
 
@@ -210,6 +211,7 @@ def test_a_masked_tokens_placeholder_logprob_leaves_the_gradient_finite(name: st
         ratio_mask=jnp.array([0.0, 1.0]),
         kind=jnp.array([losses.loss_index(name)], jnp.int32),
         config=jnp.array([losses.config_row(name, {})], jnp.float32),
+        trains=jnp.ones(1, bool),
     )
     loss_N, grad_NK = (np.asarray(x) for x in losses_and_grads(jnp.array([[-1.0], [-1.0]]), inputs))
     assert np.isfinite(loss_N).all() and np.isfinite(grad_NK).all(), (loss_N, grad_NK)

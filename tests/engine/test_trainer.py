@@ -250,7 +250,7 @@ def test_a_gradient_that_is_not_finite_is_refused_and_leaves_the_run_as_it_was(s
     assert all(np.isfinite(np.asarray(v)).all() for v in trainer.run_params(run).values()) and run.step == 2
 
 
-@pytest.mark.parametrize("poison", ["loss weights", "adapter"])
+@pytest.mark.parametrize("poison", ["loss weights", "adapter", "adapter, forward only"])
 def test_one_runs_overflow_does_not_reach_another_run_in_the_same_batch(setup, poison):
     """Run a's loss weights of 3e38 (finite, so valid) or its adapter trained to 1e30 overflow a's share of a
     fused batch. The one-hot products that give each slot its gradient met those infs with zeros (0 * inf =
@@ -265,7 +265,8 @@ def test_one_runs_overflow_does_not_reach_another_run_in_the_same_batch(setup, p
     grads_alone = {p: np.asarray(g).copy() for p, g in b.grads.items()}
     b.grads = {p: g * 0 for p, g in b.grads.items()}
     req_a = sft_batch(cfg, 1)
-    if poison == "adapter":
+    req_a.forward_only = poison.endswith("forward only")  # b is then the only run training
+    if poison.startswith("adapter"):
         trainer.set_run_params(a, {p: np.full(v.shape, 1e30, np.float32) for p, v in trainer.run_params(a).items()})
     else:
         for datum in req_a.data:
@@ -276,8 +277,9 @@ def test_one_runs_overflow_does_not_reach_another_run_in_the_same_batch(setup, p
     for p, want in grads_alone.items():
         np.testing.assert_allclose(np.asarray(b.grads[p]), want, rtol=1e-4, atol=1e-7, err_msg=str(p))
     assert np.isfinite(trainer.optim_step("b", AdamParams(learning_rate=1e-2))["grad_norm:mean"])
-    with pytest.raises(RequestError, match="not finite"):
-        trainer.optim_step("a", AdamParams(learning_rate=1e-2))
+    if not req_a.forward_only:
+        with pytest.raises(RequestError, match="not finite"):
+            trainer.optim_step("a", AdamParams(learning_rate=1e-2))
 
 
 def test_an_update_that_overflows_is_refused_and_leaves_the_run_as_it_was(setup):
@@ -432,6 +434,38 @@ def test_forward_only_equals_forward_backward_and_leaves_the_gradients(setup):
     np.testing.assert_allclose(forward.metrics["loss:sum"], trained.metrics["loss:sum"], rtol=1e-6)
     for f, t in zip(forward.outputs, trained.outputs, strict=True):
         np.testing.assert_allclose(f["logprobs"], t["logprobs"], atol=1e-6)
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_a_forward_fused_with_training_adds_no_gradient(setup, full):
+    """The planner fuses a run's queued forward(X) and forward_backward(Y) into one batch (and another run's
+    forward beside them): the gradient is Y's alone, and X is scored as a forward alone scores it. The
+    summed loss took X's datums too, so the step trained on X."""
+    _, _, model, cfg = setup
+    rng = np.random.RandomState(21)
+    x = [make_datum(rng, cfg.vocab_size, n, "importance_sampling") for n in (9, 5)]
+    y = [make_datum(rng, cfg.vocab_size, n, "importance_sampling") for n in (7, 11)]
+    results, grads = [], []
+    for fused in (False, True):
+        trainer = Trainer(model, AdapterBank.of(model))
+        run = trainer.create_full_run("a") if full else trainer.create_lora_run("a", LoraConfig(rank=4), slot=1)
+        if not full:
+            random_lora(trainer, run, 22)
+            random_lora(trainer, trainer.create_lora_run("b", LoraConfig(rank=4), slot=2), 23)
+        forward = ForwardBackwardRequest(x, "importance_sampling", {}, True)
+        train = ForwardBackwardRequest(y, "importance_sampling", {})
+        others = [] if full else [("b", ForwardBackwardRequest(x, "cross_entropy", {}, True))]
+        if fused:
+            results.append(trainer.forward_backward([("a", forward), ("a", train), *others])[:2])
+        else:
+            results.append([trainer.forward_backward([("a", forward)])[0], trainer.forward_backward([("a", train)])[0]])
+        grads.append({p: np.asarray(g) for p, g in run.grads.items()})
+    for alone, fused_result in zip(results[0], results[1], strict=True):
+        for a, f in zip(alone.outputs, fused_result.outputs, strict=True):
+            np.testing.assert_allclose(f["logprobs"], a["logprobs"], atol=1e-5)
+            np.testing.assert_allclose(f["elementwise_loss"], a["elementwise_loss"], atol=1e-5)
+    for p, want in grads[0].items():
+        np.testing.assert_allclose(grads[1][p], want, rtol=1e-4, atol=1e-6, err_msg=str(p))
 
 
 def test_the_bank_keeps_each_stacks_placement_as_built(setup):

@@ -59,7 +59,7 @@ def grad_scratch_bytes(cfg: ModelConfig, R: int, T: int, logit_elements: int) ->
     spec = jax.ShapeDtypeStruct
     loss = LossInputs(
         spec((N,), jnp.int32), spec((N,), jnp.bool_), spec((N, 1), jnp.float32), *[spec((N,), jnp.float32)] * 3,
-        spec((D,), jnp.int32), spec((D, len(CONFIG_COLUMNS)), jnp.float32),
+        spec((D,), jnp.int32), spec((D, len(CONFIG_COLUMNS)), jnp.float32), spec((D,), jnp.bool_),
     )  # fmt: skip
     ints = spec((R, T), jnp.int32)
     batch = ts.TrainBatch(ints, ints, ints, spec((R, T, 1), jnp.int32), None, loss)

@@ -63,6 +63,7 @@ class LossInputs:
     ratio_mask: jax.Array  # [N] float32 gspo sequence_ratio_mask
     kind: jax.Array  # [D] int32 index into LOSS_NAMES
     config: jax.Array  # [D, C] float32 rows from config_row, columns CONFIG_COLUMNS
+    trains: jax.Array  # [D] bool: the datum's loss is differentiated (False: a forward request's datum)
 
 
 class _Tokens(NamedTuple):

@@ -45,13 +45,14 @@ class Example:
     kind: int
     config: list[float]
     slot: int
+    trains: bool = True  # False: a forward request's datum (outputs only, no gradient)
 
     @property
     def length(self) -> int:
         return len(self.tokens)
 
 
-def make_example(datum: Datum, loss_fn: str, config: dict, slot: int) -> Example:
+def make_example(datum: Datum, loss_fn: str, config: dict, slot: int, trains: bool = True) -> Example:
     inputs = datum.loss_fn_inputs
     n = len(datum.tokens)
     targets = np.asarray(inputs["target_tokens"], np.int32)
@@ -70,6 +71,7 @@ def make_example(datum: Datum, loss_fn: str, config: dict, slot: int) -> Example
         kind=losses.loss_index(loss_fn),
         config=losses.config_row(loss_fn, config),
         slot=slot,
+        trains=trains,
     )
 
 
@@ -117,6 +119,7 @@ def build_batch(examples: Sequence[Example], batch: PackedBatch, scale: np.ndarr
     datum_of, valid = np.zeros((R, T), np.int32), np.zeros((R, T), bool)
     slot = np.zeros((R,), np.int32)
     kind, config = np.zeros((D,), np.int32), np.zeros((D, len(losses.CONFIG_COLUMNS)), np.float32)
+    trains = np.zeros((D,), bool)
     for s in batch.segments:
         e, span = examples[s.datum], slice(s.start, s.start + s.length)
         k = e.targets.shape[1]
@@ -124,7 +127,7 @@ def build_batch(examples: Sequence[Example], batch: PackedBatch, scale: np.ndarr
         for name, arr in per_token.items():
             arr[s.row, span] = getattr(e, name)
         datum_of[s.row, span], valid[s.row, span], slot[s.row] = local[s.datum], True, e.slot
-        kind[local[s.datum]], config[local[s.datum]] = e.kind, e.config
+        kind[local[s.datum]], config[local[s.datum]], trains[local[s.datum]] = e.kind, e.config, e.trains
     dev = jnp.asarray
     loss = LossInputs(
         datum=dev(datum_of.reshape(-1)),
@@ -135,6 +138,7 @@ def build_batch(examples: Sequence[Example], batch: PackedBatch, scale: np.ndarr
         ratio_mask=dev(per_token["ratio_mask"].reshape(-1)),
         kind=dev(kind),
         config=dev(config),
+        trains=dev(trains),
     )
     adapters = select(slot, scale)
     out = TrainBatch(dev(tokens), dev(batch.positions), dev(batch.segment_ids), dev(targets), adapters, loss)

@@ -61,7 +61,10 @@ def _outputs(model: Any, batch: TrainBatch, logit_elements: int) -> tuple[jax.Ar
     target_lp = head_logprobs(model, h, rows, batch.targets, logit_elements)  # [R, T, K]
     R, T, K = batch.targets.shape
     target_lp = target_lp.reshape(R * T, K)
-    loss_N = token_losses(target_lp, batch.loss)
+    # A forward request's datums (fused with training ones) report their losses and add no gradient: no
+    # cotangent reaches their log-probabilities, not even 0 times an overflowed loss derivative.
+    trains_N = batch.loss.trains[batch.loss.datum]
+    loss_N = token_losses(jnp.where(trains_N[:, None], target_lp, jax.lax.stop_gradient(target_lp)), batch.loss)
     return loss_N.sum(), StepOutputs(target_lp, loss_N, picks)
 
 

@@ -257,7 +257,7 @@ class Trainer:
             run = self._run(run_id)
             config = dict(req.loss_fn_config or {})  # validated before it was queued (tx.api.validate)
             for datum in req.data:
-                examples.append(make_example(datum, req.loss_fn, config, run.slot))
+                examples.append(make_example(datum, req.loss_fn, config, run.slot, not req.forward_only))
                 owner.append(index)
         full = {self.runs[r].run_id for r, _ in work if self.runs[r].lora is None}
         if full and len({r for r, _ in work}) > 1:
@@ -342,7 +342,7 @@ class Trainer:
             return out
         grads, out = self.steps.lora_grad(self.bank.arrays, base, inputs)
         self.await_warm_up()
-        if len(needs_grad) > 1 and not to_host(ts.all_finite(grads)):
+        if len(present) > 1 and not to_host(ts.all_finite(grads)):
             raise SharedNotFinite  # before any run's accumulator took its share
         assert inputs.adapters is not None  # a LoRA run's rows always carry its slot
         active = [int(s) for s in np.asarray(inputs.adapters.active)]
