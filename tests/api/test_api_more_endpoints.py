@@ -13,6 +13,7 @@ from tinker import types
 
 from api.harness import KEY, OTHER_KEY, Server
 from tx.db import owner_of
+from tx.db.tables import TrainingRunRow
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,22 @@ def test_copy_into_a_session_slot(source: str, http: httpx.Client, training) -> 
     _assert_400(http.post("/copy_weights", json={"source_path": source, "session_id": session_id}), "model_seq_id")
     missing = http.post("/copy_weights", json={**body, "session_id": "no-such-session"})
     assert missing.status_code == 404
+
+
+def test_a_copy_into_a_trained_runs_slot_is_refused_after_a_restart(
+    source: str, http: httpx.Client, server: Server, training
+) -> None:
+    """After a restart every run is `unloaded`, as a copy's run is: a copy into the slot of the run that saved
+    `copy-src` answered with that run's own checkpoint as if it had copied the source there."""
+    run = server.db.records.get_run(training.model_id, owner_of(KEY))
+    assert run is not None
+    session_id, seq = training.model_id.rsplit(":train:", 1)
+    body = {"source_path": source, "session_id": session_id, "model_seq_id": int(seq)}
+    server.db.records._update(TrainingRunRow, run.id, status="unloaded")
+    try:
+        _assert_400(http.post("/copy_weights", json=body), "already exists")
+    finally:
+        server.db.records._update(TrainingRunRow, run.id, status=run.status)
 
 
 def test_copy_errors(source: str, http: httpx.Client, other: httpx.Client, rest: tinker.RestClient) -> None:

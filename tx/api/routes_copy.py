@@ -146,9 +146,11 @@ def _destination(
 
 
 def _existing_copy(ctx: AppContext, run: TrainingRunRow, dest: TinkerPath, owner: str) -> dict[str, Any]:
-    """A retried copy finds its earlier result; any other use of a taken destination is refused."""
+    """A retried copy finds its earlier result; any other use of a taken destination is refused. A copy's
+    run is the only kind made without a future (`create_model` and create-from-state queue one): a trained
+    run, unloaded by a restart, holding a checkpoint of the same name answered as the copy."""
     done = ctx.db.records.get_checkpoint(dest.run_id, dest.checkpoint_id, owner)
-    if run.status == "unloaded" and done is not None:
+    if run.status == "unloaded" and run.future_id is None and done is not None:
         return {"tinker_path": str(dest)}
     user_error(f"the destination training run {run.id!r} already exists; pick an unused model_seq_id")
 
