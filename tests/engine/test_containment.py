@@ -365,6 +365,41 @@ def test_sampler_weights_saved_again_while_being_sampled(runner: JaxRunner) -> N
     runner.bank.clear(runner.bank.release("snap-a").slot)
 
 
+def test_a_sampler_save_that_fails_leaves_its_name_on_the_files_it_had(
+    runner: JaxRunner, monkeypatch, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Saved over with newer weights and the disk full: the save fails and the database gives the name its
+    old checkpoint back, so its samples read the old weights; the new ones stayed in the snapshot's slot
+    and were sampled under the old name until an eviction or a restart."""
+    _create(runner, "overwriter")
+    monkeypatch.setattr(runner, "checkpoint_root", None)
+    dest = str(tmp_path / "named")
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+
+    def save() -> WorkItem:
+        request = SaveSamplerRequest("named-snap", name="named", dest_dir=dest, tinker_path="tinker://o/s/named")
+        return _item("save_weights_for_sampler", "overwriter", request)
+
+    def sample() -> SampleResult:
+        ref = WeightsRef("named-snap", checkpoint_dir=dest)
+        item = _item("sample", "s", SampleRequest([1, 2, 3], 1, params, "m", weights=ref))
+        return _run_all(runner, [item])[item.future_id]
+
+    assert isinstance(_run_all(runner, [save()]).popitem()[1], CheckpointResult)
+    before = sample().sequences[0].logprobs
+    _run_all(runner, [_item("forward_backward", "overwriter", _fb([3, 1, 4, 1, 5, 9]))])
+    _run_all(runner, [_item("optim_step", "overwriter", OptimStepRequest(AdamParams(learning_rate=0.5)))])
+
+    def no_space(*args: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device", dest)
+
+    monkeypatch.setattr(runner.io, "save_peft", no_space)
+    assert isinstance(_run_all(runner, [save()]).popitem()[1], RequestError)
+    np.testing.assert_allclose(sample().sequences[0].logprobs, before, rtol=1e-6)
+    _unload(runner, "overwriter")
+    runner.bank.clear(runner.bank.release("named-snap").slot)
+
+
 def test_a_sample_the_engine_loop_failed_is_dropped_by_the_sampler(runner: JaxRunner) -> None:
     """After an unexpected step error the engine loop fails every request in flight and tells the runner to
     discard them: a sample being decoded (and one still waiting for rows) stops there, reports nothing

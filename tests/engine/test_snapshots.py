@@ -85,3 +85,18 @@ def test_an_unloaded_model_hands_over_only_its_newest_kept_snapshots() -> None:
     snapshots.use("a2")  # back on the device, now the most recent
     assert list(snapshots.to_host()) == ["b2", "a2"]
     np.testing.assert_array_equal(snapshots.to_host()["b2"].arrays[("w",)], np.full(2, 2.0))
+
+
+def test_a_dropped_snapshot_is_gone_and_its_queued_copy_stays() -> None:
+    """A save whose files failed drops its new copy: the name is sampled from its checkpoint again, and an
+    older copy still serving queued samples keeps serving them."""
+    snapshots = FullSnapshots(lambda get_weights: _Sampler(), max_kept=2)  # type: ignore[arg-type, return-value]
+    snapshots.add("a", {("w",): jnp.zeros(2)})
+    old = snapshots.use("a")
+    old.busy = True  # type: ignore[union-attr]
+    snapshots.add("a", {("w",): jnp.ones(2)})
+    snapshots.drop("a")
+    assert "a" not in snapshots and snapshots.use("a") is None and snapshots.samplers() == [old]
+    snapshots.adopt({"h": HostWeights.of({("w",): jnp.ones(2)})})
+    snapshots.drop("h")
+    assert "h" not in snapshots and len(snapshots) == 1

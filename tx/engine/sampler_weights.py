@@ -44,10 +44,14 @@ class SamplerWeights:
         if run.lora is None:
             return self._save_full(run, p, path)
         slot = self._slot_for(p.snapshot_id, run.lora, protect)
-        self.bank.copy(run.slot, slot, self.trainer.run_params(run))
         size = None
-        if p.dest_dir:
-            size = self.io.save_peft(path(p.dest_dir), self.bank, slot, run.lora)
+        try:
+            self.bank.copy(run.slot, slot, self.trainer.run_params(run))
+            if p.dest_dir:
+                size = self.io.save_peft(path(p.dest_dir), self.bank, slot, run.lora)
+        except BaseException:  # the save fails, and its name keeps the files it had: samples read those
+            self.bank.clear(self.bank.release(p.snapshot_id).slot)
+            raise
         return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
 
     def export(self, run: Run, p: SaveSamplerRequest, path: PathCheck) -> CheckpointResult:
@@ -105,8 +109,12 @@ class SamplerWeights:
         snapshot = decode_layout(run.params, self.io.tuning, copy=True)
         self.full.add(p.snapshot_id, snapshot)
         size = None
-        if p.dest_dir:
-            size = self.io.save_full(path(p.dest_dir), snapshot, self.trainer.config)
+        try:
+            if p.dest_dir:
+                size = self.io.save_full(path(p.dest_dir), snapshot, self.trainer.config)
+        except BaseException:  # as for a LoRA snapshot: the name keeps its files, samples read those
+            self.full.drop(p.snapshot_id)
+            raise
         return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
 
     def _slot_for(self, snapshot_id: str, lora: LoraConfig, protect: frozenset[str]) -> int:

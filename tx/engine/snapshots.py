@@ -110,6 +110,11 @@ class FullSnapshots:
         for sid in idle[: max(len(self._device) - self.max_kept, 0)]:
             del self._device[sid]
 
+    def drop(self, snapshot_id: str) -> None:
+        """Forget `snapshot_id`'s weights (a save whose files failed): its next sample reads its checkpoint."""
+        self._device.pop(snapshot_id, None)
+        self._host.pop(snapshot_id, None)
+
     def __len__(self) -> int:
         return len(self._device) + len(self._host)
 
