@@ -52,6 +52,22 @@ def test_sweep_puts_back_a_checkpoint_a_killed_save_had_moved_aside(tmp_path: Pa
     assert sorted(p.name for p in weights.iterdir()) == ["kept", "latest"]
 
 
+def test_sweep_puts_back_a_sampler_checkpoint_a_killed_write_had_moved_aside(tmp_path: Path) -> None:
+    """`atomic_dir` (PEFT adapters, HF directories) moves the old directory into `.NAME.old-XXXX/NAME` before
+    renaming the new one in; killed between the two renames, both were swept as partial and the name's
+    restored row had no files. The old one goes back; the new one's temporary goes."""
+    sampler = tmp_path / "checkpoints" / "s1_train_0" / "sampler_weights"
+    _make(sampler / ".x.old-9f" / "x", {"adapter_config.json": '{"r": 4}'})
+    _make(sampler / ".x.tmp-3a", {"adapter_config.json": '{"r": 8}'})
+    _make(sampler / ".y.old-1b" / "y", {"adapter_config.json": "{}"})
+    _make(sampler / "y", {"adapter_config.json": '{"r": 2}'})  # taken again: the moved-aside one goes
+    removed = sweep_partial(tmp_path / "checkpoints")
+    assert (sampler / "x" / "adapter_config.json").read_text() == '{"r": 4}'
+    assert (sampler / "y" / "adapter_config.json").read_text() == '{"r": 2}'
+    assert sorted(p.name for p in sampler.iterdir()) == ["x", "y"]
+    assert set(removed) == {sampler / ".x.tmp-3a", sampler / ".y.old-1b"}
+
+
 def test_old_databases_take_nan_metrics(tmp_path: Path) -> None:
     """A database made when metrics.value was NOT NULL is migrated at open, and its rows kept."""
     db = open_database(None, tmp_path)

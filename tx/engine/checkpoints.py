@@ -131,11 +131,22 @@ def sweep_partial(root: Path) -> list[Path]:
 
 
 def _put_back(entry: Path) -> bool:
-    """A checkpoint `save` moved aside (`_replace`) and was killed before the new one took its name."""
-    if not (entry.name.startswith(".") and entry.name.endswith(".old-state")):
+    """A checkpoint a writer moved aside and was killed before the new one took its name: `save`'s
+    `.NAME.old-state` (`_replace`), or `atomic_dir`'s `.NAME.old-XXXX/NAME` (PEFT, HF directories)."""
+    if not entry.name.startswith(".") or not entry.is_dir():
         return False
-    original = entry.with_name(entry.name[1 : -len(".old-state")])
-    if original.exists() or not (entry / META).is_file():
+    if entry.name.endswith(".old-state"):
+        moved, original = entry, entry.with_name(entry.name[1 : -len(".old-state")])
+        if not (moved / META).is_file():
+            return False
+    elif ".old-" in entry.name:
+        name = entry.name[1:].rsplit(".old-", 1)[0]
+        moved, original = entry / name, entry.with_name(name)
+    else:
         return False
-    os.rename(entry, original)
+    if original.exists() or not moved.is_dir():
+        return False
+    os.rename(moved, original)
+    if moved is not entry:
+        shutil.rmtree(entry, ignore_errors=True)  # atomic_dir's wrapper, empty now
     return True
