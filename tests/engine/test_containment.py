@@ -104,6 +104,31 @@ def test_a_failing_request_in_a_fused_batch_fails_alone(runner: JaxRunner, monke
     assert a == pytest.approx(b, rel=1e-6) and a > 0
 
 
+def test_a_full_runs_failed_batch_fails_each_request_saying_its_gradients_went(runner: JaxRunner, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A full fine-tuning run's fused batch fails once: the trainer discards the run's accumulated gradients
+    (as large as the model, not copied) and says so. Rerun one by one, the requests then succeeded and
+    nobody read that the earlier forward_backward's gradients were gone."""
+    items = [_item("create_model", "full-run", CreateModelRequest("m", None))]
+    assert not isinstance(_run_all(runner, items)[items[0].future_id], RequestError)
+    first = _item("forward_backward", "full-run", _fb([1, 2, 3, 4]))
+    assert isinstance(_run_all(runner, [first])[first.future_id], ForwardBackwardResult)
+    original, calls = runner.trainer.steps.full_grad, []
+
+    def fails_once(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a transient failure")
+        return original(*args)
+
+    monkeypatch.setattr(runner.trainer.steps, "full_grad", fails_once)
+    fused = [_item("forward_backward", "full-run", _fb([5, 6, 7])), _item("forward_backward", "full-run", _fb([8, 9]))]
+    results = _run_all(runner, fused)
+    for item in fused:
+        _error(results[item.future_id], "server", "were discarded")
+    assert len(calls) == 1
+    _unload(runner, "full-run")
+
+
 def test_a_failing_control_item_fails_once_and_alone(runner: JaxRunner, monkeypatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from tx.engine import checkpoints
 

@@ -242,9 +242,10 @@ class JaxRunner:
         try:
             results = self.trainer.forward_backward(work)  # type: ignore[arg-type]
         except Exception as err:
-            if len(items) == 1:
+            full = self.trainer.runs[work[0][0]].lora is None  # a full run is alone in its batch
+            if len(items) == 1 or full:  # full: its gradients are gone; each request reads so, none reruns
                 log.warning("forward_backward %s failed: %s", items[0].future_id, err, exc_info=True)
-                return [Completion(items[0].future_id, self._error(err))]
+                return [Completion(item.future_id, self._error(err)) for item in items]
             log.warning("a fused batch of %d requests failed (%s); running them one by one", len(items), err)
             return [c for item in items for c in self._fused([item])]
         return [Completion(i.future_id, r) for i, r in zip(items, results, strict=True)]
