@@ -12,7 +12,7 @@ def entry(positions: int) -> KVCache:
 
 
 def key(n: int) -> tuple:
-    return ("v1", 0, (n,))
+    return ("v1", 0, "", (n,))
 
 
 def test_entries_leave_in_least_recently_used_order_within_the_byte_budget() -> None:

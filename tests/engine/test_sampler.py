@@ -312,6 +312,29 @@ def test_prompt_cache_reuses_a_prefill_until_the_weights_change(qwen):
     assert tokens_of(changed["d"]) != tokens_of(first["a"])
 
 
+def test_the_base_weights_prompt_cache_is_kept_per_sampling_session(qwen):
+    """The base weights serve every tenant: a prompt another session prefilled is computed again (a hit would
+    let a tenant time a guessed prompt to learn another had sent it); the same session hits, and so does an
+    adapter slot, whose weights are one owner's."""
+    sampler = Sampler(
+        qwen.graphdef, lambda: qwen.weights, qwen.cfg, CFG, (), char_decode,
+        FixedAdapters(lambda: qwen.scale, lambda: "v1", roles=qwen.roles), qwen.sampler.programs,
+    )  # fmt: skip
+
+    def submit_and_run(request_id: str, slot: int, group: str) -> None:
+        sampler.submit(request_id, make_req(PROMPTS[2], 2, temperature=0.0), slot, group)
+        while not sampler.idle():
+            sampler.step()
+
+    submit_and_run("a", 0, "session-1")
+    submit_and_run("b", 0, "session-2")
+    assert sampler.prefill_count == 2
+    submit_and_run("c", 0, "session-1")
+    submit_and_run("d", LORA_SLOT, "session-1")
+    submit_and_run("e", LORA_SLOT, "session-2")
+    assert sampler.prefill_count == 3
+
+
 def test_prompt_cache_within_its_byte_budget_keeps_the_most_recent_prompt(qwen):
     """A budget of one prompt's cache: a second prompt evicts the first, whose next use prefills again."""
     L, K, E = qwen.cfg.num_layers, qwen.cfg.num_kv_heads, qwen.cfg.head_dim

@@ -3,11 +3,12 @@
 A sampling request whose prompt (all tokens but the last, which the first decode step feeds) was prefilled
 recently with the same weights copies that prompt's cache into its decode rows instead of running the model
 over it again: repeated evaluation prompts, a GRPO group sent as separate `sample` calls, a client that
-retries. The key is (weights version, adapter slot, prompt tokens); the owner of the weights bumps the
-version whenever any adapter weight or scale changes, so an entry never outlives the weights it was
-computed with. An entry is the prompt's decode state as prefill wrote it, one row (`tx.models.cache`: keys
-and values [L, 1, P, K, E] cut to the prompt's own length bucket, and for recurrent layers their state at
-the prompt's end), held in LRU order within a byte budget.
+retries. The key is (weights version, adapter slot, sampling session for the shared base weights,
+prompt tokens); the owner of the weights bumps the version whenever any adapter weight or scale changes, so
+an entry never outlives the weights it was computed with, and no tenant hits another's base-model prompt.
+An entry is the prompt's decode state as prefill wrote it, one row (`tx.models.cache`: keys and values
+[L, 1, P, K, E] cut to the prompt's own length bucket, and for recurrent layers their state at the prompt's
+end), held in LRU order within a byte budget.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tx.models.cache import HybridCache, KVCache
 
 Entry = KVCache | HybridCache
 
-Key = tuple[Hashable, int, tuple[int, ...]]
+Key = tuple[Hashable, int, str, tuple[int, ...]]
 
 
 class PromptCache:

@@ -354,11 +354,12 @@ class Sampler:
     def _prompt_key(self, job: Job) -> Key | None:
         """What a prompt's cache depends on (the weights version is None when the sampler has none: such
         keys only match within one admission); None when the prompt must be computed for itself because
-        its scores were asked for."""
+        its scores were asked for. The base weights (slot 0) serve every tenant: their entries are kept per
+        sampling session, or a tenant could time a guessed prompt to learn whether another had sent it."""
         if job.wants_prompt_scores():
             return None
         version = None if self.weights_version is None else self.weights_version()
-        return (version, job.slot, tuple(job.req.prompt[:-1]))
+        return (version, job.slot, job.group if job.slot == 0 else "", tuple(job.req.prompt[:-1]))
 
     # ---- decoding -------------------------------------------------------------------------------
 
