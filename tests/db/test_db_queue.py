@@ -64,6 +64,25 @@ def test_claim_in_creation_order_and_marks_running(db: Database) -> None:
     assert {db.queue.get(i).status for i in ids} == {"running"}  # type: ignore[union-attr]
 
 
+def test_one_owners_backlog_does_not_hold_back_another_owners_request(db: Database) -> None:
+    """Owner A queues a backlog before owner B's one request: B's comes in the first claim, and again in the
+    next claim when A already holds requests running; each owner's own requests keep their order."""
+
+    def submit(owner: str, model: str, seq: int) -> str:
+        return db.queue.submit(
+            kind="forward_backward", payload=_fb([1, 2]), owner=owner, model_id=model, seq_id=seq,
+            dedupe_key=f"{model}#{seq}",
+        ).future_id  # fmt: skip
+
+    backlog = [submit("a", "ma", i) for i in range(1, 9)]
+    first_b = submit("b", "mb", 1)
+    claimed = [item.future_id for item in db.queue.claim(3)]
+    assert claimed == [backlog[0], backlog[1], first_b]  # turns 1 and 2 of a, turn 1 of b; in id order
+    second_b = submit("b", "mb", 2)
+    assert [item.future_id for item in db.queue.claim(1)] == [second_b]  # a holds 2 running, b none
+    assert [item.future_id for item in db.queue.claim(10)] == backlog[2:]
+
+
 def test_concurrent_submits_group_commit(db: Database) -> None:
     results: list[str] = []
     lock = threading.Lock()

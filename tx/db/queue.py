@@ -168,9 +168,10 @@ class SqlQueue:
         self.notifier.work_submitted()
 
     def claim(self, limit: int) -> list[WorkItem]:
-        """Pending requests in id order, marked running. A claim whose commit raised may still have landed (a
-        connection lost after the server committed): its rows are looked up first on the next claim, and
-        those found running are returned then (one engine holds the lease, so they are this engine's)."""
+        """Pending requests, marked running: by turn, each owner's in id order (`_turns`), returned in id
+        order. A claim whose commit raised may still have landed (a connection lost after the server
+        committed): its rows are looked up first on the next claim, and those found running are returned
+        then (one engine holds the lease, so they are this engine's)."""
         if reclaimed := self._reclaim_uncertain():
             return self._decode_items(reclaimed)
         signalled = self.notifier.take_work_flag()
@@ -178,7 +179,7 @@ class SqlQueue:
             return []
         self._last_scan = time.monotonic()
         with self.write_lock.held(), Session(self.engine, expire_on_commit=False) as session:
-            query = select(FutureRow).where(FutureRow.status == "pending").order_by(col(FutureRow.id)).limit(limit)
+            query = select(FutureRow).where(col(FutureRow.id).in_(_turns(limit))).order_by(col(FutureRow.id))
             if self._postgres:
                 query = query.with_for_update(skip_locked=True)
             rows = list(session.exec(query).all())
@@ -383,3 +384,15 @@ def _put_back_orphans(session: Session) -> None:
         session.execute(
             CHECKPOINTS.update().where(CHECKPOINTS.c.id == row_id).values(status="ready", checkpoint_id=original)
         )
+
+
+def _turns(limit: int) -> Any:
+    """The ids of the `limit` pending requests whose turn comes first: an owner's n-th unfinished request
+    (running ones count) takes turn n, and turns go in order, ids within a turn. Claimed in id order, one
+    tenant's backlog (100k queued samples, say) held every later request of every tenant behind it for as
+    long as it took to run; now each owner's next request comes before anyone's backlog."""
+    turn = func.row_number().over(partition_by=col(FutureRow.owner), order_by=col(FutureRow.id)).label("turn")
+    live = col(FutureRow.status).in_(("pending", "running"))
+    unfinished = select(FutureRow.id, FutureRow.status, turn).where(live).subquery()
+    pending = unfinished.c.status == "pending"
+    return select(unfinished.c.id).where(pending).order_by(unfinished.c.turn, unfinished.c.id).limit(limit)
