@@ -63,7 +63,34 @@ def linear(
     if x.ndim == 3 and x.shape[1] == 1 and 2 <= rows <= weight_major_rows:
         y = jnp.einsum("oi,bi->ob", weight, x[:, 0], preferred_element_type=out_dtype)
         return jax.lax.optimization_barrier(y).T[:, None, :]
+    if out_dtype is None and x.ndim == 3 and x.shape[1] > 1:  # training and prefill
+        return _product(x, weight)
     return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=out_dtype)
+
+
+@jax.custom_vjp
+def _product(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x [B, T, I] @ weight.T, whose weight gradient is taken as x^T g [I, O] and transposed after.
+
+    Left to autodiff, XLA:CPU wrote the output gradient g transposed, [O, B*T], inside the elementwise
+    fusion that makes it (SwiGLU's backward, for the gate and up projections): a strided write of the
+    largest activation, about 480 ms of a 1.86 s `small` full fine-tuning step on an Intel Xeon (AMX).
+    Transposing the [I, O] product instead (kept apart by the barrier) took the step from 1.81-1.92 s to
+    1.50-1.59 s (fp32, alternating runs); a LoRA step, which takes no weight gradient, is unchanged."""
+    return jnp.einsum("...i,oi->...o", x, weight)
+
+
+def _product_fwd(x: jax.Array, weight: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return _product(x, weight), (x, weight)
+
+
+def _product_bwd(saved: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x, weight = saved
+    dw_IO = jax.lax.optimization_barrier(jnp.einsum("...i,...o->io", x, g))
+    return jnp.einsum("...o,oi->...i", g, weight), dw_IO.T
+
+
+_product.defvjp(_product_fwd, _product_bwd)
 
 
 class LoRALinear(nnx.Module):
