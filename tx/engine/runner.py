@@ -242,8 +242,9 @@ class JaxRunner:
         try:
             results = self.trainer.forward_backward(work)  # type: ignore[arg-type]
         except Exception as err:
-            full = self.trainer.runs[work[0][0]].lora is None  # a full run is alone in its batch
-            if len(items) == 1 or full:  # full: its gradients are gone; each request reads so, none reruns
+            # A full fine-tuning run is alone in its batch, and its gradients are gone: each request reads so.
+            run = self.trainer.runs.get(work[0][0])
+            if len(items) == 1 or (run is not None and run.lora is None):
                 log.warning("forward_backward %s failed: %s", items[0].future_id, err, exc_info=True)
                 return [Completion(item.future_id, self._error(err)) for item in items]
             log.warning("a fused batch of %d requests failed (%s); running them one by one", len(items), err)
