@@ -70,6 +70,20 @@ def test_a_snapshot_save_needs_a_second_slot_and_a_long_runs_slot_is_held() -> N
     assert _ids_of(full_busy.fused) == _ids_of([other])  # a full fine-tuning run holds no adapter slot
 
 
+def test_an_item_that_needs_more_slots_than_sampling_leaves_even_alone_is_starved() -> None:
+    """`starved` names the slots an item left out needs alone: a save past one free slot, a LoRA step past
+    none. An item that only waits behind other runs of the round is not starved, nor a full run's."""
+    save = WorkItem("s1", "save_weights_for_sampler", "a", None, 0.0)  # type: ignore[arg-type]
+    assert plan_round([save], set(), RoundLimits(max_slots=1)).starved == 2
+    assert plan_round([save], set(), RoundLimits(max_slots=2)).starved == 0
+    assert plan_round([_fb("a", 5), save], set(), RoundLimits(max_slots=0)).starved == 1
+    behind = plan_round([_fb("a", 5), _fb("b", 5)], set(), RoundLimits(max_slots=1))
+    assert behind.starved == 0 and len(behind.fused) == 1  # b waits its turn
+    assert plan_round([_fb("a", 5), save], set(), RoundLimits(max_slots=1)).starved == 2  # behind a's step
+    assert plan_round([_optim("f")], {"f"}, RoundLimits(max_slots=0)).starved == 0
+    assert plan_round([save], set()).starved == 0
+
+
 def test_a_full_finetuning_run_never_shares_the_fused_batch() -> None:
     lora_first = [_fb("a", 5), _fb("full", 5)]
     assert _ids_of(plan_round(lora_first, {"full"}).fused) == _ids_of(lora_first[:1])

@@ -9,8 +9,9 @@ forward/forward_backward items to one fused batch, then at most one control item
 create, unload). The fused batch takes at most `RoundLimits.tokens` tokens, so a
 tenant's large request cannot fill a round ahead of another's small one; a request larger than that on its
 own is a *long* item, run one micro-batch per round beside the others (one at a time). A round holds at most
-`max_slots` adapter slots: one per LoRA run, one more for a snapshot it saves. Full fine-tuning runs are
-never fused with others.
+`max_slots` adapter slots: one per LoRA run, one more for a snapshot it saves; an item that needs more than
+`max_slots` even alone is named in `Plan.starved` (the runner then lets sampling's slots drain). Full
+fine-tuning runs are never fused with others.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Plan:
     fused: list[WorkItem] = dataclasses.field(default_factory=list)
     control: list[WorkItem] = dataclasses.field(default_factory=list)
     long: WorkItem | None = None  # a request over the token budget, to start now
+    starved: int = 0  # the most slots an item left out needs alone, past `max_slots` (0: none such)
 
     @property
     def items(self) -> list[WorkItem]:
@@ -63,6 +65,7 @@ class _Round:
             return
         if not self._fits_slots(run, item):
             self.blocked.add(run)
+            self._note_starved(run, item)
             return
         self.taking.add(run)
         if item.kind in BATCHED:
@@ -72,10 +75,19 @@ class _Round:
         self.plan.control.append(item)
 
     def _fits_slots(self, run: str, item: WorkItem) -> bool:
-        lora = run not in self.full_runs
-        need = (lora and run not in self.taking) + (lora and item.kind == "save_weights_for_sampler")
+        need = self._need(run, item) - int(run in self.taking and run not in self.full_runs)  # its run's is held
         held = sum(r not in self.full_runs for r in self.taking)
         return self.limits.max_slots is None or held + need <= self.limits.max_slots
+
+    def _need(self, run: str, item: WorkItem) -> int:
+        """Slots the item holds alone: its LoRA run's, and one more for a snapshot it saves."""
+        lora = run not in self.full_runs
+        return int(lora) + int(lora and item.kind == "save_weights_for_sampler")
+
+    def _note_starved(self, run: str, item: WorkItem) -> None:
+        need = self._need(run, item)
+        if self.limits.max_slots is not None and need > self.limits.max_slots:
+            self.plan.starved = max(self.plan.starved, need)
 
     def _offer_batched(self, run: str, item: WorkItem) -> None:
         tokens, budget = item_tokens(item), self.limits.tokens

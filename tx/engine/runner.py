@@ -9,8 +9,10 @@ executes it. Then the sampler runs one decode chunk, so training waits at most o
 sampling. Sample requests bypass the round: they join the sampler's continuous batch as soon as they
 are submitted. A round holds no more LoRA runs (plus the snapshots they save) than there are device
 slots the sampler is not reading; its runs that live in host memory are paged in before it runs
-(`tx.engine.paging`), and an item that still finds no slot stays pending for a later round. The weights
-a sample reads, and the snapshots saves make, are `tx.engine.sampler_weights`'s.
+(`tx.engine.paging`), and an item that still finds no slot stays pending for a later round. An item that
+needs more slots than sampling leaves even alone (a LoRA save, with sampling reading all slots but one) makes
+new samples of adapters wait until the slots they read drain (`draining`), or samples kept coming held it
+back for good. The weights a sample reads, and the snapshots saves make, are `tx.engine.sampler_weights`'s.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class JaxRunner:
         self.outbox: list[Completion] = []  # requests refused at submit, reported by the next step
         self.slot_waiting: list[WorkItem] = []  # samples whose snapshot waits in host memory for a free slot
         self.read_queue: set[str] = set()  # those of them that wait for a slot sampling may read: first in turn
+        self.draining = False  # a training item needs slots sampling holds: new samples of adapters wait
         data_dirs = [checkpoint_root.parent] if checkpoint_root is not None else []
         # a request over one round's tokens, a micro-batch per round
         self.long = LongItem(trainer, functools.partial(as_request_error, roots=data_dirs))
@@ -167,6 +170,7 @@ class JaxRunner:
         self.weights.loads.keep_only({ref.snapshot_id for i in self.slot_waiting if (ref := _weights_of(i))})
         done, self.outbox = self.outbox, []
         plan = self._resident(plan_round(self.pending, self._full_runs(), self._limits()))
+        self.draining = 0 < plan.starved <= self.slots.max_adapters
         self.notes.planned(plan, self.trainer.runs)
         if plan.fused:
             done += self._forward_backward(plan.fused)
@@ -212,7 +216,7 @@ class JaxRunner:
         fused = [i for i in plan.fused if i.model_id not in waiting]
         control = [i for i in plan.control if i.model_id not in waiting]
         long = plan.long if plan.long is not None and plan.long.model_id not in waiting else None
-        return Plan(fused, control, long)
+        return Plan(fused, control, long, plan.starved)
 
     def _error(self, err: BaseException) -> RequestError:
         data_dir = [self.checkpoint_root.parent] if self.checkpoint_root is not None else []
@@ -356,7 +360,7 @@ class JaxRunner:
         req = item.payload
         assert isinstance(req, SampleRequest)
         try:
-            slot = self.weights.resolve(req, self._path, self._protect, bool(self.read_queue))
+            slot = self.weights.resolve(req, self._path, self._protect, bool(self.read_queue) or self.draining)
             snapshot = req.weights.snapshot_id if req.weights else None
             full = self.full.use(snapshot) if snapshot else None
             (full or self.sampler).submit(item.future_id, req, 0 if full else slot, item.model_id or "")
