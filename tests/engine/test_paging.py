@@ -398,38 +398,3 @@ def test_samples_kept_coming_on_one_snapshot_do_not_hold_its_slot_from_another(r
     for info in list(runner.slots):
         runner.bank.clear(runner.bank.release(info.owner).slot)
 
-
-def test_samples_kept_coming_do_not_hold_back_a_save_for_ever(runner: JaxRunner) -> None:
-    """A LoRA sampler save needs two slots (its run's and the snapshot's). With sampling reading every slot it
-    may (here the one), samples kept coming on snapshot a kept that slot busy and run b's save was never
-    planned. Now a save that waits for slots sampling holds makes new samples of adapters wait: a's slot
-    drains, b saves, then a's samples run again, each equal to a lone one."""
-    for name in ("a", "b"):
-        _create(runner, name)
-    _ok(runner, _item("save_weights_for_sampler", "a", SaveSamplerRequest("snap-a")))
-    params = SamplingParams(max_tokens=6, temperature=1.0, seed=7)
-
-    def sample(name: str) -> WorkItem:
-        return _item("sample", "s", SampleRequest([1, 2, 3], 1, params, "m", weights=WeightsRef(f"snap-{name}")))
-
-    alone = _ok(runner, sample("a"))[0].sequences[0]
-    stream = [sample("a") for _ in range(30)]
-    save = _item("save_weights_for_sampler", "b", SaveSamplerRequest("snap-b"))
-    runner.submit([stream[0]])
-    finished: dict[str, tuple[int, Any]] = {c.future_id: (-1, c.result) for c in runner.step()}
-    runner.submit([save])
-    for round_ in range(300):
-        if round_ + 1 < len(stream):
-            runner.submit([stream[round_ + 1]])  # one more of a's every round, before a's earlier ones end
-        finished.update((c.future_id, (round_, c.result)) for c in runner.step())
-        if runner.idle() and round_ + 1 >= len(stream):
-            break
-    assert runner.idle() and len(finished) == len(stream) + 1
-    assert finished[save.future_id][0] < len(stream) - 1, (finished[save.future_id][0], len(stream))
-    assert isinstance(finished[save.future_id][1], CheckpointResult)
-    for item in stream:
-        assert finished[item.future_id][1].sequences[0].tokens == alone.tokens
-    _unload(runner, "a", "b")
-    runner.bank.host_snapshots.clear()
-    for info in list(runner.slots):
-        runner.bank.clear(runner.bank.release(info.owner).slot)

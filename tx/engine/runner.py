@@ -10,9 +10,10 @@ sampling. Sample requests bypass the round: they join the sampler's continuous b
 are submitted. A round holds no more LoRA runs (plus the snapshots they save) than there are device
 slots the sampler is not reading; its runs that live in host memory are paged in before it runs
 (`tx.engine.paging`), and an item that still finds no slot stays pending for a later round. An item that
-needs more slots than sampling leaves even alone (a LoRA save, with sampling reading all slots but one) makes
-new samples of adapters wait until the slots they read drain (`draining`), or samples kept coming held it
-back for good. The weights a sample reads, and the snapshots saves make, are `tx.engine.sampler_weights`'s.
+waits for room that sampling holds (a LoRA save needs two slots, and sampling may read all but one; a full
+fine-tuning save a copy past the busy ones kept) makes new samples of snapshots wait until what they read
+drains (`draining`): samples kept coming held it back for good. The weights a sample reads, and the
+snapshots saves make, are `tx.engine.sampler_weights`'s.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class JaxRunner:
         self.outbox: list[Completion] = []  # requests refused at submit, reported by the next step
         self.slot_waiting: list[WorkItem] = []  # samples whose snapshot waits in host memory for a free slot
         self.read_queue: set[str] = set()  # those of them that wait for a slot sampling may read: first in turn
-        self.draining = False  # a training item needs slots sampling holds: new samples of adapters wait
+        self.draining = False  # a training item waits for room sampling holds: new samples of snapshots wait
         data_dirs = [checkpoint_root.parent] if checkpoint_root is not None else []
         # a request over one round's tokens, a micro-batch per round
         self.long = LongItem(trainer, functools.partial(as_request_error, roots=data_dirs))
@@ -170,14 +171,15 @@ class JaxRunner:
         self.weights.loads.keep_only({ref.snapshot_id for i in self.slot_waiting if (ref := _weights_of(i))})
         done, self.outbox = self.outbox, []
         plan = self._resident(plan_round(self.pending, self._full_runs(), self._limits()))
-        self.draining = 0 < plan.starved <= self.slots.max_adapters
         self.notes.planned(plan, self.trainer.runs)
         if plan.fused:
             done += self._forward_backward(plan.fused)
         if plan.long is not None:
             self.long.start(plan.long)
         done += self.long.advance()
-        done += [c for c in map(self._control, plan.control) if c is not None]
+        controls = [self._control(item) for item in plan.control]
+        done += [c for c in controls if c is not None]
+        self.draining = 0 < plan.starved <= self.slots.max_adapters or None in controls
         self._protect = self.long.runs()
         finished = {c.future_id for c in done}
         # Every planned item has a completion (each one's failure is caught), so none is re-run; a long item's
@@ -360,7 +362,9 @@ class JaxRunner:
         req = item.payload
         assert isinstance(req, SampleRequest)
         try:
-            slot = self.weights.resolve(req, self._path, self._protect, bool(self.read_queue) or self.draining)
+            if self.draining and req.weights is not None:
+                raise ReadSlotsBusy("a training item waits for room that samples of snapshots hold")
+            slot = self.weights.resolve(req, self._path, self._protect, bool(self.read_queue))
             snapshot = req.weights.snapshot_id if req.weights else None
             full = self.full.use(snapshot) if snapshot else None
             (full or self.sampler).submit(item.future_id, req, 0 if full else slot, item.model_id or "")

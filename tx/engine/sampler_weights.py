@@ -67,9 +67,8 @@ class SamplerWeights:
     def resolve(self, req: SampleRequest, path: PathCheck, protect: frozenset[str], queued: bool = False) -> int:
         """The adapter slot the sample reads (0: the base weights, or a full snapshot's own sampler),
         loading its snapshot from host memory or disk when it is not on the device. Raises `SlotsExhausted`
-        when the sample must wait for a slot; `ReadSlotsBusy` at once while others (samples, or a training item
-        the runner drains slots for) wait for one (`queued`): they go first, or a client who kept a sample
-        queued on a snapshot being read held its slot for good."""
+        when the sample must wait for a slot; `ReadSlotsBusy` at once while others wait for one (`queued`):
+        they go first, or a client who kept a sample queued on a snapshot being read held its slot for good."""
         ref = req.weights
         if ref is None or ref.snapshot_id in self.full:
             return 0

@@ -1,0 +1,128 @@
+"""A training-side item that needs room sampling holds is not held back for good by samples kept coming.
+
+The real `JaxRunner` over a tiny Qwen3 with 2 LoRA slots (sampling may read one) and 2 full fine-tuning
+snapshots kept: a client that keeps submitting samples of a snapshot keeps its slot (or its full copy) busy;
+while a save waits for that room, new samples of snapshots wait instead, the busy ones drain, the save runs,
+and the held samples run after it, each as it would alone."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tx.engine.runner import JaxRunner
+from tx.protocol import (
+    CheckpointResult,
+    CreateModelRequest,
+    LoraConfig,
+    RequestError,
+    SampleRequest,
+    SampleResult,
+    SamplingParams,
+    SaveSamplerRequest,
+    UnloadModelRequest,
+    WeightsRef,
+    WorkItem,
+)
+
+_ids = itertools.count()
+STREAM = 30  # samples of the busy snapshots, one more every step
+
+
+@pytest.fixture(scope="module")
+def runner(hf_models, tmp_path_factory) -> Iterator[JaxRunner]:  # type: ignore[no-untyped-def]
+    from engine.drive import tiny_runner
+
+    model_dir, _ = hf_models()
+    yield tiny_runner(model_dir, tmp_path_factory.mktemp("drain"), slots=2)
+
+
+def _item(kind: str, model_id: str, payload: Any) -> WorkItem:
+    return WorkItem(f"d{next(_ids)}", kind, model_id, payload, created_at=0.0)  # type: ignore[arg-type]
+
+
+def _ok(runner: JaxRunner, *items: WorkItem) -> list[Any]:
+    runner.submit(items)
+    results: dict[str, Any] = {}
+    for _ in range(200):
+        results.update({c.future_id: c.result for c in runner.step()})
+        if runner.idle():
+            break
+    got = [results[i.future_id] for i in items]
+    assert not [r for r in got if isinstance(r, RequestError)], got
+    return got
+
+
+def _sample(snapshot: str) -> WorkItem:
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=7)  # seeded: the same tokens every time
+    return _item("sample", "s", SampleRequest([1, 2, 3], 1, params, "m", weights=WeightsRef(snapshot)))
+
+
+def _save(run: str, snapshot: str) -> WorkItem:
+    return _item("save_weights_for_sampler", run, SaveSamplerRequest(snapshot))
+
+
+def _race(runner: JaxRunner, busy: list[str], save: WorkItem) -> dict[str, tuple[int, Any]]:
+    """Samples of the `busy` snapshots, one more of each every step, and `save` submitted after the first:
+    each item's step of completion and result."""
+    streams = [[_sample(s) for _ in range(STREAM)] for s in busy]
+    runner.submit([stream[0] for stream in streams])
+    finished = {c.future_id: (-1, c.result) for c in runner.step()}
+    runner.submit([save])
+    for step in range(300):
+        if step + 1 < STREAM:
+            runner.submit([stream[step + 1] for stream in streams])  # before the earlier ones end
+        finished.update((c.future_id, (step, c.result)) for c in runner.step())
+        if runner.idle() and step + 1 >= STREAM:
+            break
+    assert runner.idle() and len(finished) == len(busy) * STREAM + 1
+    return finished
+
+
+def _assert_save_runs_early(finished: dict[str, tuple[int, Any]], save: WorkItem) -> None:
+    step, result = finished[save.future_id]
+    assert isinstance(result, CheckpointResult), result
+    assert step < STREAM - 1, (step, STREAM)  # it waited for the whole stream before
+
+
+def _assert_each_as_alone(finished: dict[str, tuple[int, Any]], alone: dict[str, SampleResult]) -> None:
+    results = [r for _, r in finished.values() if isinstance(r, SampleResult)]
+    assert results and all(r.sequences[0].tokens in [a.sequences[0].tokens for a in alone.values()] for r in results)
+
+
+def _unload(runner: JaxRunner, *runs: str) -> None:
+    _ok(runner, *(_item("unload_model", r, UnloadModelRequest()) for r in runs))
+    runner.bank.host_snapshots.clear()
+    for info in list(runner.slots):
+        runner.bank.clear(runner.bank.release(info.owner).slot)
+
+
+def test_samples_kept_coming_do_not_hold_back_a_lora_save(runner: JaxRunner) -> None:
+    """A LoRA sampler save needs two slots (its run's and the snapshot's). With sampling reading every slot it
+    may (here the one), samples kept coming on snapshot a kept that slot busy and run b's save was never
+    planned, nor anything of run b's after it."""
+    for name in ("a", "b"):
+        _ok(runner, _item("create_model", name, CreateModelRequest("m", LoraConfig(4, 8.0, seed=3))))
+    _ok(runner, _save("a", "snap-a"))
+    alone = {"a": _ok(runner, _sample("snap-a"))[0]}
+    save = _save("b", "snap-b")
+    finished = _race(runner, ["snap-a"], save)
+    _assert_save_runs_early(finished, save)
+    _assert_each_as_alone(finished, alone)
+    _unload(runner, "a", "b")
+
+
+def test_samples_kept_coming_do_not_hold_back_a_full_finetuning_save(runner: JaxRunner) -> None:
+    """A full fine-tuning save makes a whole weight copy, and at most two stay while being sampled. With
+    samples kept coming on both, a third save waited for good."""
+    _ok(runner, _item("create_model", "f", CreateModelRequest("m", None)))
+    _ok(runner, _save("f", "full-1"), _save("f", "full-2"))
+    alone = {s: _ok(runner, _sample(s))[0] for s in ("full-1", "full-2")}
+    save = _save("f", "full-3")
+    finished = _race(runner, ["full-1", "full-2"], save)
+    _assert_save_runs_early(finished, save)
+    _assert_each_as_alone(finished, alone)
+    _unload(runner, "f")
