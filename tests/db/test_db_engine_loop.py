@@ -13,8 +13,10 @@ import pytest
 from tx.db import Database, open_database, owner_of
 from tx.engine.loop import Completion, Engine, StepError
 from tx.protocol import (
+    AdamParams,
     Datum,
     ForwardBackwardRequest,
+    OptimStepRequest,
     OptimStepResult,
     SampledSequence,
     SampleRequest,
@@ -266,11 +268,11 @@ def _claim_failing_at(db: Database, call: int, message: str) -> list[int]:
     queue = db.queue
     claim, calls = queue.claim, []
 
-    def failing(limit: int) -> list[WorkItem]:
+    def failing(limit: int, per_owner: int | None = None) -> list[WorkItem]:
         calls.append(limit)
         if len(calls) == call:
             raise RuntimeError(message)
-        return claim(limit)
+        return claim(limit, per_owner)
 
     queue.claim = failing  # type: ignore[method-assign]
     return calls
@@ -384,7 +386,7 @@ def test_the_engine_claims_no_more_than_it_may_hold_in_flight(sqlite_db: Databas
     flood of requests was decoded into the engine's memory, and a restart failed all of it as running."""
     runner = _Holding()
     engine = Engine(sqlite_db.queue, runner, claim_limit=16, max_in_flight=40, gather_s=0.0)
-    ids = [_submit(sqlite_db, seq) for seq in range(100)]
+    ids = [_submit_as(sqlite_db, owner, seq) for seq in range(50) for owner in (OWNER, "tml-b")]  # interleaved
     for _ in range(10):
         engine.run_once()
     assert len(runner.items) == 40 and sorted(engine.in_flight(), key=int) == ids[:40]
@@ -395,6 +397,32 @@ def test_the_engine_claims_no_more_than_it_may_hold_in_flight(sqlite_db: Databas
     engine.run_once()  # 16 a claim
     engine.run_once()
     assert len(runner.items) == 40 and [i.future_id for i in runner.items[20:]] == ids[40:60]
+
+
+def _submit_as(db: Database, owner: str, seq: int) -> str:
+    payload = ForwardBackwardRequest([Datum([1, 2, 3], {})], "cross_entropy")
+    model = f"m-{owner}"
+    return db.queue.submit(kind="forward_backward", payload=payload, owner=owner, model_id=model, seq_id=seq,
+        dedupe_key=f"{model}#{seq}").future_id  # fmt: skip
+
+
+def test_one_owner_holds_at_most_half_of_the_room_in_flight(sqlite_db: Database) -> None:
+    """Requests the engine holds (parked on a model being loaded, say) count against `max_in_flight`: one
+    owner's flood took all of it, and no other owner's request was claimed until the flood drained."""
+    runner = _Holding()
+    engine = Engine(sqlite_db.queue, runner, claim_limit=16, max_in_flight=40, gather_s=0.0)
+    flood = [_submit(sqlite_db, seq) for seq in range(100)]
+    for _ in range(5):
+        engine.run_once()
+    assert [i.future_id for i in runner.items] == flood[:20]
+    other = sqlite_db.queue.submit(kind="optim_step", payload=OptimStepRequest(AdamParams(1e-3)), owner="tml-b",
+        model_id="mb", seq_id=1).future_id  # fmt: skip
+    engine.run_once()
+    assert [i.future_id for i in runner.items] == [*flood[:20], other]
+    engine._finish_all([Completion(flood[0], OptimStepResult())])  # the flood's owner has room for one more
+    runner.items = runner.items[1:]
+    engine.run_once()  # no new submit: the finish itself makes the engine look again
+    assert [i.future_id for i in runner.items][-1] == flood[20]
 
 
 class _NativePanic(BaseException):

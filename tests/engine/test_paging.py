@@ -397,4 +397,3 @@ def test_samples_kept_coming_on_one_snapshot_do_not_hold_its_slot_from_another(r
     runner.bank.host_snapshots.clear()
     for info in list(runner.slots):
         runner.bank.clear(runner.bank.release(info.owner).slot)
-

@@ -60,6 +60,9 @@ def open_engine(url: str) -> Engine:
         if engine.dialect.name == "postgresql":  # API and engine processes starting together on a new schema
             conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
         SQLModel.metadata.create_all(conn)
+        for table in SQLModel.metadata.sorted_tables:  # a database made before an index was added gets it
+            for index in table.indexes:
+                index.create(conn, checkfirst=True)
         _allow_nan_metrics(engine, conn)
         _widen_integers(engine, conn)
     return engine

@@ -92,6 +92,7 @@ class SqlQueue:
         self.write_lock = write_lock
         self.rescan_s = rescan_s
         self._last_scan = float("-inf")
+        self._at_share = False  # the last claim left an owner's request for being at its share
         self._uncertain: list[int | None] = []  # ids of the claim whose commit raised
         self._postgres = not is_sqlite(engine)
         self._group = GroupCommit(engine, write_lock, lambda session: self._pg_notify(session, WORK_CHANNEL, ""))
@@ -167,11 +168,12 @@ class SqlQueue:
     def wake(self) -> None:
         self.notifier.work_submitted()
 
-    def claim(self, limit: int) -> list[WorkItem]:
+    def claim(self, limit: int, per_owner: int | None = None) -> list[WorkItem]:
         """Pending requests, marked running: by turn, each owner's in id order (`_turns`), returned in id
-        order. A claim whose commit raised may still have landed (a connection lost after the server
-        committed): its rows are looked up first on the next claim, and those found running are returned
-        then (one engine holds the lease, so they are this engine's)."""
+        order; none past an owner's `per_owner`-th unfinished request (its running ones count). A claim whose
+        commit raised may still have landed (a connection lost after the server committed): its rows are
+        looked up first on the next claim, and those found running are returned then (one engine holds the
+        lease, so they are this engine's)."""
         if reclaimed := self._reclaim_uncertain():
             return self._decode_items(reclaimed)
         signalled = self.notifier.take_work_flag()
@@ -179,7 +181,11 @@ class SqlQueue:
             return []
         self._last_scan = time.monotonic()
         with self.write_lock.held(), Session(self.engine, expire_on_commit=False) as session:
-            query = select(FutureRow).where(col(FutureRow.id).in_(_turns(limit))).order_by(col(FutureRow.id))
+            turns = session.execute(_turns(limit)).all()
+            ids = [row_id for row_id, turn in turns if per_owner is None or turn <= per_owner]
+            self._at_share = len(ids) < len(turns)  # an owner's next request may be claimed once one finishes
+            query = select(FutureRow).where(col(FutureRow.id).in_(ids), FutureRow.status == "pending")
+            query = query.order_by(col(FutureRow.id))
             if self._postgres:
                 query = query.with_for_update(skip_locked=True)
             rows = list(session.exec(query).all())
@@ -239,6 +245,8 @@ class SqlQueue:
             raise QueueUnavailable(str(exc.orig)) from exc
         for future_id, _, _ in found:
             self.notifier.result_ready(future_id)
+        if found and self._at_share:
+            self.notifier.work_submitted()  # look again: the owner left behind may have room now
 
     def _record_outcomes(
         self, outcomes: Sequence[tuple[str, Result | RequestError]], blobs: list[bytes | None]
@@ -387,12 +395,17 @@ def _put_back_orphans(session: Session) -> None:
 
 
 def _turns(limit: int) -> Any:
-    """The ids of the `limit` pending requests whose turn comes first: an owner's n-th unfinished request
-    (running ones count) takes turn n, and turns go in order, ids within a turn. Claimed in id order, one
-    tenant's backlog (100k queued samples, say) held every later request of every tenant behind it for as
+    """The ids and turns of the `limit` pending requests whose turn comes first: an owner's n-th unfinished
+    request (running ones count) takes turn n, and turns go in order, ids within a turn. Claimed in id order,
+    one tenant's backlog (100k queued samples, say) held every later request of every tenant behind it for as
     long as it took to run; now each owner's next request comes before anyone's backlog."""
     turn = func.row_number().over(partition_by=col(FutureRow.owner), order_by=col(FutureRow.id)).label("turn")
     live = col(FutureRow.status).in_(("pending", "running"))
     unfinished = select(FutureRow.id, FutureRow.status, turn).where(live).subquery()
     pending = unfinished.c.status == "pending"
-    return select(unfinished.c.id).where(pending).order_by(unfinished.c.turn, unfinished.c.id).limit(limit)
+    return (
+        select(unfinished.c.id, unfinished.c.turn)
+        .where(pending)
+        .order_by(unfinished.c.turn, unfinished.c.id)
+        .limit(limit)
+    )

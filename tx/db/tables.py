@@ -112,7 +112,8 @@ class CheckpointRow(SQLModel, table=True):
 
 class FutureRow(SQLModel, table=True):
     __tablename__ = "futures"
-    __table_args__ = (Index("ix_futures_status_id", "status", "id"),)
+    # (status, owner, id) covers the claim's turns: without it SQLite read every live request's payload
+    __table_args__ = (Index("ix_futures_status_id", "status", "id"), Index("ix_futures_live", "status", "owner", "id"))
 
     id: int | None = Field(default=None, primary_key=True)
     kind: str

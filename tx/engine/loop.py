@@ -50,8 +50,8 @@ class StepError(Exception):
 class WorkQueue(Protocol):
     """The durable request queue as the engine sees it."""
 
-    def claim(self, limit: int) -> list[WorkItem]:
-        """Pending items in creation order (at most `limit`), marked running."""
+    def claim(self, limit: int, per_owner: int | None = None) -> list[WorkItem]:
+        """Pending items (at most `limit`, none past an owner's `per_owner`-th unfinished one), marked running."""
         ...
 
     def wait_for_work(self, timeout_s: float) -> None:
@@ -195,10 +195,11 @@ class Engine:
         return items
 
     def _claim(self, gathered: int = 0) -> list[WorkItem]:
-        """At most `claim_limit` pending requests, and none past `max_in_flight` claimed and unfinished: the
+        """At most `claim_limit` pending requests, and none past `max_in_flight` claimed and unfinished (half
+        of that for one owner, whose requests parked on a model being loaded held every other tenant off): the
         rest stay queued (not decoded into the engine's memory, not failed by a restart) until there is room."""
         room = min(self.claim_limit, self.max_in_flight - len(self._inflight) - gathered)
-        return self.queue.claim(room) if room > 0 else []
+        return self.queue.claim(room, max(self.max_in_flight // 2, 1)) if room > 0 else []
 
     def _submitting(self) -> bool:
         submitting = getattr(self.queue, "submitting", None)
