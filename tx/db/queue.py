@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy import Table, and_, func, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import defer
 from sqlmodel import Session, SQLModel, col, select
 
 from tx.db import codec
@@ -132,11 +133,12 @@ class SqlQueue:
 
     def get(self, future_id: str) -> FutureRow | None:
         """The row of a future id (the decimal row number we issued); None for anything else, never an error:
-        not '²' (a digit to `isdigit`), not 5000 digits (past `int`'s limit), not 2^31 (past Postgres' SERIAL)."""
+        not '²' (a digit to `isdigit`), not 5000 digits (past `int`'s limit), not 2^31 (past Postgres' SERIAL).
+        Without its request's payload: a poll of a queued 8 MB request read and held all of it, every poll."""
         if not (future_id.isascii() and future_id.isdigit() and len(future_id) <= 10 and int(future_id) < 1 << 31):
             return None
         with Session(self.engine, expire_on_commit=False) as session:
-            return session.get(FutureRow, int(future_id))
+            return session.get(FutureRow, int(future_id), options=[defer(FutureRow.payload, raiseload=True)])  # type: ignore[arg-type]
 
     async def wait_finished(self, future_id: str, timeout_s: float, owner: str | None = None) -> FutureRow | None:
         """The future's row once finished, or as it is after `timeout_s`; None if unknown or (when `owner` is
@@ -253,7 +255,8 @@ class SqlQueue:
     ) -> list[tuple[str, Result | RequestError, bytes | None]]:
         with self.write_lock.held(), Session(self.engine) as session:
             ids = [int(future_id) for future_id, _ in outcomes]
-            rows = {row.id: row for row in session.exec(select(FutureRow).where(col(FutureRow.id).in_(ids)))}
+            query = select(FutureRow).where(col(FutureRow.id).in_(ids)).options(defer(FutureRow.payload))  # type: ignore[arg-type]
+            rows = {row.id: row for row in session.exec(query)}  # their payloads are dropped, never read
             open_ = {row_id for row_id, row in rows.items() if row.status not in FINISHED}
             found = [(f, out, blob) for (f, out), blob in zip(outcomes, blobs, strict=True) if int(f) in open_]
             linking = [(f, out) for f, out, _ in found if rows[int(f)].kind not in UNLINKED_KINDS]
