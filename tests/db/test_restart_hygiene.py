@@ -38,6 +38,20 @@ def test_sweep_removes_partial_directories_only(tmp_path: Path) -> None:
     assert sweep_partial(root) == [] and sweep_partial(tmp_path / "missing") == []
 
 
+def test_sweep_keeps_finished_checkpoints_whose_names_look_like_temporaries(tmp_path: Path) -> None:
+    """`step.tmp-1`, `v2.old-best` and `orbax-checkpoint-tmp-x` are valid checkpoint names: every restart
+    removed such finished checkpoints (listed still, their files gone). Writers' temporaries start with '.'."""
+    run = tmp_path / "checkpoints" / "s1_train_0"
+    kept = [
+        _make(run / "weights" / "step.tmp-1", {"run.json": "{}"}),
+        _make(run / "weights" / "orbax-checkpoint-tmp-x", {"run.json": "{}"}),
+        _make(run / "sampler_weights" / "v2.old-best", {"adapter_config.json": "{}"}),
+        _make(run / "sampler_weights" / "run.json.tmp", {"adapter_config.json": "{}"}),
+    ]
+    assert sweep_partial(tmp_path / "checkpoints") == []
+    assert all(p.is_dir() and any(p.iterdir()) for p in kept)
+
+
 def test_sweep_puts_back_a_checkpoint_a_killed_save_had_moved_aside(tmp_path: Path) -> None:
     """A save_state killed between moving the old checkpoint aside and renaming the new one in: the old one
     goes back to its name and the new one's temporary is removed; one whose name is taken again stays aside."""

@@ -117,8 +117,9 @@ def sweep_partial(root: Path) -> list[Path]:
     for entry in sorted(root.glob("*/*/*")) if root.is_dir() else []:
         if _put_back(entry):
             continue
-        # user names never start with "." (`tx.names`): such an entry is a writer's temporary (`save_hf`'s too)
-        partial = entry.name.startswith(".") or any(marker in entry.name for marker in PARTIAL_MARKERS)
+        # user names never start with "." (`tx.names`), and every writer's temporary does (`save_hf`'s too); a
+        # user may name a checkpoint `step.tmp-1`, so the markers count only inside a checkpoint's directory
+        partial = entry.name.startswith(".")
         unfinished = entry.parent.name == "weights" and entry.is_dir() and not (entry / META).is_file()
         inner = [p for p in entry.glob("*") if any(m in p.name for m in PARTIAL_MARKERS)] if entry.is_dir() else []
         for path in [entry] if partial or unfinished else inner:
