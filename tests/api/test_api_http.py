@@ -296,6 +296,28 @@ def test_a_lora_sampler_save_on_a_one_slot_server_is_refused_before_queueing(tmp
         assert export.status_code == 200, export.text
 
 
+def test_a_save_retried_while_its_first_attempt_was_queued_keeps_its_checkpoint(
+    http: httpx.Client, server: Server, training, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """The SDK resends a save with the same seq_id; the retry looked for the first attempt before it was
+    committed, then found its pending row under the name and deleted it ("the newest wins"). The save
+    then succeeded with a path that was neither listed nor loadable. A retry now leaves its own row."""
+    body = {"model_id": training.model_id, "path": "retried", "seq_id": 90001, "overwrite": True}
+    server.runner.paused.set()  # the first attempt stays queued
+    try:
+        first = http.post("/save_weights", json=body).json()["request_id"]
+        real = server.db.queue.get_by_key
+        monkeypatch.setattr(server.db.queue, "get_by_key", lambda key: None)  # its read raced the first commit
+        retry = http.post("/save_weights", json=body).json()["request_id"]
+        monkeypatch.setattr(server.db.queue, "get_by_key", real)
+    finally:
+        server.runner.paused.clear()
+    assert retry == first
+    saved = wait(http, first)["path"]
+    listed = http.get(f"/training_runs/{training.model_id}/checkpoints").json()["checkpoints"]
+    assert [c["tinker_path"] for c in listed].count(saved) == 1
+
+
 def test_a_failed_save_over_a_taken_name_keeps_the_old_checkpoint(http: httpx.Client, training, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """save_weights with overwrite=True that fails (a full disk) leaves the checkpoint it would have replaced
     listed and loadable as before (its row was dropped when the save was accepted); one that succeeds

@@ -54,11 +54,13 @@ def _checkpoint_row(
 
 
 @contextlib.contextmanager
-def _claimed_name(ctx: AppContext, path: TinkerPath, owner: str, overwrite: bool, fresh: bool = True) -> Iterator[None]:
+def _claimed_name(
+    ctx: AppContext, path: TinkerPath, owner: str, overwrite: bool, dedupe: str | None, fresh: bool
+) -> Iterator[None]:
     """Free the checkpoint name for the save queued inside (not a retry's: `fresh` False), or refuse if it is
     taken and the caller did not ask to overwrite. A ready checkpoint under it is set aside, back in its
     place if the save fails, and at once if the save is never queued (a 503 from the database, say)."""
-    existing = _claim_name(ctx, path, owner, overwrite) if fresh else None
+    existing = _claim_name(ctx, path, owner, overwrite, dedupe) if fresh else None
     try:
         yield
     except BaseException:
@@ -67,7 +69,9 @@ def _claimed_name(ctx: AppContext, path: TinkerPath, owner: str, overwrite: bool
         raise
 
 
-def _claim_name(ctx: AppContext, path: TinkerPath, owner: str, overwrite: bool) -> CheckpointRow | None:
+def _claim_name(
+    ctx: AppContext, path: TinkerPath, owner: str, overwrite: bool, dedupe: str | None
+) -> CheckpointRow | None:
     """The ready checkpoint set aside for the new save, if any."""
     validate.check_checkpoint_name(path.name)
     existing = ctx.db.records.get_checkpoint(path.run_id, path.checkpoint_id, owner, ready=False, expired=True)
@@ -78,8 +82,16 @@ def _claim_name(ctx: AppContext, path: TinkerPath, owner: str, overwrite: bool) 
     if existing.status == "ready":  # back in its place if the save over it fails
         ctx.db.records.set_aside(existing)
         return existing
-    ctx.db.records.delete_checkpoint(existing)  # a save over this name still in flight: the newest wins
+    if not _ours(ctx, existing, dedupe):
+        ctx.db.records.delete_checkpoint(existing)  # a save over this name still in flight: the newest wins
     return None
+
+
+def _ours(ctx: AppContext, pending: CheckpointRow, dedupe: str | None) -> bool:
+    """Whether `pending`'s save is this very request, queued by its first attempt after this retry looked
+    for it (`fresh`): deleting its row lost the checkpoint the save then reported."""
+    future = ctx.db.queue.get(pending.future_id) if pending.future_id is not None else None
+    return dedupe is not None and future is not None and future.dedupe_key == dedupe
 
 
 @router.post("/save_weights")
@@ -88,7 +100,7 @@ def save_weights(body: schemas.SaveWeightsRequest, ctx: Ctx, owner: Owner) -> di
     path = TinkerPath(body.model_id, "weights", body.path or f"seq-{body.seq_id or 0}")
     dedupe = f"{body.model_id}#{body.seq_id}" if body.seq_id else None
     fresh = dedupe is None or ctx.db.queue.get_by_key(dedupe) is None
-    with _claimed_name(ctx, path, owner, body.overwrite, fresh):
+    with _claimed_name(ctx, path, owner, body.overwrite, dedupe, fresh):
         row = _checkpoint_row(ctx, path, owner, body.ttl_seconds, body.user_metadata)
         payload = SaveStateRequest(path.name, row.directory, str(path))
         return submit(
@@ -114,7 +126,7 @@ def save_weights_for_sampler(body: schemas.SaveWeightsForSamplerRequest, ctx: Ct
         path = TinkerPath(body.model_id, "sampler_weights", body.path)
         validate.check_checkpoint_name(path.name)  # the field named, before the name becomes a directory
         # a save under a taken name replaces the checkpoint and the snapshot it names
-        claim = _claimed_name(ctx, path, owner, True, fresh)
+        claim = _claimed_name(ctx, path, owner, True, dedupe, fresh)
         ckpt = _checkpoint_row(ctx, path, owner, body.ttl_seconds, body.user_metadata)
         payload = SaveSamplerRequest(str(path), body.kind, path.name, ckpt.directory, str(path))
         rows = [
@@ -145,7 +157,7 @@ def save_weights_external(body: schemas.SaveWeightsExternalRequest, ctx: Ctx, ow
     path = TinkerPath(body.model_id, "external_weights", body.path)
     dedupe = f"{body.model_id}#{body.seq_id}" if body.seq_id else None
     fresh = dedupe is None or ctx.db.queue.get_by_key(dedupe) is None
-    with _claimed_name(ctx, path, owner, True, fresh):
+    with _claimed_name(ctx, path, owner, True, dedupe, fresh):
         row = _checkpoint_row(ctx, path, owner, body.ttl_seconds, None)
         payload = SaveSamplerRequest(str(path), "snapshot", path.name, row.directory, str(path))
         return submit(
