@@ -353,6 +353,32 @@ def test_partial_uploads_reserve_the_disk_they_declared(tmp_path, monkeypatch):
     assert store.begin(OTHER, "m", [spec(n, d) for n, d in FILES.items()]) == {"config.json": 0, "model.safetensors": 0}
 
 
+def test_one_owner_cannot_promise_the_disk_away(tmp_path, monkeypatch):
+    """Partial uploads declared and never sent held their bytes against every other owner's: one key with a
+    few large declarations and no chunks took the whole disk for a week. An owner's partial uploads now
+    promise at most --max-upload-gb together, and a promise no chunk reached for an hour lapses."""
+    import os
+    import shutil as shutil_module
+
+    from tx import upload_store
+
+    size = sum(len(d) for d in FILES.values())
+    store = UploadStore(tmp_path, size + size // 2)
+    real = shutil_module.disk_usage
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: real(path)._replace(free=2 * size + size // 2))
+    assert begin(store) == {"config.json": 0, "model.safetensors": 0}
+    with pytest.raises(UploadError) as refused:
+        store.begin(OWNER, "second", [spec(n, d) for n, d in FILES.items()])
+    assert refused.value.status == 413 and "--max-upload-gb" in str(refused.value), refused.value
+    assert store.begin(OTHER, "m", [spec(n, d) for n, d in FILES.items()])  # another owner's room is its own
+    with pytest.raises(UploadError):  # the disk holds no third: both promises are alive
+        store.begin("c" * 24, "m", [spec(n, d) for n, d in FILES.items()])
+    idle = time.time() - upload_store.PROMISE_IDLE_S - 1
+    for state in tmp_path.glob("*/.staging/*/state.json"):
+        os.utime(state, (idle, idle))
+    assert store.begin("c" * 24, "m", [spec(n, d) for n, d in FILES.items()])  # lapsed promises hold nothing
+
+
 def test_config_and_tokenizer_files_are_bounded():
     weights = spec("model.safetensors", WEIGHTS)
     huge = FileSpec("tokenizer.json", (64 << 20) + 1, "0" * 64)

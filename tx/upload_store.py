@@ -13,9 +13,11 @@ An upload is written into `.staging`, one checked chunk at a time at the offset 
 resumes at a chunk boundary), and becomes visible only by one rename of the whole staging directory
 after every file's sha256 and the caller's validation passed. So a partial upload is never listed or
 found, and a present `<name>/upload.json` means a whole upload. A partial upload no chunk reached for a
-week (`STALE_AFTER_S`) is removed when a server starts. Deletion renames the directory into
-`.trash` before removing it. Every operation on one upload holds its lock file (`flock`), so API processes
-sharing the data directory never interleave two requests' chunk writes, publication or deletion; a second
+week (`STALE_AFTER_S`) is removed when a server starts; what it declared and did not send holds disk against
+other uploads while chunks keep coming (`PROMISE_IDLE_S`), up to `--max-upload-gb` per owner. Deletion
+renames the directory into `.trash` before removing it. Every operation on one upload holds its lock file
+(`flock`), so API processes sharing the data directory never interleave two requests' chunk writes,
+publication or deletion; a second
 request meanwhile is refused (423) and the client retries. Names never start with '.', so no upload can be
 called `.staging` or `.locks`. The
 model directory carries the upload's id, so an upload deleted and sent again under the same name is
@@ -52,6 +54,7 @@ GB = 1e9
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _HASH_READ = 8 << 20
 STALE_AFTER_S = 7 * 86400.0  # a partial upload untouched this long is removed when a server starts
+PROMISE_IDLE_S = 3600.0  # a partial upload no chunk reached this long no longer holds disk for its bytes
 
 
 class UploadError(Exception):
@@ -187,7 +190,7 @@ class UploadStore:
                 "received": {f.name: kept.get(f.name, 0) for f in files},
             }
             with self._disk_lock:  # the check and this upload's declaration together: each begin sees the others
-                self._need_disk(total - sum(kept.values()), staging)
+                self._need_disk(total - sum(kept.values()), staging, owner)
                 (staging / "model").mkdir(parents=True, exist_ok=True)
                 _write_state(staging, state)
             for stale in (staging / "model").iterdir():
@@ -197,11 +200,21 @@ class UploadStore:
                 self._file(owner, name, empty.name).touch()
             return dict(state["received"])
 
-    def _need_disk(self, more: int, staging: Path) -> None:
+    def _need_disk(self, more: int, staging: Path, owner: str) -> None:
         """Room for `more` bytes beside what the other partial uploads have declared and not sent yet: each
-        begin checked the free space alone, so fifty declared at once all passed and then filled the disk."""
+        begin checked the free space alone, so fifty declared at once all passed and then filled the disk.
+        One owner's partial uploads promise at most `max_upload_bytes` together, and a promise no chunk kept
+        alive for `PROMISE_IDLE_S` lapses: declared and never sent, they held every other owner off the disk."""
         self.root.mkdir(parents=True, exist_ok=True)
-        free, promised = shutil.disk_usage(self.root).free, self._promised(skip=staging)
+        by_owner = self._promised(skip=staging)
+        mine = by_owner.get(check_name(owner, "owner"), 0)
+        if mine + more > self.max_upload_bytes:
+            raise UploadError(
+                413,
+                f"your partial uploads already promise {mine / GB:.3f} GB and this one {more / GB:.3f} more, over "
+                f"--max-upload-gb {self.max_upload_bytes / GB:g} together; finish or delete one first",
+            )
+        free, promised = shutil.disk_usage(self.root).free, sum(by_owner.values())
         if more > free - promised:
             raise UploadError(
                 507,
@@ -209,18 +222,23 @@ class UploadStore:
                 f"uploads not finished yet; this upload needs {more / GB:.3f}",
             )
 
-    def _promised(self, skip: Path) -> int:
-        """Bytes every partial upload but `skip` has declared and not sent yet."""
-        total = 0
+    def _promised(self, skip: Path) -> dict[str, int]:
+        """Bytes each owner's partial uploads but `skip` have declared and not sent yet, where a chunk came
+        within `PROMISE_IDLE_S` (each chunk rewrites the state file)."""
+        by_owner: dict[str, int] = {}
         for state_file in self.root.glob("*/.staging/*/state.json"):
             if state_file.parent == skip:
                 continue
             try:
+                if time.time() - state_file.stat().st_mtime > PROMISE_IDLE_S:
+                    continue
                 state = _read_state(state_file.parent)
-                total += sum(max(f["size"] - state["received"].get(f["name"], 0), 0) for f in state["files"])
+                owed = sum(max(f["size"] - state["received"].get(f["name"], 0), 0) for f in state["files"])
             except (OSError, ValueError, KeyError, TypeError):  # gone meanwhile, or not ours to read
                 continue
-        return total
+            owner = state_file.parent.parent.parent.name
+            by_owner[owner] = by_owner.get(owner, 0) + owed
+        return by_owner
 
     def received(self, owner: str, name: str) -> dict[str, int] | None:
         """Verified bytes per file of a partial upload; None when there is none."""
