@@ -272,6 +272,35 @@ def test_max_runs_bounds_the_servers_live_runs_and_a_retry_is_not_a_new_run(tmp_
         assert create(client, mine, 1).status_code == 200  # an unloaded run gives its place back
 
 
+def test_one_key_holds_at_most_its_share_of_the_runs_with_or_without_a_session(tmp_path) -> None:
+    """One key creating runs (through sessions, or without one: those never expire) took every --max-runs
+    place, and every other key's create_model was refused until it unloaded. Its share is now
+    --max-runs-per-key; a retry is not a new run, and another key still gets its runs."""
+    from api.fake_runner import FakeRunner
+    from api.harness import running_server
+
+    with running_server(FakeRunner(), MODEL, tmp_path, max_runs=4, max_runs_per_key=2) as (url, _db):
+        client = httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": KEY}, timeout=30)
+        other = httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": OTHER_KEY}, timeout=30)
+        body = {"base_model": MODEL.base_model, "lora_config": {"rank": 4}}
+        mine = client.post("/create_session", json={"tags": []}).json()["session_id"]
+        first = client.post("/create_model", json={**body, "session_id": mine, "model_seq_id": 0}).json()
+        assert client.post("/create_model", json=body).status_code == 200  # sessionless: a second run
+        again = client.post("/create_model", json={**body, "session_id": mine, "model_seq_id": 0}).json()
+        assert again["request_id"] == first["request_id"]  # a retry of an accepted run
+        for extra in ({**body, "session_id": mine, "model_seq_id": 1}, body):
+            refused = client.post("/create_model", json=extra)
+            assert refused.status_code == 400 and "--max-runs-per-key 2" in refused.json()["detail"], refused.text
+        theirs = other.post("/create_session", json={"tags": []}).json()["session_id"]
+        for seq in range(2):
+            assert (
+                other.post("/create_model", json={**body, "session_id": theirs, "model_seq_id": seq}).status_code == 200
+            )
+        wait(client, first["request_id"])
+        wait(client, client.post("/unload_model", json={"model_id": first["model_id"]}).json()["request_id"])
+        assert client.post("/create_model", json={**body, "session_id": mine, "model_seq_id": 1}).status_code == 200
+
+
 def test_a_lora_sampler_save_on_a_one_slot_server_is_refused_before_queueing(tmp_path) -> None:
     """With --max-lora-adapters 1 a LoRA run's sampler copy can never have its own slot: the save is a
     400 naming the flag (it waited for a slot for good, and the run's later requests behind it), while an

@@ -74,6 +74,22 @@ def test_a_silent_session_expires_and_heartbeats_say_why(db: Database) -> None:
     assert records.heartbeat(session_id, ME) == "gone"
 
 
+def test_a_run_made_without_a_session_is_unloaded_once_idle_for_the_open_timeout(db: Database) -> None:
+    """Runs created without a session (SDK 0.1-0.2, or any client that leaves session_id out) get an `open`
+    session with no heartbeats, which never expired: a key could hold its runs for good. One none of whose
+    runs finished a request within the open timeout (a day by default) now expires like a silent one."""
+    records = db.records
+    idle, used, young = (records.create_session(ME, [], {}, None, status="open") for _ in range(3))
+    day = timedelta(seconds=86400 + 60)
+    records.add_rows([_run(idle, 0, last_request_at=utcnow() - day), _run(used, 0, last_request_at=utcnow() - day),
+                      _run(used, 1), _run(young, 0, last_request_at=utcnow() - day)])  # fmt: skip
+    for session_id in (idle, used):
+        records._update(SessionRow, session_id, created_at=utcnow() - day)
+    assert [run.id for run in records.expire_sessions()] == [f"{idle}:train:0"]
+    statuses = {row.id: row.status for row in records.owner_sessions(ME)}
+    assert statuses == {idle: "expired", used: "open", young: "open"}
+
+
 def test_expiry_unloads_only_the_silent_sessions_ready_runs(db: Database) -> None:
     records = db.records
     silent, alive = records.create_session(ME, [], {}, None), records.create_session(ME, [], {}, None)

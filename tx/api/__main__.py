@@ -225,12 +225,18 @@ def main(argv: list[str] | None = None) -> None:
         run_follower(args, channel)
         return
     api_keys = load_api_keys(args.api_key, args.api_keys_file)
-    db = open_database(args.database_url, args.data_dir, session_timeout_s=args.session_timeout)
+    db = open_database(
+        args.database_url,
+        args.data_dir,
+        session_timeout_s=args.session_timeout,
+        open_session_timeout_s=args.open_session_timeout,
+    )
     settings = Settings(
         data_dir=Path(args.data_dir),
         api_keys=api_keys,
         max_upload_bytes=int(args.max_upload_gb * GB),
         max_runs=args.max_runs,
+        max_runs_per_key=args.max_runs_per_key,
     )
     uploads = UploadStore(settings.data_dir / "uploads", settings.max_upload_bytes)
     engine = pool = lease = None

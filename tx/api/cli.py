@@ -69,6 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="training runs per server, on the device or paged out to host memory (default 256)",
     )
     p.add_argument(
+        "--max-runs-per-key",
+        type=int,
+        default=128,
+        help="training runs one API key may hold at once, of --max-runs (default 128), so one tenant cannot "
+        "take every run the server has",
+    )
+    p.add_argument(
         "--max-run-state-gb",
         type=float,
         default=None,
@@ -140,6 +147,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=180.0,
         help="seconds without a heartbeat (the SDK sends one every 10 s) before a session expires and its runs "
         "are unloaded, giving their adapter slots back (default 180)",
+    )
+    p.add_argument(
+        "--open-session-timeout",
+        type=float,
+        default=86400.0,
+        help="seconds a run made without a session (tinker SDK 0.1-0.2, no heartbeats) may go without finishing a "
+        "request before it is unloaded like an expired session's (default 86400: a day)",
     )
     p.add_argument(
         "--max-upload-gb",

@@ -49,6 +49,7 @@ class Settings:
     archive_url_ttl_s: float = 3600.0
     max_upload_bytes: int = int(DEFAULT_MAX_UPLOAD_GB * GB)
     max_runs: int = 256  # training runs per server, every model and owner together (--max-runs)
+    max_runs_per_key: int = 128  # one API key's share of them (--max-runs-per-key)
 
 
 @dataclass

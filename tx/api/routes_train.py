@@ -82,9 +82,17 @@ def _open_session(ctx: AppContext, owner: str) -> str:
 
 
 def check_run_limit(ctx: AppContext, model_id: str, owner: str) -> None:
-    """--max-runs bounds the server's live training runs; a retried create of an accepted run is not a new one."""
-    limit = ctx.settings.max_runs
-    if ctx.db.records.get_run(model_id, owner) is None and ctx.db.records.live_run_count() >= limit:
+    """--max-runs bounds the server's live training runs and --max-runs-per-key one key's share of them; a
+    retried create of an accepted run is not a new one."""
+    limit, share = ctx.settings.max_runs, ctx.settings.max_runs_per_key
+    if ctx.db.records.get_run(model_id, owner) is not None:
+        return
+    if ctx.db.records.live_run_count(owner) >= share:
+        user_error(
+            f"this API key already holds {share} training runs, its share of the server (--max-runs-per-key "
+            f"{share}); unload a run or let an idle session expire"
+        )
+    if ctx.db.records.live_run_count() >= limit:
         user_error(
             f"this server already holds {limit} training runs, its limit (--max-runs {limit}); unload a run, "
             f"let an idle session expire, or restart the server with a higher --max-runs"

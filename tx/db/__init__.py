@@ -34,7 +34,9 @@ class Database:
         self.engine.dispose()
 
 
-def open_database(url: str | None, data_dir: str | Path, *, session_timeout_s: float = 600.0) -> Database:
+def open_database(
+    url: str | None, data_dir: str | Path, *, session_timeout_s: float = 600.0, open_session_timeout_s: float = 86400.0
+) -> Database:
     """Open (and create) the database; with Postgres also start the LISTEN relay."""
     full_url = database_url(url, data_dir)
     engine = open_engine(full_url)
@@ -45,5 +47,9 @@ def open_database(url: str | None, data_dir: str | Path, *, session_timeout_s: f
         listener = PgListener(engine.url.set(drivername="postgresql").render_as_string(hide_password=False), notifier)
         listener.start()
     return Database(
-        engine, notifier, SqlQueue(engine, notifier, lock), Records(engine, lock, session_timeout_s), listener
+        engine,
+        notifier,
+        SqlQueue(engine, notifier, lock),
+        Records(engine, lock, session_timeout_s, open_session_timeout_s),
+        listener,
     )

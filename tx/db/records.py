@@ -43,10 +43,17 @@ def owner_of(api_key: str) -> str:
 class Records:
     """CRUD on the metadata tables, always scoped to one owner."""
 
-    def __init__(self, engine: Engine, write_lock: WriteLock, session_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        write_lock: WriteLock,
+        session_timeout_s: float = 600.0,
+        open_session_timeout_s: float = 86400.0,
+    ) -> None:
         self.engine = engine
         self.write_lock = write_lock
         self.session_timeout = timedelta(seconds=session_timeout_s)
+        self.open_session_timeout = timedelta(seconds=open_session_timeout_s)  # no heartbeats: idle this long
 
     def _session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)
@@ -121,12 +128,16 @@ class Records:
         return runs
 
     def expire_sessions(self) -> list[TrainingRunRow]:
-        """Mark sessions silent for longer than the timeout expired; returns their still-loaded runs."""
-        cutoff = utcnow() - self.session_timeout
+        """Mark sessions silent for longer than the timeout expired, and `open` ones (runs made without a
+        session, no heartbeats) none of whose runs finished a request within the open timeout; returns their
+        still-loaded runs."""
+        cutoff, idle = utcnow() - self.session_timeout, utcnow() - self.open_session_timeout
+        busy = select(TrainingRunRow.session_id).where(col(TrainingRunRow.last_request_at) >= idle)
+        silent = and_(col(SessionRow.status) == "active", col(SessionRow.last_heartbeat_at) < cutoff)
+        unused = and_(col(SessionRow.created_at) < idle, col(SessionRow.id).not_in(busy))
+        idle_open = and_(col(SessionRow.status) == "open", unused)
         with self.write_lock.held(), self._session() as session:
-            stale = session.exec(
-                select(SessionRow).where(SessionRow.status == "active", col(SessionRow.last_heartbeat_at) < cutoff)
-            ).all()
+            stale = session.exec(select(SessionRow).where(or_(silent, idle_open))).all()
             ids = [row.id for row in stale]
             for row in stale:
                 row.status = "expired"
@@ -218,11 +229,15 @@ class Records:
             row = session.get(TrainingRunRow, model_id)
         return row if row is not None and row.owner == owner else None
 
-    def live_run_count(self) -> int:
-        """Training runs holding engine memory on this server, every owner and model: created or being created."""
+    def live_run_count(self, owner: str | None = None) -> int:
+        """Training runs holding engine memory on this server, every model, `owner`'s (None: every owner's):
+        created or being created."""
         live = col(TrainingRunRow.status).in_(["pending", "ready"])
+        query = select(func.count()).select_from(TrainingRunRow).where(live)
+        if owner is not None:
+            query = query.where(TrainingRunRow.owner == owner)
         with self._session() as session:
-            return int(session.exec(select(func.count()).select_from(TrainingRunRow).where(live)).one())
+            return int(session.exec(query).one())
 
     def list_runs(self, owner: str, limit: int, offset: int) -> tuple[list[TrainingRunRow], int]:
         visible = (TrainingRunRow.owner == owner, col(TrainingRunRow.status).in_(["ready", "unloaded"]))

@@ -22,7 +22,8 @@ def utcnow() -> datetime:
 
 
 # An `open` session stands in for a client older than sessions (tinker SDK 0.1-0.2): it was made by a
-# create_model without a session_id, gets no heartbeats and so never expires; finishing it ends it.
+# create_model without a session_id and gets no heartbeats; it expires once none of its runs finished a
+# request for the open timeout (`Records.expire_sessions`); finishing it ends it.
 LIVE_SESSION = ("active", "open")
 # A checkpoint row set aside while a save over its name runs (status, and a suffix to its checkpoint_id
 # that keeps the name free): the save's success drops it, its failure puts it back (`tx.db.queue`).
