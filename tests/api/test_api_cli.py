@@ -101,6 +101,9 @@ def test_mesh_sizes_reach_the_engine_config(capsys: pytest.CaptureFixture[str]) 
         (["--max-run-state-gb", "0"], "--max-run-state-gb must be > 0 and finite, got 0.0"),
         (["--max-run-state-gb", "nan"], "--max-run-state-gb must be > 0 and finite, got nan"),
         (["--decode-cache-gb", "-1"], "--decode-cache-gb must be > 0 and finite, got -1.0"),
+        (["--open-session-timeout", "0"], "--open-session-timeout must be > 0 and finite, got 0.0"),
+        (["--session-timeout", "inf"], "--session-timeout must be > 0 and finite, got inf"),
+        (["--max-runs-per-key", "0"], "--max-runs-per-key must be >= 1, got 0"),
     ],
 )
 def test_cluster_flags_are_checked_at_start(argv: list[str], names: str, capsys: pytest.CaptureFixture[str]) -> None:

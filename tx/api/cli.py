@@ -165,7 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_cluster_args(p)
     args = p.parse_args(argv)
     check_cluster_args(p, args)
-    for flag in ("tensor_parallel_size", "fsdp_size", "expert_parallel_size"):
+    for flag in ("tensor_parallel_size", "fsdp_size", "expert_parallel_size", "max_runs_per_key"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.prompt_cache_mb < 0:
@@ -174,7 +174,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-upload-gb must be > 0, got {args.max_upload_gb}")
     if args.memory_budget_gb is not None and args.memory_budget_gb <= 0:
         p.error(f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
-    for flag in ("max_run_state_gb", "decode_cache_gb"):
+    for flag in ("max_run_state_gb", "decode_cache_gb", "open_session_timeout", "session_timeout"):
         value = getattr(args, flag)
         if value is not None and not 0 < value < 1e9:
             p.error(f"--{flag.replace('_', '-')} must be > 0 and finite, got {value}")
