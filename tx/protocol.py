@@ -256,6 +256,7 @@ class WorkItem:
     payload: Payload
     created_at: float
     seq_id: int | None = None
+    owner: str = ""  # the API key's owner id (`tx.db.owner_of`): whose share a snapshot it makes counts in
 
 
 # ---------------------------------------------------------------------------------------------

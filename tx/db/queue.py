@@ -225,7 +225,8 @@ class SqlQueue:
             except Exception as exc:
                 self.fail(str(row.id), RequestError(f"stored request is unreadable: {exc}", "server"))
                 continue
-            items.append(WorkItem(str(row.id), row.kind, row.model_id, payload, row.created_at, row.seq_id))  # type: ignore[arg-type]
+            item = WorkItem(str(row.id), row.kind, row.model_id, payload, row.created_at, row.seq_id, row.owner)  # type: ignore[arg-type]
+            items.append(item)
         return items
 
     def complete(self, future_id: str, result: Result) -> None:

@@ -60,6 +60,7 @@ class HostSnapshot:
     info: SlotInfo
     arrays: dict[tuple[str, ...], np.ndarray]  # [..., in, rank] / [..., rank, out]
     scale: np.ndarray  # [max rank]
+    tenant: str = ""  # the owner id of the key that made it (`AdapterBank.tenants`)
 
     @property
     def nbytes(self) -> int:
@@ -95,6 +96,7 @@ class AdapterBank:
         # bytes than the runs' state leaves of `memory`'s limit (older ones are gone, as evicted snapshots were
         # before: a named one reloads from its checkpoint).
         self.host_snapshots: OrderedDict[str, HostSnapshot] = OrderedDict()
+        self.tenants: dict[str, str] = {}  # snapshot id -> the owner id of the key that made it ("" unknown)
         self.memory = memory or RunMemory()  # the server's, shared by its models' banks; alone: its own
         self._fit()
 
@@ -253,17 +255,26 @@ class AdapterBank:
     def _host_copy(self, info: SlotInfo) -> HostSnapshot:
         """The slot's arrays at the owner's own rank (restorable at any stack width), scale row and entry."""
         cut = ts.slot_at_rank(self._arrays, jnp.int32(info.slot), info.rank, self.roles)
-        return HostSnapshot(info, packed_to_host(cut), self.scale[info.slot].copy())
+        return HostSnapshot(info, packed_to_host(cut), self.scale[info.slot].copy(), self.tenants.get(info.owner, ""))
 
     def trim_snapshots(self) -> None:
-        """Drop the least recently used host snapshots past `max_runs` of them, or past the bytes the runs'
-        state leaves of the memory limit: an RL loop's ephemeral saves of a large adapter, 256 of them kept,
-        would otherwise take tens of GB of host memory."""
+        """Drop host snapshots past `max_runs` of them, or past the bytes the runs' state leaves of the memory
+        limit (an RL loop's ephemeral saves of a large adapter, 256 of them kept, would otherwise take tens of
+        GB of host memory): each time the least recently used of the tenant whose snapshots hold the most
+        bytes. Dropped in plain LRU order, one tenant's stream of saves evicted every other tenant's sampling
+        client that had been idle a while, for good when it was an ephemeral one (no files to reload)."""
         held = sum(h.nbytes for h in self.host_snapshots.values())
         room = self.memory.limit_bytes - self.memory.used()
         while self.host_snapshots and (len(self.host_snapshots) > self.max_runs or held > room):
-            _, dropped = self.host_snapshots.popitem(last=False)
-            held -= dropped.nbytes
+            held -= self.host_snapshots.pop(self._trim_victim()).nbytes
+        self.tenants = {s: t for s, t in self.tenants.items() if s in self.host_snapshots or s in self.slots}
+
+    def _trim_victim(self) -> str:
+        by_tenant: dict[str, int] = {}
+        for host in self.host_snapshots.values():
+            by_tenant[host.tenant] = by_tenant.get(host.tenant, 0) + host.nbytes
+        biggest = max(by_tenant, key=lambda tenant: by_tenant[tenant])
+        return next(s for s, host in self.host_snapshots.items() if host.tenant == biggest)
 
     def snapshots_on_host(self) -> OrderedDict[str, HostSnapshot]:
         """Every sampler snapshot as a host copy (those on the device copied, not moved; the stashed ones first):
@@ -281,6 +292,7 @@ class AdapterBank:
         host = self.host_snapshots.pop(owner)
         self.write(slot, {p: jnp.asarray(a) for p, a in host.arrays.items()})
         self.scale[slot] = host.scale
+        self.tenants[owner] = host.tenant
 
     def targets(self) -> frozenset[str]:
         """The short module names this model carries adapters for."""

@@ -296,7 +296,7 @@ class JaxRunner:
         if isinstance(p, SaveSamplerRequest) and item.kind == "save_weights_external":
             return self.weights.export(self._run(run_id), p, self._path)
         if isinstance(p, SaveSamplerRequest):
-            return self.weights.save(self._run(run_id), p, self._path, self._protect)
+            return self.weights.save(self._run(run_id), p, self._path, self._protect, item.owner)
         if item.kind == "unload_model":
             self._run(run_id)
             self._forget(run_id)
@@ -364,7 +364,7 @@ class JaxRunner:
         try:
             if self.draining and req.weights is not None:
                 raise ReadSlotsBusy("a training item waits for room that samples of snapshots hold")
-            slot = self.weights.resolve(req, self._path, self._protect, bool(self.read_queue))
+            slot = self.weights.resolve(req, self._path, self._protect, bool(self.read_queue), item.owner)
             snapshot = req.weights.snapshot_id if req.weights else None
             full = self.full.use(snapshot) if snapshot else None
             (full or self.sampler).submit(item.future_id, req, 0 if full else slot, item.model_id or "")

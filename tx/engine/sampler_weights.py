@@ -39,11 +39,15 @@ class SamplerWeights:
         # late-bound (a test may stand in for the read); over `io`, not self: no reference cycle
         self.loads = FullLoads(lambda directory: io.load_full(directory), background=jax.process_count() == 1)
 
-    def save(self, run: Run, p: SaveSamplerRequest, path: PathCheck, protect: frozenset[str]) -> CheckpointResult:
-        """A sampler snapshot of the run under `p.snapshot_id` (and its files, when `p.dest_dir`)."""
+    def save(
+        self, run: Run, p: SaveSamplerRequest, path: PathCheck, protect: frozenset[str], tenant: str = ""
+    ) -> CheckpointResult:
+        """A sampler snapshot of the run under `p.snapshot_id` (and its files, when `p.dest_dir`), counted in
+        `tenant`'s share of the host snapshots (`AdapterBank.trim_snapshots`)."""
         if run.lora is None:
             return self._save_full(run, p, path)
         slot = self._slot_for(p.snapshot_id, run.lora, protect)
+        self.bank.tenants[p.snapshot_id] = tenant
         size = None
         try:
             self.bank.copy(run.slot, slot, self.trainer.run_params(run))
@@ -64,7 +68,9 @@ class SamplerWeights:
             return CheckpointResult(p.tinker_path, size_bytes=self.io.save_full(dest, run.params, self.trainer.config))
         return CheckpointResult(p.tinker_path, size_bytes=self.io.save_peft(dest, self.bank, run.slot, run.lora))
 
-    def resolve(self, req: SampleRequest, path: PathCheck, protect: frozenset[str], queued: bool = False) -> int:
+    def resolve(
+        self, req: SampleRequest, path: PathCheck, protect: frozenset[str], queued: bool = False, tenant: str = ""
+    ) -> int:
         """The adapter slot the sample reads (0: the base weights, or a full snapshot's own sampler),
         loading its snapshot from host memory or disk when it is not on the device. Raises `SlotsExhausted`
         when the sample must wait for a slot; `ReadSlotsBusy` at once while others wait for one (`queued`):
@@ -88,7 +94,9 @@ class SamplerWeights:
             self.full.add(ref.snapshot_id, self.loads.take(ref.snapshot_id, directory))
             return 0
         if directory and ref.checkpoint_type == "sampler":
-            return self._load_peft(ref.snapshot_id, directory, protect)
+            slot = self._load_peft(ref.snapshot_id, directory, protect)
+            self.bank.tenants[ref.snapshot_id] = tenant
+            return slot
         raise RequestError(f"sampler weights {ref.snapshot_id!r} are not available (not saved, or evicted)", "user")
 
     def _load_peft(self, snapshot_id: str, directory: Path, protect: frozenset[str]) -> int:

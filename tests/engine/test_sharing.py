@@ -1,9 +1,11 @@
-"""A training-side item that needs room sampling holds is not held back for good by samples kept coming.
+"""Tenants sharing one model's slots and host memory: one tenant's stream of work does not shut another out.
 
 The real `JaxRunner` over a tiny Qwen3 with 2 LoRA slots (sampling may read one) and 2 full fine-tuning
-snapshots kept: a client that keeps submitting samples of a snapshot keeps its slot (or its full copy) busy;
+snapshots kept. A client that keeps submitting samples of a snapshot keeps its slot (or its full copy) busy;
 while a save waits for that room, new samples of snapshots wait instead, the busy ones drain, the save runs,
-and the held samples run after it, each as it would alone."""
+and the held samples run after it, each as it would alone. A tenant saving snapshot after snapshot trims its
+own from host memory before another tenant's idle sampling client.
+"""
 
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ def runner(hf_models, tmp_path_factory) -> Iterator[JaxRunner]:  # type: ignore[
     yield tiny_runner(model_dir, tmp_path_factory.mktemp("drain"), slots=2)
 
 
-def _item(kind: str, model_id: str, payload: Any) -> WorkItem:
-    return WorkItem(f"d{next(_ids)}", kind, model_id, payload, created_at=0.0)  # type: ignore[arg-type]
+def _item(kind: str, model_id: str, payload: Any, owner: str = "") -> WorkItem:
+    return WorkItem(f"d{next(_ids)}", kind, model_id, payload, created_at=0.0, owner=owner)  # type: ignore[arg-type]
 
 
 def _ok(runner: JaxRunner, *items: WorkItem) -> list[Any]:
@@ -56,13 +58,13 @@ def _ok(runner: JaxRunner, *items: WorkItem) -> list[Any]:
     return got
 
 
-def _sample(snapshot: str) -> WorkItem:
+def _sample(snapshot: str, owner: str = "") -> WorkItem:
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=7)  # seeded: the same tokens every time
-    return _item("sample", "s", SampleRequest([1, 2, 3], 1, params, "m", weights=WeightsRef(snapshot)))
+    return _item("sample", "s", SampleRequest([1, 2, 3], 1, params, "m", weights=WeightsRef(snapshot)), owner)
 
 
-def _save(run: str, snapshot: str) -> WorkItem:
-    return _item("save_weights_for_sampler", run, SaveSamplerRequest(snapshot))
+def _save(run: str, snapshot: str, owner: str = "") -> WorkItem:
+    return _item("save_weights_for_sampler", run, SaveSamplerRequest(snapshot), owner)
 
 
 def _race(runner: JaxRunner, busy: list[str], save: WorkItem) -> dict[str, tuple[int, Any]]:
@@ -126,3 +128,24 @@ def test_samples_kept_coming_do_not_hold_back_a_full_finetuning_save(runner: Jax
     _assert_save_runs_early(finished, save)
     _assert_each_as_alone(finished, alone)
     _unload(runner, "f")
+
+
+def test_one_tenants_stream_of_saves_trims_its_own_snapshots_before_anothers(runner: JaxRunner) -> None:
+    """Host memory keeps at most --max-runs snapshots (here 3). Bob's sampling client, idle while Alice's RL
+    loop saved a snapshot every step, was the least recently used one and was dropped: his next sample
+    failed for good (an ephemeral snapshot has no files to reload). The tenant holding the most goes first."""
+    for run, owner in (("bob-run", "bob"), ("alice-run", "alice")):
+        _ok(runner, _item("create_model", run, CreateModelRequest("m", LoraConfig(4, 8.0, seed=3)), owner))
+    _ok(runner, _save("bob-run", "bob:sample:0", "bob"))
+    alone = _ok(runner, _sample("bob:sample:0", "bob"))[0]
+    saved, runner.bank.max_runs = runner.bank.max_runs, 3
+    try:
+        for step in range(6):
+            _ok(runner, _save("alice-run", f"alice:sample:{step}", "alice"))
+            _ok(runner, _sample(f"alice:sample:{step}", "alice"))
+        later = _ok(runner, _sample("bob:sample:0", "bob"))[0]
+        assert later.sequences[0].tokens == alone.sequences[0].tokens
+        assert len(runner.bank.host_snapshots) <= 3 and "alice:sample:0" not in runner.bank.host_snapshots
+    finally:
+        runner.bank.max_runs = saved
+    _unload(runner, "bob-run", "alice-run")
