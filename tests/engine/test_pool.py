@@ -196,6 +196,23 @@ def test_a_model_with_a_live_run_is_never_unloaded_and_the_refusal_names_sizes(d
     assert set(pool.models) == {str(dirs["llama"])}
 
 
+def test_an_upload_never_unloads_a_model_named_on_the_command_line(dirs, hf_models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Under a budget that holds one model, one owner's upload unloaded the idle model the server was started
+    with, and the run it created kept it out for every other tenant. The upload is refused with the sizes;
+    a shared model loaded on demand still makes room as before."""
+    uploaded, _ = hf_models("qwen3", 1, True)
+    pool = _pool(tmp_path, int(1.5 * MB))
+    pool.preload(str(dirs["qwen"]), dirs["qwen"])
+    upload = _sample(uploaded)
+    assert isinstance(upload.payload, SampleRequest)
+    upload.payload.base_model = "upload:mine"
+    (refused,) = _drain(pool, [upload]).values()
+    assert isinstance(refused, RequestError) and "no upload unloads it" in refused.message, refused
+    assert set(pool.models) == {str(dirs["qwen"])}
+    _only(_drain(pool, [_sample(dirs["llama"], seed=8)]))  # not an upload: the idle model gives way
+    assert set(pool.models) == {str(dirs["llama"])}
+
+
 def test_a_model_larger_than_the_budget_is_refused_with_both_sizes(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     pool = _pool(tmp_path, int(0.5 * MB))
     create = _create(dirs["llama"], "run-l")

@@ -13,7 +13,8 @@ hub name is first downloaded by a fetcher thread, so a download blocks neither t
 Before a load the pool makes room within the memory budget by unloading idle models (no live runs,
 nothing queued or running), least recently used first, those holding no sampler snapshot before those
 that do (their sampling clients are likely live); if that is not enough the waiting requests fail with
-the sizes. A model with live runs is never unloaded. An unloaded model's sampler snapshots (the
+the sizes. One owner's upload (`upload:NAME`) never unloads a model named on the command line: those serve
+every tenant. A model with live runs is never unloaded. An unloaded model's sampler snapshots (the
 ephemeral ones of `save_weights_and_get_sampling_client` included) are kept in host memory and handed to its
 next load, so a sampling client outlives an unload: its next sample reloads the model and finds its weights
 (a base-model sampling client needs nothing kept). Scheduling is fair: each `step` gives every
@@ -41,6 +42,7 @@ from tx.engine.run_memory import RunMemory, gb
 from tx.engine.snapshots import HeldSnapshots
 from tx.models.catalog import locate_config, locate_model
 from tx.protocol import CreateModelRequest, LoadWeightsRequest, ModelInfo, RequestError, SampleRequest, WorkItem
+from tx.upload_store import UPLOAD_PREFIX
 
 log = logging.getLogger("tx.engine")
 HEADROOM = 0.8  # of device memory for weights: the rest is for caches, activations and the compiler
@@ -109,6 +111,7 @@ class ModelPool:
         self.located: dict[str, Path] = {}  # hub-name key -> the directory its weights were downloaded to
         self.fetching: dict[str, concurrent.futures.Future] = {}  # key -> download of its weights
         self.held: dict[str, HeldSnapshots] = {}  # unloaded model key -> its sampler snapshots, in host memory
+        self.preloaded: set[str] = set()  # keys of the models named on the command line: no upload unloads them
         self.memory = memory
         self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tx-fetch")
         self.outbox: list[Completion] = []
@@ -123,6 +126,7 @@ class ModelPool:
         self.names.setdefault(key, name)
         self._make_room(key, self._size_of(key))
         runner, info = self._build(name, model_dir)
+        self.preloaded.add(key)
         return self._add(key, runner, info).info
 
     def _size_of(self, key: str) -> int:
@@ -167,10 +171,15 @@ class ModelPool:
         return loaded + sum(reserved for _, reserved in self.loading.values())
 
     def _evictable(self, keep: str) -> list[PoolModel]:
+        shared = self.preloaded if self.names.get(keep, "").startswith(UPLOAD_PREFIX) else set()
         idle = [
             m
             for m in self.models.values()
-            if m.key != keep and m.key not in self.waiting and m.runner.idle() and not m.runner.live_runs()
+            if m.key != keep
+            and m.key not in self.waiting
+            and m.runner.idle()
+            and not m.runner.live_runs()
+            and m.key not in shared
         ]
         # Models no sampling client reads go first; a model holding sampler snapshots only if that is not enough.
         return sorted(idle, key=lambda m: (m.runner.snapshot_count() > 0, m.last_used))
@@ -195,7 +204,8 @@ class ModelPool:
         used = self._in_use()
         if used + needed > self.budget_bytes:
             held = ", ".join(
-                f"{m.info.base_model} {gb(self.sizes[m.key])} ({m.runner.live_runs()} live runs)"
+                f"{m.info.base_model} {gb(self.sizes[m.key])} ({m.runner.live_runs()} live runs"
+                f"{', named on the command line: no upload unloads it' if m.key in self.preloaded else ''})"
                 for m in self.models.values()
             )
             raise RequestError(
