@@ -424,6 +424,39 @@ def test_a_checkpoints_sampler_samples_only_while_the_checkpoint_exists(http: ht
         assert reply.status_code == 404 and "was deleted or has expired" in reply.json()["detail"], reply.text
 
 
+def test_a_checkpoint_being_overwritten_stays_readable_until_the_save_replaces_it(
+    http: httpx.Client, server: Server, model_id: str
+) -> None:
+    """A save over a taken name sets the old checkpoint aside while it is queued and running. Every reader of
+    the name then answered 404 (samplers pinned to `…/sampler_weights/latest` failed for good, the SDK does
+    not retry a 404), though the old files were in place until the save swapped them. They read the old
+    checkpoint until then."""
+    body = {"model_id": model_id, "path": "latest"}
+    saved = wait(http, http.post("/save_weights_for_sampler", json=body).json()["request_id"])["path"]
+    run_id, checkpoint_id = saved.removeprefix("tinker://").split("/", 1)
+    session_id = http.post("/create_session", json={}).json()["session_id"]
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}
+    server.runner.paused.set()
+    try:
+        again = http.post("/save_weights_for_sampler", json=body).json()["request_id"]  # queued, not run
+        create = {"session_id": session_id, "sampling_session_seq_id": 0, "model_path": saved}
+        made = http.post("/create_sampling_session", json=create)
+        assert made.status_code == 200, made.text
+        samples = [
+            http.post("/asample", json={"prompt": prompt, "sampling_params": {"max_tokens": 2}, **weights})
+            for weights in ({"model_path": saved}, {"sampling_session_id": made.json()["sampling_session_id"]})
+        ]
+        assert [reply.status_code for reply in samples] == [200, 200], [reply.text for reply in samples]
+        assert http.post("/weights_info", json={"tinker_path": saved}).status_code == 200
+        archive = http.get(f"/training_runs/{run_id}/checkpoints/{checkpoint_id}/archive", follow_redirects=False)
+        assert archive.status_code == 302, archive.text
+    finally:
+        server.runner.paused.clear()
+    assert wait(http, again)["path"] == saved
+    for reply in samples:
+        assert len(wait(http, reply.json()["request_id"])["sequences"]) == 1
+
+
 def test_a_training_state_is_not_a_sampler(http: httpx.Client, model_id: str) -> None:
     """A `weights/` path holds a training state the engine cannot sample from: refused when the sampler is
     made (each sample failed later, saying the weights were "not saved, or evicted")."""

@@ -113,12 +113,14 @@ def list_user_checkpoints(ctx: Ctx, owner: Owner, limit: PageLimit = 100, offset
     }
 
 
-def _owned_checkpoint(ctx: AppContext, run_id: str, kind: str, name: str, owner: str) -> CheckpointRow:
+def _owned_checkpoint(
+    ctx: AppContext, run_id: str, kind: str, name: str, owner: str, or_replaced: bool = False
+) -> CheckpointRow:
     if kind not in KIND_TO_TYPE:
         kinds = ", ".join(f"'{k}/'" for k in KIND_TO_TYPE)
         user_error(f"checkpoint id must start with one of {kinds}, got {kind + '/' + name!r}")
     check_name(name, "checkpoint name")
-    row = ctx.db.records.get_checkpoint(run_id, f"{kind}/{name}", owner)
+    row = ctx.db.records.get_checkpoint(run_id, f"{kind}/{name}", owner, or_replaced=or_replaced)
     if row is None:
         not_found(f"unknown checkpoint {kind}/{name} of training run {run_id!r}")
     return row
@@ -183,7 +185,7 @@ def set_checkpoint_ttl(run_id: str, kind: str, name: str, body: TtlRequest, ctx:
 
 @router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/archive")
 def checkpoint_archive(run_id: str, kind: str, name: str, request: Request, ctx: Ctx, owner: Owner) -> Response:
-    row = _owned_checkpoint(ctx, run_id, kind, name, owner)
+    row = _owned_checkpoint(ctx, run_id, kind, name, owner, or_replaced=True)
     token = ctx.issue_download(Path(row.directory))
     url = str(request.url_for("download_archive", token=token))
     expires = datetime.now(UTC) + timedelta(seconds=ctx.settings.archive_url_ttl_s)
@@ -195,7 +197,7 @@ def external_weights_urls(
     run_id: str, kind: str, name: str, request: Request, ctx: Ctx, owner: Owner
 ) -> dict[str, Any]:
     """One unauthenticated download URL per file of an external-weights export (`tinker checkpoint download`)."""
-    row = _owned_checkpoint(ctx, run_id, kind, name, owner)
+    row = _owned_checkpoint(ctx, run_id, kind, name, owner, or_replaced=True)
     if row.checkpoint_type != "external":
         user_error(f"{row.tinker_path!r} is not an external weights checkpoint (…/external_weights/<name>)")
     directory = Path(row.directory)

@@ -107,7 +107,8 @@ def _weights_of(ctx: AppContext, sampler: SamplingSessionRow) -> WeightsRef | No
         return None
     if sampler.model_path is not None:  # a named checkpoint's sampler samples while the checkpoint exists
         path = parse_tinker_path(sampler.model_path)
-        if path is None or ctx.db.records.get_checkpoint(path.run_id, path.checkpoint_id, sampler.owner) is None:
+        found = path and ctx.db.records.get_checkpoint(path.run_id, path.checkpoint_id, sampler.owner, or_replaced=True)
+        if not found:
             not_found(f"checkpoint {sampler.model_path!r} was deleted or has expired: its sampler has no weights")
     if sampler.checkpoint_dir is None:  # ephemeral: exists only once its save succeeded
         snapshot = ctx.db.records.get_snapshot(sampler.snapshot_id)

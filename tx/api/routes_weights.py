@@ -181,7 +181,7 @@ def resolve_checkpoint(ctx: AppContext, tinker_path: str, owner: str) -> tuple[T
         user_error(
             f"{tinker_path!r} is not a checkpoint path (tinker://<run>/weights|sampler_weights|external_weights/<name>)"
         )
-    row = ctx.db.records.get_checkpoint(path.run_id, path.checkpoint_id, owner)
+    row = ctx.db.records.get_checkpoint(path.run_id, path.checkpoint_id, owner, or_replaced=True)
     if row is None:
         not_found(f"unknown checkpoint {tinker_path!r}")
     return path, row

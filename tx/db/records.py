@@ -278,16 +278,32 @@ class Records:
     # ---- checkpoints --------------------------------------------------------------------------
 
     def get_checkpoint(
-        self, run_id: str, checkpoint_id: str, owner: str, *, ready: bool = True, expired: bool = False
+        self,
+        run_id: str,
+        checkpoint_id: str,
+        owner: str,
+        *,
+        ready: bool = True,
+        expired: bool = False,
+        or_replaced: bool = False,
     ) -> CheckpointRow | None:
-        """The owner's checkpoint by name; past its expiry it reads as missing unless `expired`."""
+        """The owner's checkpoint by name; past its expiry it reads as missing unless `expired`. With
+        `or_replaced`, while a save over the name is queued or running, the checkpoint it replaces (set aside,
+        its files in place until the save swaps them): a sampler or loader reading the name found nothing
+        for as long as the save waited, and failed for good."""
         query = select(CheckpointRow).where(
             CheckpointRow.run_id == run_id, CheckpointRow.checkpoint_id == checkpoint_id, CheckpointRow.owner == owner
         )
         if ready:
             query = query.where(CheckpointRow.status == "ready")
+        aside = select(CheckpointRow).where(
+            CheckpointRow.tinker_path == f"tinker://{run_id}/{checkpoint_id}", CheckpointRow.owner == owner,
+            CheckpointRow.status == REPLACED,
+        )  # fmt: skip
         with self._session() as session:
             row = session.exec(query).first()
+            if row is None and ready and or_replaced:
+                row = session.exec(aside.order_by(col(CheckpointRow.id).desc())).first()
         if row is not None and is_expired(row) and not expired:
             return None
         return row
