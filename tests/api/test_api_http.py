@@ -144,6 +144,11 @@ def test_checkpoint_archive_download(http: httpx.Client, model_id: str, server: 
         assert "adapter_config.json" in archive.getnames()
     dup = http.post("/save_weights", json={"model_id": model_id, "path": "arch", "seq_id": 109})
     assert dup.status_code == 400 and "already exists" in dup.json()["detail"]
+    import shutil
+
+    shutil.rmtree(server.data_dir / "checkpoints" / model_id.replace(":", "_") / "weights" / "arch")
+    gone = httpx.get(reply.headers["location"])  # its files removed behind the server's back: a 404, not a 500
+    assert gone.status_code == 404 and "files are gone" in gone.json()["detail"], gone.text
 
 
 def test_expired_session_unloads_runs_and_heartbeat_410(http: httpx.Client, server: Server) -> None:

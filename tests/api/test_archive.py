@@ -57,6 +57,30 @@ def test_a_file_that_shrinks_mid_download_keeps_the_announced_length(tmp_path: P
         assert a_json is not None and a_json.read() == (directory / "a.json").read_bytes()
 
 
+def test_a_checkpoint_replaced_or_deleted_mid_download_streams_whole_as_it_was(tmp_path: Path) -> None:
+    """A save over the checkpoint (the directory swapped for a new one) or its deletion while the archive
+    streams: files were opened by path as the stream reached them, so they came from the new directory (cut
+    or padded to the old sizes, with no error) or were gone. The archive is the checkpoint as it was listed."""
+    import shutil
+
+    directory = _checkpoint(tmp_path / "ckpt")
+    want = {name: (directory / name).read_bytes() for name in SIZES}
+    for change in ("replaced", "deleted"):
+        members = _tar_members(directory)
+        shutil.rmtree(directory)
+        if change == "replaced":
+            (directory / "nested").mkdir(parents=True)
+            (directory / "nested/big.safetensors").write_bytes(b"new" * 5)
+        data = b"".join(_tar_stream(members))
+        assert len(data) == _announced(members)
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            for name, content in want.items():
+                extracted = tar.extractfile(name)
+                assert extracted is not None and extracted.read() == content, (change, name)
+        shutil.rmtree(directory, ignore_errors=True)
+        directory = _checkpoint(tmp_path / "ckpt")
+
+
 def test_one_download_link_per_checkpoint_however_often_asked(tmp_path: Path) -> None:
     uploads = UploadStore(tmp_path / "u", 0)
     ctx = AppContext(Settings(archive_url_ttl_s=3600), None, MODEL, limits_for(MODEL), uploads)  # type: ignore[arg-type]

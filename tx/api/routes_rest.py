@@ -17,7 +17,8 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from stat import S_ISDIR, S_ISREG
+from typing import Any, BinaryIO
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -230,10 +231,11 @@ async def download_archive(token: str, ctx: Ctx) -> Response:
     entry = ctx.downloads.get(token)
     if entry is None or entry[1] < time.time():
         not_found("unknown or expired download link")
-    directory = entry[0]
-    if not directory.is_dir():
+    try:
+        members = await run_in_threadpool(_tar_members, entry[0])
+    except OSError:
         not_found("the checkpoint files are gone")
-    members = await run_in_threadpool(_tar_members, directory)
+    directory = entry[0]
     headers = {
         "Content-Disposition": f'attachment; filename="{directory.name}.tar"',
         "Content-Length": str(sum(len(header) + _padded(info.size) for _, info, header in members) + TAR_END),
@@ -248,32 +250,56 @@ def _padded(size: int) -> int:
     return -(-size // TAR_BLOCK) * TAR_BLOCK
 
 
-def _tar_members(directory: Path) -> list[tuple[Path, tarfile.TarInfo, bytes]]:
-    """(file, its tar entry, the entry's header) for the directory's regular files and folders, in name order;
-    links and anything else are left out (the server wrote the checkpoint: it holds neither)."""
+def _tar_members(directory: Path) -> list[tuple[BinaryIO | None, tarfile.TarInfo, bytes]]:
+    """(the open file, its tar entry, the entry's header) for the directory's regular files and folders, in
+    name order; links and anything else are left out (the server wrote the checkpoint: it holds neither).
+    Every file is opened now, from one handle on the directory: a save over the checkpoint or its deletion
+    while a large archive streams swaps or removes the directory, and files opened later by path came from
+    the new one or were gone (a truncated file inside an archive of the announced length, or an abort)."""
     members = []
-    for path in sorted(directory.rglob("*")):
-        if path.is_symlink() or not (path.is_file() or path.is_dir()):
-            continue
-        stat = path.stat()
-        info = tarfile.TarInfo(path.relative_to(directory).as_posix())
-        info.mtime, info.mode = int(stat.st_mtime), stat.st_mode & 0o777
-        info.type, info.size = (tarfile.DIRTYPE, 0) if path.is_dir() else (tarfile.REGTYPE, stat.st_size)
-        members.append((path, info, info.tobuf(tarfile.PAX_FORMAT)))
-    return members
+    root = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for folder, dirs, files, folder_fd in os.fwalk(".", dir_fd=root):
+            for name in [*dirs, *files]:
+                member = _member(Path(folder, name), name, folder_fd)
+                if member is not None:
+                    members.append(member)
+    finally:
+        os.close(root)
+    return sorted(members, key=lambda member: member[1].name)
 
 
-def _tar_stream(members: list[tuple[Path, tarfile.TarInfo, bytes]]) -> Iterator[bytes]:
+def _member(relative: Path, name: str, folder_fd: int) -> tuple[BinaryIO | None, tarfile.TarInfo, bytes] | None:
+    try:
+        stat = os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
+        file = None
+        if S_ISREG(stat.st_mode):
+            file = os.fdopen(os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder_fd), "rb")
+            stat = os.fstat(file.fileno())
+    except OSError:  # gone meanwhile, or swapped for a link
+        return None
+    if file is None and not S_ISDIR(stat.st_mode):
+        return None
+    info = tarfile.TarInfo(relative.as_posix().removeprefix("./"))
+    info.mtime, info.mode = int(stat.st_mtime), stat.st_mode & 0o777
+    info.type, info.size = (tarfile.REGTYPE, stat.st_size) if file else (tarfile.DIRTYPE, 0)
+    return file, info, info.tobuf(tarfile.PAX_FORMAT)
+
+
+def _tar_stream(members: list[tuple[BinaryIO | None, tarfile.TarInfo, bytes]]) -> Iterator[bytes]:
     """The archive a megabyte at a time: a checkpoint of any size downloads in constant memory. A file that
     shrank since its header was written is padded with zeros, so the archive keeps its announced length."""
-    for path, info, header in members:
-        yield header
-        left = info.size
-        if left:
-            with path.open("rb") as file:
-                while left and (chunk := file.read(min(TAR_CHUNK, left))):
-                    left -= len(chunk)
-                    yield chunk
-        for start in range(0, left + _padded(info.size) - info.size, TAR_CHUNK):  # the padding, and any shortfall
-            yield bytes(min(TAR_CHUNK, left + _padded(info.size) - info.size - start))
+    try:
+        for file, info, header in members:
+            yield header
+            left = info.size
+            while file is not None and left and (chunk := file.read(min(TAR_CHUNK, left))):
+                left -= len(chunk)
+                yield chunk
+            for start in range(0, left + _padded(info.size) - info.size, TAR_CHUNK):  # padding, and any shortfall
+                yield bytes(min(TAR_CHUNK, left + _padded(info.size) - info.size - start))
+    finally:
+        for file, _, _ in members:
+            if file is not None:
+                file.close()
     yield bytes(TAR_END)
