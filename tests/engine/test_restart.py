@@ -76,3 +76,21 @@ def test_the_gate_finishes_lost_work_itself_and_passes_the_rest_on() -> None:
     assert [i.future_id for i in inner.items] == ["2"] and not gate.idle()
     done = gate.step()
     assert [getattr(c, "future_id", c) for c in done] == ["1", "ran 2"] and gate.idle()
+
+
+def test_settled_requests_survive_a_step_that_raises() -> None:
+    """The gate took its settled completions before the runner's step: a step that raised lost them, and
+    their futures stayed running (a lost run's "load_state from ..." became a generic failure at best)."""
+
+    class Raises(Recorder):
+        def step(self) -> list:
+            raise RuntimeError("a device error")
+
+    gate = RestartGate(Raises(), LOST)  # type: ignore[arg-type]
+    gate.submit([item("1", "optim_step", "a:train:0", OptimStepRequest(AdamParams())), sample("2", None)])
+    try:
+        gate.step()
+    except RuntimeError:
+        pass
+    gate.runner = Recorder()  # type: ignore[assignment]
+    assert [c.future_id for c in gate.step()] == ["1"]

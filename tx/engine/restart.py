@@ -64,9 +64,10 @@ class RestartGate:
             self.runner.submit(runnable)
 
     def step(self) -> list[Completion]:
-        done, self.outbox = self.outbox, []
-        if not self.runner.idle():
-            done += self.runner.step()
+        """The settled requests and the runner's step; the runner first, so a step that raises leaves the
+        settled ones for the next (taken first, they were lost with the step's failure)."""
+        stepped = self.runner.step() if not self.runner.idle() else []
+        done, self.outbox = [*self.outbox, *stepped], []
         return done
 
     def idle(self) -> bool:
