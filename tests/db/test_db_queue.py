@@ -431,6 +431,32 @@ def test_an_unreadable_stored_request_fails_alone_at_claim(db: Database) -> None
     assert db.queue.get("not-a-number") is None and db.queue.get("") is None
 
 
+def test_a_claim_whose_unreadable_request_cannot_be_failed_still_runs_the_others(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failing an unreadable request is a write; when the database refused it, the claim raised and its other
+    rows, already marked running, reached no engine. They are returned, and the unreadable one is failed on
+    a later claim."""
+    from sqlalchemy import update
+
+    from tx.db.queue import QueueUnavailable
+    from tx.db.tables import FutureRow
+
+    good, broken = _submit(db, 1), _submit(db, 2)
+    with db.queue.write_lock.held(), db.engine.begin() as conn:
+        conn.execute(update(FutureRow).where(FutureRow.id == int(broken)).values(payload=b"\x00 not a payload"))
+    finish = db.queue.finish_many
+
+    def refused(outcomes):  # type: ignore[no-untyped-def]
+        raise QueueUnavailable("database is locked")
+
+    monkeypatch.setattr(db.queue, "finish_many", refused)
+    assert [item.future_id for item in db.queue.claim(10)] == [good]
+    monkeypatch.setattr(db.queue, "finish_many", finish)
+    assert db.queue.claim(10) == []
+    assert db.queue.get(broken).status == "failed"  # type: ignore[union-attr]
+
+
 def test_without_a_signal_claim_looks_at_the_table_every_rescan_s(db: Database) -> None:
     """Work written by another process whose signal was lost (or that sent none) is found by the rescan."""
     if db.listener is not None:

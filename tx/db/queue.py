@@ -218,15 +218,23 @@ class SqlQueue:
         return rows
 
     def _decode_items(self, rows: list[FutureRow]) -> list[WorkItem]:
-        items = []
+        """The claimed rows as work items; an unreadable one fails. If that write fails too, its row is looked
+        at again on the next claim (`_uncertain`): raising here lost every other row of the claim, left
+        running for good."""
+        items, unreadable = [], []
         for row in rows:
             try:
                 payload = codec.decode(row.payload or b"null")
             except Exception as exc:
-                self.fail(str(row.id), RequestError(f"stored request is unreadable: {exc}", "server"))
+                unreadable.append((str(row.id), RequestError(f"stored request is unreadable: {exc}", "server")))
                 continue
             item = WorkItem(str(row.id), row.kind, row.model_id, payload, row.created_at, row.seq_id, row.owner)  # type: ignore[arg-type]
             items.append(item)
+        try:
+            self.finish_many(unreadable) if unreadable else None
+        except Exception:
+            log.exception("could not fail %d unreadable requests; trying again on the next claim", len(unreadable))
+            self._uncertain += [int(future_id) for future_id, _ in unreadable]
         return items
 
     def complete(self, future_id: str, result: Result) -> None:
