@@ -151,6 +151,24 @@ def test_checkpoint_archive_download(http: httpx.Client, model_id: str, server: 
     assert gone.status_code == 404 and "files are gone" in gone.json()["detail"], gone.text
 
 
+def test_the_reaper_drops_results_past_their_retention(http: httpx.Client, server: Server, model_id: str) -> None:
+    """A day after a request finished its stored result goes (the database kept every result for good); a
+    poll then reads a failure saying so, through the SDK's own error path."""
+    from sqlalchemy import update
+
+    from tx.db.queue import RESULT_RETENTION_S
+    from tx.db.tables import FutureRow
+
+    request_id = http.post("/save_weights", json={"model_id": model_id, "path": "kept-a-day"}).json()["request_id"]
+    wait(http, request_id)
+    with server.db.queue.write_lock.held(), server.db.engine.begin() as conn:
+        long_ago = time.time() - RESULT_RETENTION_S - 60
+        conn.execute(update(FutureRow).where(FutureRow.id == int(request_id)).values(completed_at=long_ago))
+    reap_sessions(SimpleNamespace(db=server.db))  # type: ignore[arg-type]
+    reply = http.post("/retrieve_future", json={"request_id": request_id}).json()
+    assert reply["category"] == "user" and "is gone" in reply["error"], reply
+
+
 def test_expired_session_unloads_runs_and_heartbeat_410(http: httpx.Client, server: Server) -> None:
     session_id = http.post("/create_session", json={}).json()["session_id"]
     body = {"session_id": session_id, "model_seq_id": 0, "base_model": MODEL.base_model, "lora_config": {"rank": 4}}

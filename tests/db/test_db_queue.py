@@ -687,3 +687,26 @@ def test_a_claims_turns_read_no_request_payload_and_older_databases_get_the_inde
         compiled = _turns(8).compile(db.queue.engine, compile_kwargs={"literal_binds": True})
         plan = " ".join(str(row) for row in session.execute(text(f"EXPLAIN QUERY PLAN {compiled}")))
     assert "COVERING INDEX ix_futures_live" in plan, plan
+
+
+def test_results_older_than_the_retention_are_dropped_and_say_so(db: Database) -> None:
+    """Every sample's tokens and every forward's outputs stayed in the database for good. A result is kept a
+    day after its request finished; then a poll reads a failure saying it is gone. Newer ones stay."""
+    from sqlalchemy import update
+
+    from tx.db.queue import RESULT_RETENTION_S
+
+    old, new = _submit(db, 1), _submit(db, 2)
+    db.queue.claim(10)
+    result = ForwardBackwardResult([{"logprobs": np.zeros(3, np.float32)}], {"loss:sum": 0.0})
+    db.queue.finish_many([(old, result), (new, result)])
+    with db.queue.write_lock.held(), db.engine.begin() as conn:
+        long_ago = time.time() - RESULT_RETENTION_S - 60
+        conn.execute(update(FutureRow).where(FutureRow.id == int(old)).values(completed_at=long_ago))
+    assert db.queue.drop_old_results() == 1 and db.queue.drop_old_results() == 0
+    gone = asyncio.run(db.queue.wait_finished(old, 1.0))
+    assert gone is not None and gone.status == "failed" and "is gone" in (gone.error or "")
+    with Session(db.queue.engine) as session:
+        assert session.get(FutureRow, int(old)).result is None  # type: ignore[union-attr]
+    kept = asyncio.run(db.queue.wait_finished(new, 1.0))
+    assert kept is not None and kept.status == "done" and kept.result is not None

@@ -91,10 +91,12 @@ async def _schema_error(_request: Request, exc: Exception) -> JSONResponse:
 
 def reap_sessions(ctx: AppContext) -> int:
     """Expire sessions whose heartbeats stopped and queue an unload for each of their loaded runs, and for any
-    run an earlier finish or expiry left loaded (its queueing failed part-way). Returns the unloads queued."""
+    run an earlier finish or expiry left loaded (its queueing failed part-way); drop results past their
+    retention (`SqlQueue.drop_old_results`). Returns the unloads queued."""
     ctx.db.records.expire_sessions()
     runs = ctx.db.records.stranded_runs()
     unload_ended(ctx, runs, "ended")
+    ctx.db.queue.drop_old_results()
     return len(runs)
 
 

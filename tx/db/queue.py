@@ -54,6 +54,7 @@ from tx.protocol import (
 log = logging.getLogger("tx.db")
 
 FINISHED = ("done", "failed")
+RESULT_RETENTION_S = 86400.0  # a result is kept this long after its request finished (the SDK asks at once)
 RUNNING_AT_RESTART = "the server stopped while this request was running, so its effect is unknown; it was not run again"
 
 
@@ -205,6 +206,21 @@ class SqlQueue:
         if len(rows) == limit:  # there may be more: look again on the next claim
             self.notifier.work_submitted()
         return self._decode_items(rows)
+
+    def drop_old_results(self, older_than_s: float = RESULT_RETENTION_S, batch: int = 1000) -> int:
+        """Forget the results of up to `batch` requests finished more than `older_than_s` ago: a poll of one
+        reads a failure saying so. Kept for good, every sample's tokens and every forward's outputs filled the
+        database. The rows stay (their ids are never reused). Returns how many went."""
+        cutoff = time.time() - older_than_s
+        old = select(FutureRow.id).where(FutureRow.status == "done", col(FutureRow.completed_at) < cutoff)
+        message = f"this request's result was kept {older_than_s / 3600:g} hours after it finished and is gone"
+        with self.write_lock.held(), Session(self.engine) as session:
+            ids = list(session.exec(old.order_by(col(FutureRow.completed_at)).limit(batch)).all())
+            if ids:
+                dropped = dict(status="failed", result=None, error=message, error_category="user")
+                session.execute(FUTURES.update().where(FUTURES.c.id.in_(ids)).values(**dropped))
+                session.commit()
+        return len(ids)
 
     def _reclaim_uncertain(self) -> list[FutureRow]:
         if not self._uncertain:

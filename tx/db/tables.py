@@ -114,7 +114,11 @@ class CheckpointRow(SQLModel, table=True):
 class FutureRow(SQLModel, table=True):
     __tablename__ = "futures"
     # (status, owner, id) covers the claim's turns: without it SQLite read every live request's payload
-    __table_args__ = (Index("ix_futures_status_id", "status", "id"), Index("ix_futures_live", "status", "owner", "id"))
+    __table_args__ = (
+        Index("ix_futures_status_id", "status", "id"),
+        Index("ix_futures_live", "status", "owner", "id"),
+        Index("ix_futures_done", "status", "completed_at"),  # the results past their retention
+    )
 
     id: int | None = Field(default=None, primary_key=True)
     kind: str
