@@ -258,18 +258,6 @@ def test_another_keys_pending_future_is_404_at_once(
     assert "loss_fn_outputs" in wait(http, future["request_id"])
 
 
-def test_expired_download_links_are_purged(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from tx.api.context import AppContext, Settings
-    from tx.api.limits import limits_for
-    from tx.upload_store import UploadStore
-
-    uploads = UploadStore(tmp_path / "uploads", 0)
-    ctx = AppContext(Settings(archive_url_ttl_s=-1.0), None, MODEL, limits_for(MODEL), uploads)  # type: ignore[arg-type]
-    for _ in range(5):
-        ctx.issue_download(tmp_path)
-    assert len(ctx.downloads) == 1  # each new link purged the expired ones before it
-
-
 def test_max_runs_bounds_the_servers_live_runs_and_a_retry_is_not_a_new_run(tmp_path) -> None:
     from api.fake_runner import FakeRunner
     from api.harness import running_server

@@ -6,6 +6,8 @@ import io
 import tarfile
 from pathlib import Path
 
+import pytest
+
 from api.harness import MODEL
 from tx.api.context import AppContext, Settings
 from tx.api.limits import limits_for
@@ -83,9 +85,30 @@ def test_a_checkpoint_replaced_or_deleted_mid_download_streams_whole_as_it_was(t
 
 def test_one_download_link_per_checkpoint_however_often_asked(tmp_path: Path) -> None:
     uploads = UploadStore(tmp_path / "u", 0)
-    ctx = AppContext(Settings(archive_url_ttl_s=3600), None, MODEL, limits_for(MODEL), uploads)  # type: ignore[arg-type]
+    ctx = AppContext(Settings(data_dir=tmp_path, archive_url_ttl_s=3600), None, MODEL, limits_for(MODEL), uploads)  # type: ignore[arg-type]
     first = ctx.issue_download(tmp_path / "a")
     assert all(ctx.issue_download(tmp_path / "a") == first for _ in range(100))
-    assert ctx.issue_download(tmp_path / "b") != first and len(ctx.downloads) == 2
-    ctx.downloads[first] = (tmp_path / "a", ctx.downloads[first][1] - 3000)  # less than half its time left
-    assert ctx.issue_download(tmp_path / "a") != first and len(ctx.downloads) == 3
+    assert ctx.issue_download(tmp_path / "b") != first and ctx.links.resolve(first) == (tmp_path / "a").resolve()
+
+
+def test_a_link_works_on_every_api_process_and_after_a_restart_and_not_once_changed(tmp_path: Path) -> None:
+    """Links lived in one process's memory: behind a load balancer half of them reached an API server that
+    did not know them, and a restart lost them all. A link is signed with a key in the data directory; one
+    changed, made up or expired is refused."""
+    import time
+
+    from tx.api.download_links import DownloadLinks
+
+    one, other = DownloadLinks(tmp_path, 3600), DownloadLinks(tmp_path, 3600)  # two processes, one data dir
+    (tmp_path / "checkpoints" / "r").mkdir(parents=True)
+    token, expires = one.issue(tmp_path / "checkpoints" / "r")
+    assert 1800 <= expires - time.time() <= 3600
+    assert other.resolve(token) == one.resolve(token) == (tmp_path / "checkpoints" / "r").resolve()
+    name, until, signature = token.split(".")
+    forged = DownloadLinks(tmp_path / "elsewhere", 3600).issue(tmp_path / "elsewhere" / "r")[0]
+    for bad in (f"{name}.{int(until) + 1}.{signature}", f"Li4.{until}.{signature}", forged, "x", "a.b.c", ""):
+        assert other.resolve(bad) is None, bad
+    past = int(time.time()) - 1
+    assert other.resolve(f"{name}.{past}.{one._sign(name, past)}") is None  # signed, but expired
+    with pytest.raises(ValueError):  # only what lies in the data directory gets a link
+        one.issue(tmp_path.parent)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import secrets
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,6 +22,7 @@ from fastapi import Depends, Header, HTTPException, Request
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import SQLModel
 
+from tx.api.download_links import DownloadLinks
 from tx.api.limits import Limits
 from tx.api.models import ModelCatalog, ServedModel
 from tx.db import Database, DuplicateRequestError, owner_of
@@ -59,7 +58,7 @@ class AppContext:
     models: ModelCatalog
     limits: Limits  # server-wide bounds for decoding a body before its model is known; each model has its own
     uploads: UploadStore
-    downloads: dict[str, tuple[Path, float]] = field(default_factory=dict)
+    links: DownloadLinks = field(init=False)  # the download links every API process of the server honours
     # Heavy request bodies are decoded and queued on a few threads: dozens of CPU-bound threads
     # fighting over the GIL are slower than a handful, and the group commit batches them anyway.
     heavy_pool: ThreadPoolExecutor = field(
@@ -69,20 +68,13 @@ class AppContext:
     async def run_heavy(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.heavy_pool, fn, *args)
 
+    def __post_init__(self) -> None:
+        self.links = DownloadLinks(self.settings.data_dir, self.settings.archive_url_ttl_s)
+
     def issue_download(self, directory: Path) -> str:
-        """An unauthenticated token for downloading `directory` (as a tar archive, or file by file), valid for
-        `archive_url_ttl_s`. A directory with a link still good for half that gets the same token back: the
-        table holds one link per checkpoint, however often a client asks."""
-        now = time.time()
-        for stale in [t for t, (_, expires) in self.downloads.items() if expires < now]:
-            del self.downloads[stale]  # expired links are purged as new ones are issued
-        half = now + self.settings.archive_url_ttl_s / 2
-        live = next((t for t, (d, expires) in self.downloads.items() if d == directory and expires > half), None)
-        if live is not None:
-            return live
-        token = secrets.token_urlsafe(24)
-        self.downloads[token] = (directory, now + self.settings.archive_url_ttl_s)
-        return token
+        """An unauthenticated token for downloading `directory` (as a tar archive, or file by file), good for
+        half to all of `archive_url_ttl_s` on every API process (`tx.api.download_links`)."""
+        return self.links.issue(directory)[0]
 
 
 def get_ctx(request: Request) -> AppContext:

@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import tarfile
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -187,9 +186,9 @@ def set_checkpoint_ttl(run_id: str, kind: str, name: str, body: TtlRequest, ctx:
 @router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/archive")
 def checkpoint_archive(run_id: str, kind: str, name: str, request: Request, ctx: Ctx, owner: Owner) -> Response:
     row = _owned_checkpoint(ctx, run_id, kind, name, owner, or_replaced=True)
-    token = ctx.issue_download(Path(row.directory))
+    token, until = ctx.links.issue(Path(row.directory))
     url = str(request.url_for("download_archive", token=token))
-    expires = datetime.now(UTC) + timedelta(seconds=ctx.settings.archive_url_ttl_s)
+    expires = datetime.fromtimestamp(until, UTC)
     return RedirectResponse(url, status_code=302, headers={"Expires": expires.strftime("%a, %d %b %Y %H:%M:%S GMT")})
 
 
@@ -204,19 +203,18 @@ def external_weights_urls(
     directory = Path(row.directory)
     if not directory.is_dir():
         not_found(f"the files of {row.tinker_path!r} are gone")
-    token = ctx.issue_download(directory)
+    token, until = ctx.links.issue(directory)
     files = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
     urls = {rel: str(request.url_for("download_file", token=token, file_path=rel)) for rel in files}
-    expires = datetime.now(UTC) + timedelta(seconds=ctx.settings.archive_url_ttl_s)
-    return {"urls": urls, "expires": _iso(expires)}
+    return {"urls": urls, "expires": _iso(datetime.fromtimestamp(until, UTC))}
 
 
 @router.get("/file_downloads/{token}/{file_path:path}", name="download_file")
 def download_file(token: str, file_path: str, ctx: Ctx) -> Response:
-    entry = ctx.downloads.get(token)
-    if entry is None or entry[1] < time.time():
+    linked = ctx.links.resolve(token)
+    if linked is None:
         not_found("unknown or expired download link")
-    root = entry[0].resolve()
+    root = linked
     parts = file_path.split("/")
     if "\x00" in file_path or any(part in ("", ".", "..") for part in parts):  # as written, before resolving
         not_found(f"no file {file_path[:200]!r} in this checkpoint")
@@ -228,14 +226,13 @@ def download_file(token: str, file_path: str, ctx: Ctx) -> Response:
 
 @router.get("/archive_downloads/{token}", name="download_archive")
 async def download_archive(token: str, ctx: Ctx) -> Response:
-    entry = ctx.downloads.get(token)
-    if entry is None or entry[1] < time.time():
+    directory = ctx.links.resolve(token)
+    if directory is None:
         not_found("unknown or expired download link")
     try:
-        members = await run_in_threadpool(_tar_members, entry[0])
+        members = await run_in_threadpool(_tar_members, directory)
     except OSError:
         not_found("the checkpoint files are gone")
-    directory = entry[0]
     headers = {
         "Content-Disposition": f'attachment; filename="{directory.name}.tar"',
         "Content-Length": str(sum(len(header) + _padded(info.size) for _, info, header in members) + TAR_END),
