@@ -79,6 +79,23 @@ def test_uploads_are_private_to_their_owner_even_once_loaded(tmp_path: Path) -> 
     assert catalog.usable("bob") == [] and catalog.usable(None) == []
 
 
+def test_an_upload_deleted_or_sent_again_elsewhere_is_not_served_from_memory(tmp_path: Path) -> None:
+    """The catalog remembers a model once described; only the API process that deleted an upload forgot it.
+    Behind a load balancer, another process kept serving the deleted upload, and after a new upload under the
+    name it handed new runs the old weights. A remembered upload is checked against the store each time."""
+    first = _model_dir(tmp_path, "store/alice/mine/model-1", QWEN3)
+    second = _model_dir(tmp_path, "store/alice/mine/model-2", QWEN3)
+    uploads = {("alice", "upload:mine"): first}
+    catalog = ModelCatalog(ModelRules(allow=()), find_upload=lambda owner, name: uploads.get((owner, name)))
+    assert catalog.get("alice", "upload:mine").model_dir == str(first)
+    del uploads[("alice", "upload:mine")]  # deleted through another API process
+    with pytest.raises(HTTPException) as gone:
+        catalog.get("alice", "upload:mine")
+    assert gone.value.status_code == 404
+    uploads[("alice", "upload:mine")] = second  # and sent again
+    assert catalog.get("alice", "upload:mine").model_dir == str(second)
+
+
 def test_clients_get_a_tokenizer_name_they_can_resolve_never_an_uploads_server_path(tmp_path: Path) -> None:
     """`get_info().tokenizer_id` goes to the SDK's `AutoTokenizer.from_pretrained` on the client's machine:
     an upload gives the hub name its files record, else its own model string; a local directory its path."""

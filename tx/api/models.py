@@ -101,7 +101,7 @@ class ModelCatalog:
         key = (owner if is_upload else None, name)
         with self._lock:
             known = self._known.get(key)
-        if known is not None:
+        if known is not None and (not is_upload or self._still_uploaded(owner, name, known)):
             return known
         if self.fixed or self.only_preloaded:
             served = ", ".join(repr(n) for n in self.preloaded)
@@ -122,6 +122,12 @@ class ModelCatalog:
         with self._lock:
             self._known[key] = model
         return model
+
+    def _still_uploaded(self, owner: str, name: str, known: ServedModel) -> bool:
+        """Whether the upload remembered is still the one on disk (one `upload.json` read): another API process
+        may have deleted it, or it was deleted and sent again, and its new runs trained the old weights."""
+        found = self.find_upload(owner, name) if self.find_upload is not None else None
+        return found is not None and str(found) == known.model_dir
 
     def forget_upload(self, owner: str, name: str) -> None:
         """Drop what `get` remembered of `owner`'s upload `name` (deleted: a later request must not find it)."""
