@@ -257,6 +257,7 @@ class WorkItem:
     created_at: float
     seq_id: int | None = None
     owner: str = ""  # the API key's owner id (`tx.db.owner_of`): whose share a snapshot it makes counts in
+    nbytes: int = 0  # the stored request's size: what the engine holds in flight is bounded in bytes too
 
 
 # ---------------------------------------------------------------------------------------------

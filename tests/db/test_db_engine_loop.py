@@ -9,8 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sqlmodel import Session
 
 from tx.db import Database, open_database, owner_of
+from tx.db.tables import FutureRow
 from tx.engine.loop import Completion, Engine, StepError
 from tx.protocol import (
     AdamParams,
@@ -268,11 +270,11 @@ def _claim_failing_at(db: Database, call: int, message: str) -> list[int]:
     queue = db.queue
     claim, calls = queue.claim, []
 
-    def failing(limit: int, per_owner: int | None = None) -> list[WorkItem]:
+    def failing(limit: int, per_owner: int | None = None, max_bytes: int | None = None) -> list[WorkItem]:
         calls.append(limit)
         if len(calls) == call:
             raise RuntimeError(message)
-        return claim(limit, per_owner)
+        return claim(limit, per_owner, max_bytes)
 
     queue.claim = failing  # type: ignore[method-assign]
     return calls
@@ -454,3 +456,22 @@ def test_a_native_panic_in_a_step_fails_its_requests_and_the_engine_keeps_servin
         assert engine._thread is not None and engine._thread.is_alive()
     finally:
         engine.stop()
+
+
+def test_the_engine_holds_no_more_stored_bytes_in_flight_than_its_bound(sqlite_db: Database) -> None:
+    """In-flight requests were bounded in number only: 512 forward_backward bodies of 64 MB are 32 GB of host
+    memory. Past `max_in_flight_bytes` of stored requests the rest wait queued (the first always goes); a
+    finish makes room for the next."""
+    runner = _Holding()
+    big = [_submit_as(sqlite_db, owner, seq) for seq in range(10) for owner in (OWNER, "tml-b")]
+    with Session(sqlite_db.queue.engine) as session:
+        size = len(session.get(FutureRow, int(big[0])).payload)  # type: ignore[union-attr, arg-type]
+    engine = Engine(sqlite_db.queue, runner, claim_limit=16, max_in_flight=40, max_in_flight_bytes=3 * size,
+        gather_s=0.0)  # fmt: skip
+    for _ in range(3):
+        engine.run_once()
+    assert [i.future_id for i in runner.items] == big[:3] and all(i.nbytes == size for i in runner.items)
+    engine._finish_all([Completion(big[0], OptimStepResult())])
+    runner.items = runner.items[1:]
+    engine.run_once()
+    assert [i.future_id for i in runner.items] == big[1:4]

@@ -171,9 +171,10 @@ class SqlQueue:
     def wake(self) -> None:
         self.notifier.work_submitted()
 
-    def claim(self, limit: int, per_owner: int | None = None) -> list[WorkItem]:
+    def claim(self, limit: int, per_owner: int | None = None, max_bytes: int | None = None) -> list[WorkItem]:
         """Pending requests, marked running: by turn, each owner's in id order (`_turns`), returned in id
-        order; none past an owner's `per_owner`-th unfinished request (its running ones count). A claim whose
+        order; none past an owner's `per_owner`-th unfinished request (its running ones count), and in turn
+        order no more stored bytes than `max_bytes` but the first (which always goes). A claim whose
         commit raised may still have landed (a connection lost after the server committed): its rows are
         looked up first on the next claim, and those found running are returned then (one engine holds the
         lease, so they are this engine's)."""
@@ -185,9 +186,9 @@ class SqlQueue:
         self._last_scan = time.monotonic()
         with self.write_lock.held(), Session(self.engine, expire_on_commit=False) as session:
             turns = session.execute(_turns(limit)).all()
-            ids = [row_id for row_id, turn in turns if per_owner is None or turn <= per_owner]
-            self._at_share = len(ids) < len(turns)  # an owner's next request may be claimed once one finishes
-            query = select(FutureRow).where(col(FutureRow.id).in_(ids), FutureRow.status == "pending")
+            chosen = _within(turns, per_owner, max_bytes)
+            self._at_share = len(chosen) < len(turns)  # a request left for room may be claimed once one finishes
+            query = select(FutureRow).where(col(FutureRow.id).in_(chosen), FutureRow.status == "pending")
             query = query.order_by(col(FutureRow.id))
             if self._postgres:
                 query = query.with_for_update(skip_locked=True)
@@ -244,7 +245,8 @@ class SqlQueue:
             except Exception as exc:
                 unreadable.append((str(row.id), RequestError(f"stored request is unreadable: {exc}", "server")))
                 continue
-            item = WorkItem(str(row.id), row.kind, row.model_id, payload, row.created_at, row.seq_id, row.owner)  # type: ignore[arg-type]
+            nbytes = len(row.payload or b"")
+            item = WorkItem(str(row.id), row.kind, row.model_id, payload, row.created_at, row.seq_id, row.owner, nbytes)  # type: ignore[arg-type]
             items.append(item)
         try:
             self.finish_many(unreadable) if unreadable else None
@@ -422,18 +424,32 @@ def _put_back_orphans(session: Session) -> None:
         )
 
 
+def _within(turns: Sequence[Any], per_owner: int | None, max_bytes: int | None) -> list[int]:
+    """The ids of (id, turn, bytes) rows, in turn order, within the owner share and the bytes."""
+    ids: list[int] = []
+    total = 0
+    for row_id, turn, nbytes in turns:
+        if per_owner is not None and turn > per_owner:
+            continue
+        if max_bytes is not None and ids and total + (nbytes or 0) > max_bytes:
+            break
+        ids.append(row_id)
+        total += nbytes or 0
+    return ids
+
+
 def _turns(limit: int) -> Any:
-    """The ids and turns of the `limit` pending requests whose turn comes first: an owner's n-th unfinished
-    request (running ones count) takes turn n, and turns go in order, ids within a turn. Claimed in id order,
-    one tenant's backlog (100k queued samples, say) held every later request of every tenant behind it for as
-    long as it took to run; now each owner's next request comes before anyone's backlog."""
+    """The ids, turns and stored sizes of the `limit` pending requests whose turn comes first: an owner's n-th
+    unfinished request (running ones count) takes turn n, and turns go in order, ids within a turn. Claimed in
+    id order, one tenant's backlog (100k queued samples, say) held every later request of every tenant behind
+    it for as long as it took to run; now each owner's next request comes before anyone's backlog."""
     turn = func.row_number().over(partition_by=col(FutureRow.owner), order_by=col(FutureRow.id)).label("turn")
     live = col(FutureRow.status).in_(("pending", "running"))
     unfinished = select(FutureRow.id, FutureRow.status, turn).where(live).subquery()
     pending = unfinished.c.status == "pending"
-    return (
-        select(unfinished.c.id, unfinished.c.turn)
-        .where(pending)
-        .order_by(unfinished.c.turn, unfinished.c.id)
-        .limit(limit)
-    )
+    first = select(unfinished.c.id, unfinished.c.turn).where(pending).order_by(unfinished.c.turn, unfinished.c.id)
+    chosen = first.limit(limit).subquery()
+    size = func.length(FutureRow.payload)  # of those rows alone: the stored header says, the blob is not read
+    by_turn = (chosen.c.turn, chosen.c.id)
+    joined = col(FutureRow.id) == chosen.c.id
+    return select(chosen.c.id, chosen.c.turn, size).join(FutureRow, joined).order_by(*by_turn)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tx.engine.errors import EXITS, scrub_paths
+from tx.engine.run_memory import host_memory_bytes
 from tx.protocol import (
     ForwardBackwardRequest,
     QueueUnavailable,
@@ -50,8 +51,9 @@ class StepError(Exception):
 class WorkQueue(Protocol):
     """The durable request queue as the engine sees it."""
 
-    def claim(self, limit: int, per_owner: int | None = None) -> list[WorkItem]:
-        """Pending items (at most `limit`, none past an owner's `per_owner`-th unfinished one), marked running."""
+    def claim(self, limit: int, per_owner: int | None = None, max_bytes: int | None = None) -> list[WorkItem]:
+        """Pending items (at most `limit`, none past an owner's `per_owner`-th unfinished one, no more stored
+        bytes than `max_bytes` but the first), marked running."""
         ...
 
     def wait_for_work(self, timeout_s: float) -> None:
@@ -108,6 +110,7 @@ class Engine:
         *,
         claim_limit: int = 256,
         max_in_flight: int = 512,
+        max_in_flight_bytes: int | None = None,
         idle_wait_s: float = 5.0,
         gather_s: float = 0.2,
         gather_quiet_s: float = 0.01,
@@ -118,6 +121,8 @@ class Engine:
         self.runner = runner
         self.claim_limit = claim_limit
         self.max_in_flight = max_in_flight
+        # the stored requests held at once: 512 forward_backward bodies of 64 MB each were 32 GB of host memory
+        self.max_in_flight_bytes = max_in_flight_bytes or host_memory_bytes() // 8
         self.idle_wait_s = idle_wait_s
         self._inflight: dict[str, _Inflight] = {}
         self._unrecorded: list[tuple[Completion, _Inflight | None]] = []  # finished; the queue took no write
@@ -182,7 +187,7 @@ class Engine:
             quiet = self.gather_quiet_s if samples else 0.002
             self.queue.wait_for_work(left if expecting else min(quiet, left))
             try:
-                more = self._claim(len(items))
+                more = self._claim(items)
             except Exception:  # what is claimed already is `running`: it must run, or nothing would ever finish it
                 log.exception("claiming more of a burst failed; running the %d requests claimed", len(items))
                 break
@@ -194,12 +199,17 @@ class Engine:
             self._last_sample_burst = samples
         return items
 
-    def _claim(self, gathered: int = 0) -> list[WorkItem]:
+    def _claim(self, gathered: Sequence[WorkItem] = ()) -> list[WorkItem]:
         """At most `claim_limit` pending requests, and none past `max_in_flight` claimed and unfinished (half
-        of that for one owner, whose requests parked on a model being loaded held every other tenant off): the
-        rest stay queued (not decoded into the engine's memory, not failed by a restart) until there is room."""
-        room = min(self.claim_limit, self.max_in_flight - len(self._inflight) - gathered)
-        return self.queue.claim(room, max(self.max_in_flight // 2, 1)) if room > 0 else []
+        of that for one owner, whose requests parked on a model being loaded held every other tenant off) or
+        past `max_in_flight_bytes` of stored requests: the rest stay queued (not decoded into the engine's
+        memory, not failed by a restart) until there is room."""
+        held = [entry.item for entry in self._inflight.values()] + list(gathered)
+        room = min(self.claim_limit, self.max_in_flight - len(held))
+        room_bytes = self.max_in_flight_bytes - sum(item.nbytes for item in held)
+        if room <= 0 or room_bytes <= 0:
+            return []
+        return self.queue.claim(room, max(self.max_in_flight // 2, 1), room_bytes)
 
     def _submitting(self) -> bool:
         submitting = getattr(self.queue, "submitting", None)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ import jax
 
 from tx.engine.errors import EXITS, as_request_error
 from tx.engine.loop import Completion, Runner
-from tx.engine.run_memory import RunMemory, gb
+from tx.engine.run_memory import RunMemory, gb, host_memory_bytes
 from tx.engine.snapshots import HeldSnapshots
 from tx.models.catalog import locate_config, locate_model
 from tx.protocol import CreateModelRequest, LoadWeightsRequest, ModelInfo, RequestError, SampleRequest, WorkItem
@@ -78,7 +77,7 @@ def default_budget_bytes() -> int:
     limits = [(d.memory_stats() or {}).get("bytes_limit", 0) for d in jax.local_devices()]
     if all(limits):
         return int(sum(limits) * HEADROOM)
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.5)
+    return int(host_memory_bytes() * 0.5)
 
 
 class ModelPool:

@@ -26,9 +26,14 @@ def gb(n: int) -> str:
     return f"{n / GB:.2f} GB" if n >= GB else f"{n / 1e6:.2f} MB"
 
 
+def host_memory_bytes() -> int:
+    """The machine's physical memory."""
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
 def default_limit_bytes() -> int:
     """A quarter of the machine's physical memory (the pool's models may take half of it on a CPU)."""
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.25)
+    return int(host_memory_bytes() * 0.25)
 
 
 def lora_run_bytes(grads: Any, opt_state: Any) -> int:
