@@ -81,6 +81,26 @@ def test_sharded_bfloat16_checkpoint(hf_models, tmp_path):
     np.testing.assert_array_equal(np.asarray(model.model.layers.mlp.up_proj.weight[...][1], np.float32), want)
 
 
+def test_a_shard_index_naming_a_file_outside_its_directory_is_refused(hf_models, tmp_path):
+    """Only uploads had their index checked: a local or hub directory whose index named an absolute path or
+    `../` read any safetensors file on the server (another repo's cached weights, say) into the model."""
+    from tx.models.safetensors_io import shard_files
+
+    _, ref = hf_models()
+    ref.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    index_path = tmp_path / "sharded" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"]))
+    assert shard_files(tmp_path / "sharded")
+    for outside in (str(tmp_path / "elsewhere.safetensors"), "../elsewhere.safetensors", "sub/x.safetensors"):
+        index["weight_map"][first] = outside
+        index_path.write_text(json.dumps(index))
+        with pytest.raises(ValueError, match="shards are files beside it"):
+            shard_files(tmp_path / "sharded")
+        with pytest.raises(ValueError, match="shards are files beside it"):
+            load_model(str(tmp_path / "sharded"), progress=False)
+
+
 def test_missing_directory_and_offline_hub():
     with pytest.raises(FileNotFoundError, match="local"):
         load_model("no-such-org/no-such-model", progress=False)

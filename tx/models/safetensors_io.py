@@ -18,6 +18,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from tx.names import is_valid_name
+
 DTYPES: dict[str, np.dtype] = {
     "F32": np.dtype(np.float32),
     "F16": np.dtype(np.float16),
@@ -94,6 +96,9 @@ def shard_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        for name in names:  # an index naming "/elsewhere/model.safetensors" or "../x" read any file on the server
+            if not (isinstance(name, str) and is_valid_name(name) and name.endswith(".safetensors")):
+                raise ValueError(f"model.safetensors.index.json names {str(name)[:80]!r}: shards are files beside it")
         return [model_dir / n for n in names]
     single = model_dir / "model.safetensors"
     if single.is_file():
