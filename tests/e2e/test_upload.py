@@ -251,6 +251,19 @@ def test_a_bad_upload_is_refused_with_its_reason_and_never_listed(server, model_
         assert http.get("/api/v1/uploads/bad").status_code == 404  # nothing partial kept either
 
 
+def test_whatever_the_files_make_the_check_raise_refuses_the_upload(model_dir, tmp_path):
+    """The client declares config.json at `begin`, but the file sent is what is checked: a file of `[]`
+    raised AttributeError inside the check, which answered 500 and kept the staging directory."""
+    from tx.api.upload_check import check_upload
+
+    spoiled = copy_of(model_dir, tmp_path)
+    for text in ("[]", "[" * 100_000 + "]" * 100_000):
+        (spoiled / "config.json").write_text(text)
+        with pytest.raises(ValueError) as refused:
+            check_upload(spoiled)
+        assert str(spoiled) not in str(refused.value)
+
+
 def test_delete_removes_the_upload_and_its_files(server, model_dir):
     url, data_dir, _ = server
     assert run_cli(url, str(model_dir), "--name", "gone").returncode == 0
