@@ -14,6 +14,7 @@ from tx.engine import cache_budget
 from tx.engine.cache_budget import CacheBudget, cache_bytes_of, free_bytes
 from tx.engine.sampler import Sampler
 from tx.models.cache import decode_cache
+from tx.protocol import RequestError
 
 
 def _linear(rows: int, length: int) -> int:
@@ -105,3 +106,26 @@ def test_rows_past_the_budget_wait_and_sample_the_same(qwen: Setup) -> None:
     assert max(rows for rows, _ in shapes) == 2 and max(length for _, length in shapes) == 64
     for name in ("five", "three"):
         assert tokens_of(got[name]) == tokens_of(want[name])
+
+
+def test_a_request_whose_one_row_passes_the_limit_with_the_sampler_idle_fails_naming_the_sizes(qwen: Setup) -> None:
+    """One row always ran, whatever its cache: a model with a huge head dimension (an upload: 17 GB for one
+    row at 1024 positions) took the machine down with one sample. Such a request now fails on its own,
+    naming the sizes; one that fits runs beside it, and a shorter one of the same model runs."""
+    one_row_at_32 = cache_bytes_of(qwen.cfg, CFG.layer_cache)(CFG.row_buckets[0], 32)
+    tight = Sampler(
+        qwen.graphdef, lambda: qwen.weights, qwen.cfg, dataclasses.replace(CFG, cache_limit_bytes=one_row_at_32),
+        (), char_decode, qwen.fixed(),
+    )  # fmt: skip
+    got, _ = run(
+        tight, {"long": (make_req(PROMPTS[0], 50), 0), "short": (make_req(PROMPTS[0], 20, temperature=1.0, seed=5), 0)}
+    )
+    assert isinstance(got["long"], RequestError) and got["long"].category == "user", got["long"]
+    assert "GiB of decode cache" in got["long"].message and "--decode-cache-gb" in got["long"].message
+    assert tokens_of(got["short"]) == tokens_of(
+        run(qwen.sampler, {"short": (make_req(PROMPTS[0], 20, temperature=1.0, seed=5), 0)})[0]["short"]
+    )
+    budget = CacheBudget(_linear, (1, 2), limit_bytes=10 * 64)
+    budget.check_alone(64, held_bytes=0)  # exactly at the limit: runs
+    with pytest.raises(RequestError):
+        budget.check_alone(65, held_bytes=10**9)  # a fixed limit: what the cache holds does not count

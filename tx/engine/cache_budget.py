@@ -6,8 +6,10 @@ and an RL step that queues 64 samples of 2000 tokens asks for exactly that. The 
 server for everyone. So rows are admitted only while the cache they need at the longest final length of
 the rows (prompt + max_tokens, bucketed) fits a limit: `--decode-cache-gb`, or by default 45% of the memory
 free at that moment plus what the cache already holds (a resize holds the old and the new cache at once).
-Rows that do not fit wait for others to finish; one row always runs. An engine over several processes
-admits by the flag alone: its processes must decide alike, and each sees its own free memory.
+Rows that do not fit wait for others to finish; one row always runs, unless it could not fit even with the
+sampler idle (`check_alone`: a model with a huge head dimension has a 17 GB cache row at 1024 positions):
+that request fails, naming the sizes. An engine over several processes admits by the flag alone: its
+processes must decide alike, and each sees its own free memory.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import psutil
 
 from tx.models.cache import decode_cache
 from tx.models.config import ModelConfig
+from tx.protocol import RequestError
 
 SHARE_OF_FREE = 0.45
 
@@ -63,6 +66,22 @@ class CacheBudget:
         limit += 0 if self.limit_bytes is not None else int(SHARE_OF_FREE * held_bytes)
         fitting = [rows for rows in self.row_buckets if self.cache_bytes(rows, length) <= limit]
         return max(fitting, default=self.row_buckets[0])
+
+    def check_alone(self, length: int, held_bytes: int) -> None:
+        """Refuse (a user error) a request whose smallest cache of `length` positions passes the limit with
+        the sampler's own cache (`held_bytes`) given back: it could never run without taking the machine."""
+        limit = self.limit()
+        if limit is None:
+            return
+        limit += 0 if self.limit_bytes is not None else int(SHARE_OF_FREE * held_bytes)
+        needed = self.cache_bytes(self.row_buckets[0], length)
+        if needed > limit:
+            raise RequestError(
+                f"a sample of {length} positions needs {needed / 2**30:.2f} GiB of decode cache for this model, "
+                f"more than the {limit / 2**30:.2f} GiB it may take (--decode-cache-gb, or 45% of the free "
+                "memory); ask for fewer max_tokens or a shorter prompt",
+                "user",
+            )
 
     def limit(self) -> int | None:
         """The bytes a cache may take now; None: no limit (several processes and no flag)."""

@@ -228,6 +228,8 @@ class Sampler:
         slots = 1 if self.lora_scale is None else int(self.lora_scale().shape[0])
         if not 0 <= slot < slots:
             raise RequestError(f"adapter slot {slot} does not exist (the model has {slots})", "server")
+        length = bucket_size(len(req.prompt) + req.params.max_tokens - 1, self.cfg.length_buckets)
+        self.budget.check_alone(length, self._held_bytes())
 
     def _admit(self) -> list[Row]:
         """Take waiting requests into new rows (host bookkeeping only: `_fit_cache` places them)."""
@@ -252,8 +254,10 @@ class Sampler:
         ends += [len(job.req.prompt) + job.req.params.max_tokens - 1 for job in self._waiting]
         if not ends:
             return self.cfg.max_rows
-        held = sum(int(x.nbytes) for x in jax.tree.leaves(self._cache)) if self._cache is not None else 0
-        return self.budget.row_cap(bucket_size(max(ends), self.cfg.length_buckets), held)
+        return self.budget.row_cap(bucket_size(max(ends), self.cfg.length_buckets), self._held_bytes())
+
+    def _held_bytes(self) -> int:
+        return sum(int(x.nbytes) for x in jax.tree.leaves(self._cache)) if self._cache is not None else 0
 
     def _fit_cache(self, active: list[Row], new_rows: list[Row]) -> None:
         """Move to the row and length buckets the next chunk needs, compacting rows; place the new rows.
