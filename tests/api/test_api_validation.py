@@ -123,7 +123,8 @@ def _sample(http: httpx.Client, ids: dict[str, str], **overrides: Any) -> httpx.
 
 
 def test_sample_limits(http: httpx.Client, ids: dict[str, str]) -> None:
-    _assert_400(_sample(http, ids, sampling_params={"max_tokens": 126}), "= 129 exceeds the maximum length 128")
+    _assert_400(_sample(http, ids, sampling_params={"max_tokens": 127}), "= 130 exceeds the maximum length 128")
+    assert _sample(http, ids, sampling_params={"max_tokens": 126}).status_code == 200  # 3 + 126 - 1 positions
     _assert_400(_sample(http, ids, num_samples=0), "num_samples 0")
     _assert_400(
         _sample(http, ids, prompt={"chunks": [{"type": "encoded_text", "tokens": [5000]}]}), "prompt: token id 5000"

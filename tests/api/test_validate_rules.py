@@ -144,12 +144,13 @@ def _sample(prompt: list[int] | None = None, n: int = 1, topk: int = 0, **params
         ("temperature", 100.0, math.nan),
         ("top_p", 1.0, 1.0 + 1e-9),
         ("top_p", 1e-9, 0.0),
-        ("top_k", -1, 0),
+        ("top_k", -1, -2),
+        ("top_k", 0, 101),  # 0 is off, as in transformers and vLLM
         ("top_k", 100, 101),
         ("top_k", 1, -2),
         ("seed", 2**64 - 1, 2**64),
         ("seed", -(2**63), -(2**63) - 1),
-        ("max_tokens", 14, 15),
+        ("max_tokens", 15, 16),  # the prompt's 2 + 15 - 1: the last token drawn takes no position
         ("max_tokens", 1, 0),
     ],
 )

@@ -448,7 +448,7 @@ def test_prompt_scores_in_blocks_only_for_the_rows_that_asked(qwen):
 def test_invalid_requests_are_user_errors(qwen):
     results, _ = run(
         qwen.sampler,
-        {"long": (make_req([1] * 60, 5), 0), "empty": (make_req([], 5), 0), "slot": (make_req([1, 2], 3), 3)},
+        {"long": (make_req([1] * 60, 6), 0), "empty": (make_req([], 5), 0), "slot": (make_req([1, 2], 3), 3)},
     )
     assert isinstance(results["long"], RequestError) and results["long"].category == "user"
     assert "max_seq_len" in results["long"].message and "64" in results["long"].message
@@ -456,8 +456,26 @@ def test_invalid_requests_are_user_errors(qwen):
     # A slot past the table is the engine's own mistake, not the caller's.
     assert isinstance(results["slot"], RequestError) and results["slot"].category == "server"
     assert "adapter slot 3 does not exist" in results["slot"].message
-    fits, _ = run(qwen.sampler, {"edge": (make_req([1, 2, 3], 61, temperature=0.0), 2)})  # 3 + 61 = max_seq_len
-    assert len(tokens_of(fits["edge"])[0]) == 61
+    fits, _ = run(qwen.sampler, {"edge": (make_req([1, 2, 3], 62, temperature=0.0), 2)})  # 3 + 62 - 1 = max_seq_len
+    assert len(tokens_of(fits["edge"])[0]) == 62
+    over, _ = run(qwen.sampler, {"over": (make_req([1, 2, 3], 63), 2)})
+    assert isinstance(over["over"], RequestError) and "max_seq_len" in over["over"].message
+
+
+def test_a_full_context_sequence_is_scored_as_the_training_forward_scores_it(qwen):
+    """compute_logprobs (one token drawn, the prompt scored) of a sequence as long as the context: the cookbook
+    scores prompt + completion for its KL penalty, and a rollout that reached the context length was refused
+    (prompt + max_tokens 1 > max_seq_len), though the token drawn last takes no position. The scores equal
+    teacher forcing."""
+    prompt = [int(t) for t in np.random.default_rng(3).integers(1, qwen.cfg.vocab_size, 64)]
+    req = make_req(prompt, 1, temperature=0.0)
+    req.prompt_logprobs = True
+    got, _ = run(qwen.sampler, {"full": (req, LORA_SLOT)})
+    result = got["full"]
+    assert not isinstance(result, RequestError), result
+    logp = qwen.logprobs(prompt, LORA_SLOT)
+    expected = [logp[j - 1, prompt[j]] for j in range(1, len(prompt))]
+    np.testing.assert_allclose(result.prompt_logprobs[1:], expected, atol=2e-4)
 
 
 def test_sampler_config_refuses_what_cannot_work():

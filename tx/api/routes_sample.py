@@ -128,7 +128,7 @@ def asample(body: schemas.SampleRequest, ctx: Ctx, owner: Owner) -> dict[str, An
         not_found(f"unknown sampling_session_id {body.sampling_session_id!r}")
     served, settings = ctx.models.get(owner, sampler.base_model), ctx.settings
     prompt = model_input_tokens(body.prompt, "prompt", served.limits.max_seq_len)
-    room = max(served.info.max_seq_len - len(prompt), 1)  # an unset max_tokens fills what the prompt leaves
+    room = max(served.info.max_seq_len - len(prompt) + 1, 1)  # an unset max_tokens fills what the prompt leaves
     request = SampleRequest(
         prompt=prompt,
         num_samples=body.num_samples,

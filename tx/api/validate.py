@@ -160,10 +160,10 @@ def _check_length(request: SampleRequest, info: ModelInfo) -> None:
     if max_tokens < 1:
         raise ValidationError(f"sampling_params.max_tokens must be >= 1, got {max_tokens}")
     total = len(request.prompt) + max_tokens
-    if total > info.max_seq_len:
+    if total - 1 > info.max_seq_len:  # the last token drawn is never fed back: it takes no position
         raise ValidationError(
             f"prompt ({len(request.prompt)} tokens) + sampling_params.max_tokens ({max_tokens}) = {total} "
-            f"exceeds the maximum length {info.max_seq_len}"
+            f"exceeds the maximum length {info.max_seq_len} by more than the last token, which takes no position"
         )
 
 
@@ -172,7 +172,7 @@ def _check_sampling_params(request: SampleRequest, info: ModelInfo, limits: Limi
     rules = {
         "temperature": (math.isfinite(p.temperature) and p.temperature >= 0, "a finite number >= 0 (0 = greedy)"),
         "top_p": (math.isfinite(p.top_p) and 0 < p.top_p <= 1, "in (0, 1]"),
-        "top_k": (p.top_k == -1 or 1 <= p.top_k <= info.vocab_size, f"-1 (off) or in [1, {info.vocab_size}]"),
+        "top_k": (-1 <= p.top_k <= info.vocab_size, f"-1 or 0 (off) or in [1, {info.vocab_size}]"),
         "seed": (p.seed is None or -(1 << 63) <= p.seed < (1 << 64), "a 64-bit integer"),
     }
     for name, (ok, rule) in rules.items():

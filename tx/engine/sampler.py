@@ -219,7 +219,7 @@ class Sampler:
         cannot start without a prompt token, which this sampler relies on."""
         if not req.prompt:
             raise RequestError("the prompt is empty: sampling needs at least one prompt token", "user")
-        if len(req.prompt) + req.params.max_tokens > self.cfg.max_seq_len:
+        if len(req.prompt) + req.params.max_tokens - 1 > self.cfg.max_seq_len:  # the last token takes no position
             raise RequestError(
                 f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.params.max_tokens}) exceeds the sampler's "
                 f"max_seq_len of {self.cfg.max_seq_len} tokens",
