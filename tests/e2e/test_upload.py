@@ -223,6 +223,14 @@ def _broken_tokenizer(d: Path) -> None:
     (d / "tokenizer.json").write_text("{not json")
 
 
+def _regex_decoder(d: Path) -> None:
+    """A decoder pattern that backtracks just under the regex engine's limit: 0.1 s a token, GIL held."""
+    tokenizer = json.loads((d / "tokenizer.json").read_text())
+    slow = {"type": "Replace", "pattern": {"Regex": "(.|.)*\\d"}, "content": "z"}
+    tokenizer["decoder"] = {"type": "Sequence", "decoders": [slow, tokenizer["decoder"]]}
+    (d / "tokenizer.json").write_text(json.dumps(tokenizer))
+
+
 @pytest.mark.parametrize(
     "spoil,message",
     [
@@ -234,6 +242,7 @@ def _broken_tokenizer(d: Path) -> None:
         ),
         (_too_large, r"over this server's --max-upload-gb 0\.02"),
         (_broken_tokenizer, r"the tokenizer does not load with transformers"),
+        (_regex_decoder, r"decoder replaces by regular expression"),
     ],
 )
 def test_a_bad_upload_is_refused_with_its_reason_and_never_listed(server, model_dir, tmp_path, spoil, message):
