@@ -53,7 +53,7 @@ def _pool(tmp_path: Path, budget_bytes: int, memory: RunMemory | None = None) ->
         )  # fmt: skip
         return build_runner(config, model_dir, memory)
 
-    return ModelPool(build, lambda d: estimate_bytes(d, "float32"), budget_bytes, memory=memory)
+    return ModelPool(build, lambda d: estimate_bytes(d, "float32", 2), budget_bytes, memory=memory)
 
 
 def _item(kind: str, model_id: str, payload: Any) -> WorkItem:
@@ -220,7 +220,7 @@ def test_a_model_larger_than_the_budget_is_refused_with_both_sizes(dirs, tmp_pat
     assert all(isinstance(r, RequestError) for r in results.values()), "work waiting for the model did not fail"
     refused = results[create.future_id]
     assert isinstance(refused, RequestError) and refused.category == "user"
-    needed = estimate_bytes(dirs["llama"], "float32") / MB
+    needed = estimate_bytes(dirs["llama"], "float32", 2) / MB
     assert f"needs about {needed:.2f} MB, more than the memory budget 0.50 MB" in refused.message
     assert not pool.models
 
@@ -289,14 +289,14 @@ def test_a_hub_model_over_the_budget_is_refused_before_its_download(dirs, tmp_pa
 
     pool = ModelPool(
         lambda name, model_dir: None,  # type: ignore[arg-type, return-value]
-        lambda d: estimate_bytes(d, "float32"),
+        lambda d: estimate_bytes(d, "float32", 2),
         100 * MB,
         locate=locate,
         locate_config=lambda name: threads.append(threading.current_thread().name) or tmp_path / "config-only",
     )
     (refused,) = _drain(pool, [_sample("org/huge")]).values()
     assert isinstance(refused, RequestError) and refused.category == "user", refused
-    needed = gb(estimate_bytes(tmp_path / "config-only", "float32"))
+    needed = gb(estimate_bytes(tmp_path / "config-only", "float32", 2))
     assert f"'org/huge' needs about {needed}, more than the memory budget 100.00 MB" in refused.message
     assert estimate_bytes(tmp_path / "config-only", "float32") >= 30e9
     assert fetched == [] and not pool.fetching
@@ -352,3 +352,25 @@ def test_a_step_that_fails_unexpectedly_fails_only_its_models_requests(dirs, tmp
     assert pool.idle() and pool.routed == {}
     monkeypatch.undo()
     _all_ok(_drain(pool, [_fb("run-q"), _fb("run-l"), _sample(dirs["llama"], 4)]))
+
+
+def test_the_estimate_counts_the_adapter_bank_a_thin_model_makes_large(tmp_path: Path) -> None:
+    """The budget counted the weights alone; the bank holds every slot's A and B for every adapted matrix, so a
+    model with hidden size 1 and a wide vocabulary and MLP (a 21 MB upload) built a 1.2 GB bank past it. The
+    estimate is the bank as built plus the weights, and the bank grows with the slots."""
+    import json
+
+    from tx.engine.build import bank_bytes
+    from tx.models.config import load_hf_config
+
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1, "num_hidden_layers": 1,
+              "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 2, "intermediate_size": 1 << 16,
+              "vocab_size": 1 << 16, "max_position_embeddings": 64, "torch_dtype": "float32"}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = load_hf_config(tmp_path, "float32")
+    weights = (2 * (1 << 16) + 3 * (1 << 16)) * 4  # embeddings and head, the MLP: the bulk of the weights
+    assert bank_bytes(cfg, 8) > 10 * weights
+    assert bank_bytes(cfg, 8) == pytest.approx(9 / 3 * bank_bytes(cfg, 2))
+    assert estimate_bytes(tmp_path, "float32", 8) - estimate_bytes(tmp_path, "float32", 2) == bank_bytes(
+        cfg, 8
+    ) - bank_bytes(cfg, 2)

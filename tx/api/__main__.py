@@ -102,7 +102,7 @@ def build_pool(args: argparse.Namespace) -> ModelPool:
     no_loads = NO_LOADS if args.coordinator else ""
 
     def estimate(model_dir: Path) -> int:
-        return estimate_bytes(model_dir, args.dtype)
+        return estimate_bytes(model_dir, args.dtype, args.max_lora_adapters)
 
     return ModelPool(build, estimate, budget, no_loads=no_loads, memory=run_memory)
 

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from flax import nnx
+
 from tx.engine.bank import AdapterBank
 from tx.engine.compiles import enable_persistent_cache, install_counter
 from tx.engine.config import EngineConfig
@@ -20,13 +22,14 @@ from tx.engine.text import load_decoder
 from tx.engine.trainer import Trainer
 from tx.engine.weights_io import WeightsIO
 from tx.lora.layers import LoRASpec
+from tx.lora.params import LoRAParam
 from tx.lora.select import rank_bucket
 from tx.models.catalog import DTYPE_BYTES, describe_model, has_weights, locate_model, weight_bytes
 from tx.models.causal_lm import decode_layout
 from tx.models.checkpoint_check import expected_weights
 from tx.models.config import HYBRID_FAMILIES, ModelConfig, load_hf_config
 from tx.models.sharding import make_mesh
-from tx.models.weights import load_model
+from tx.models.weights import abstract_for, load_model
 from tx.protocol import ModelInfo
 from tx.tuning import Tuning, for_backend, tuned_for
 
@@ -39,14 +42,25 @@ def resolve_dtype(dtype: str | None, tuning: Tuning) -> str | None:
     return tuning.auto_dtype if dtype == "auto" else dtype
 
 
-def estimate_bytes(model_dir: Path, dtype: str | None) -> int:
+def estimate_bytes(model_dir: Path, dtype: str | None, adapter_slots: int = 8) -> int:
     """Device bytes a model will take before it is loaded: its weights in the dtype they load in, twice
-    where the sampler keeps its own per-layer copy (`Tuning.per_layer_decode`, CPU). A directory with only
-    its `config.json` (a hub model not downloaded yet) is sized from the config."""
+    where the sampler keeps its own per-layer copy (`Tuning.per_layer_decode`, CPU), and its adapter bank as
+    built (`adapter_slots` + 1 slots at the smallest rank bucket). A directory with only its `config.json` (a
+    hub model not downloaded yet) is sized from the config."""
     tuning = for_backend()
     loaded = resolve_dtype(dtype, tuning)
     weights = weight_bytes(model_dir, loaded) if has_weights(model_dir) else config_weight_bytes(model_dir, loaded)
-    return weights * (2 if tuning.per_layer_decode else 1)
+    bank = bank_bytes(load_hf_config(model_dir, loaded), adapter_slots)
+    return weights * (2 if tuning.per_layer_decode else 1) + bank
+
+
+def bank_bytes(cfg: ModelConfig, adapter_slots: int) -> int:
+    """The adapter stacks' bytes as `build_runner` makes them (shapes only, nothing allocated). A model with a
+    tiny hidden size and a huge vocabulary or MLP has a bank ~100x its weights: a 21 MB upload built a
+    1.2 GB bank, and one of 0.4 GB would have built 59 GB, past a budget that counted the weights alone."""
+    lora = LoRASpec(adapter_slots + 1, rank_bucket(1, 1 << 30))
+    stacks = nnx.to_flat_state(nnx.state(abstract_for(cfg, lora, False), LoRAParam))
+    return sum(math.prod(var.get_value().shape) * var.get_value().dtype.itemsize for _, var in stacks)
 
 
 def config_weight_bytes(model_dir: Path, dtype: str | None) -> int:
