@@ -55,6 +55,16 @@ def test_eos_comes_from_the_tokenizer_config_when_the_model_configs_name_none(ti
     assert eos == [AutoTokenizer.from_pretrained(str(model_dir)).eos_token_id] and eos[0] is not None
 
 
+def test_eos_ids_that_are_not_whole_numbers_are_left_out(tiny_dir: Path, tmp_path: Path) -> None:
+    """generation_config.json's `eos_token_id: 1.5` raised when the model loaded; `[[1]]` failed every
+    sample. Only whole numbers count; with none, the tokenizer's end-of-sequence token is used."""
+    tokenizers = load_decoder(tiny_dir)[1]
+    for value, want in ((1.5, tokenizers), ([[1]], tokenizers), ([2, "x", 3, True, -1], [2, 3]), (7, [7])):
+        model_dir = copy_with(tiny_dir, tmp_path / f"m{len(list(tmp_path.iterdir()))}")
+        (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": value}))
+        assert load_decoder(model_dir)[1] == want, value
+
+
 def test_transformers_reads_what_only_it_can(tiny_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cleaned = copy_with(tiny_dir, tmp_path / "clean", settings={"clean_up_tokenization_spaces": True})
     decode, _ = load_decoder(cleaned)

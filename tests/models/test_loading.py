@@ -44,6 +44,34 @@ def test_config_validation_names_the_field():
 
 
 @pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"rope_type": "linear", "factor": float("nan")}, "rope_scaling.factor must be a finite number > 0, got nan"),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.0}, "low_freq_factor must be a finite"),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0}, "must be below high_freq_factor"),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0}, "original_max_position"),
+        ({"rope_type": "yarn", "factor": 4.0, "beta_slow": float("inf")}, "beta_slow must be a finite"),
+    ],
+)
+def test_rope_scaling_that_would_break_the_first_forward_is_refused(fields, message):
+    """NaN passed `factor <= 0` (every logit NaN); a zero low_freq_factor or original length divided by zero
+    at the first forward, after the model had loaded: refused when the config is read, naming the field."""
+    from tx.models.config import RopeScaling
+
+    with pytest.raises(ValueError, match=message):
+        RopeScaling(**fields)
+
+
+def test_a_rotary_dim_past_the_head_dim_is_refused():
+    """partial_rotary_factor > 1 made the rotary dims wider than the head: a shape error at the first forward."""
+    fields = dict(num_heads=4, num_kv_heads=2, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=8,
+                  tie_word_embeddings=True)  # fmt: skip
+    ModelConfig("qwen3", 10, 8, 8, 1, **fields, partial_rotary_factor=1.0)
+    with pytest.raises(ValueError, match="partial_rotary_factor 2.0 gives rotary dim 8"):
+        ModelConfig("qwen3", 10, 8, 8, 1, **fields, partial_rotary_factor=2.0)
+
+
+@pytest.mark.parametrize(
     "edit,message",
     [
         ("drop", "missing tensor 'model.layers.1.mlp.up_proj.weight'"),

@@ -56,11 +56,13 @@ def _contained(decode: Decode) -> Decode:
 
 
 def _configured_eos(model_dir: Path) -> list[int]:
-    """The end-of-sequence ids generation_config.json (else config.json) names, [] when neither does."""
+    """The end-of-sequence ids generation_config.json (else config.json) names, [] when neither does. Only
+    whole numbers count: `1.5` raised when the model loaded, and `[[1]]` failed every sample later."""
     for name in ("generation_config.json", "config.json"):
         value = _json(model_dir / name).get("eos_token_id")
         if value is not None:
-            return [value] if isinstance(value, int) else list(value)
+            values = value if isinstance(value, list) else [value]
+            return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
     return []
 
 

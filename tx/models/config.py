@@ -53,8 +53,17 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_scaling.rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
-        if self.factor <= 0:
-            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        numbers = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
+                   "beta_slow")  # fmt: skip
+        for name in numbers:  # NaN passed `<= 0`, and a zero divided at the first forward: NaN or a crash later
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"rope_scaling.{name} must be a finite number > 0, got {value}")
+        if self.rope_type == "llama3" and not self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"rope_scaling.low_freq_factor ({self.low_freq_factor}) must be below high_freq_factor "
+                f"({self.high_freq_factor})"
+            )
 
     @property
     def attention_factor(self) -> float:
@@ -179,7 +188,7 @@ class ModelConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         self._check_layer_types()
-        if self.rotary_dim < 2 or self.rotary_dim % 2:
+        if self.rotary_dim < 2 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} gives rotary dim {self.rotary_dim}")
         if (self.moe is not None) != (self.family in MOE_FAMILIES):
             raise ValueError(f"a moe section goes with the {MOE_FAMILIES} families only, not {self.family!r}")
