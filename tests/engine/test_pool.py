@@ -374,3 +374,17 @@ def test_the_estimate_counts_the_adapter_bank_a_thin_model_makes_large(tmp_path:
     assert estimate_bytes(tmp_path, "float32", 8) - estimate_bytes(tmp_path, "float32", 2) == bank_bytes(
         cfg, 8
     ) - bank_bytes(cfg, 2)
+
+
+def test_a_config_claiming_more_than_its_files_hold_is_refused_before_anything_is_built(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The budget sizes a model from its files; a local or hub directory whose config claims far more (an
+    intermediate size of 4M over 0.4 MB of weights) was built at the config's shapes (the machine-tuning
+    probes, then each stacked array as its first tensor arrived) before a shape mismatch stopped it. The
+    headers are checked against the config first."""
+    import json
+
+    claims = shutil.copytree(dirs["qwen"], tmp_path / "claims")
+    config = json.loads((claims / "config.json").read_text())
+    (claims / "config.json").write_text(json.dumps({**config, "intermediate_size": 1 << 22}))
+    (refused,) = _drain(_pool(tmp_path, 10**12), [_sample(claims)]).values()  # its bank passes no budget but this
+    assert isinstance(refused, RequestError) and "config.json describes" in refused.message, refused

@@ -26,7 +26,7 @@ from tx.lora.params import LoRAParam
 from tx.lora.select import rank_bucket
 from tx.models.catalog import DTYPE_BYTES, describe_model, has_weights, locate_model, weight_bytes
 from tx.models.causal_lm import decode_layout
-from tx.models.checkpoint_check import expected_weights
+from tx.models.checkpoint_check import check_checkpoint, expected_weights
 from tx.models.config import HYBRID_FAMILIES, ModelConfig, load_hf_config
 from tx.models.sharding import make_mesh
 from tx.models.weights import abstract_for, load_model
@@ -89,6 +89,9 @@ def build_runner(
     install_counter()
     enable_persistent_cache(Path(config.data_dir) / "compile-cache")
     model_dir = model_dir or locate_model(config.base_model)
+    # Headers against the config before anything is sized by it: a small repo whose config claims a huge
+    # model passed the budget (sized from the files) and then allocated at the config's shapes.
+    check_checkpoint(model_dir)
     dtype = resolve_dtype(config.dtype, for_backend())
     store = Path(config.data_dir) / "tuning.json"
     tuning = machine_tuning(load_hf_config(model_dir, dtype), config.sampler.max_rows, store)
