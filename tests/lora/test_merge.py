@@ -91,6 +91,29 @@ def test_dtype_cast_and_side_files(tmp_path):
     assert load_base(out).lm_head.weight.dtype == torch.float32  # loads; upcast because load_base asks for fp32
 
 
+def test_a_cast_merge_keeps_the_index_metadata_and_writes_every_dtype_field(tmp_path):
+    """A sharded base's index metadata keeps the keys it had, with both totals recounted after the cast; the
+    config's every dtype field (`torch_dtype` of older configs, a nested text_config's) names the new dtype:
+    transformers reads whichever it finds first."""
+    base = build_base(tmp_path / "base", "llama-untied", max_shard_size="100KB")
+    index_path = base / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["metadata"] = {**index.get("metadata", {}), "total_parameters": 1, "format": "pt"}
+    index_path.write_text(json.dumps(index))
+    _, adapter, weights = adapter_for(base, tmp_path, target_modules=["q_proj"])
+    config = json.loads((base / "config.json").read_text())  # as a multimodal config would write it
+    config.pop("dtype", None)
+    (base / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32", "text_config": {"dtype": "x"}}))
+    merge_to_hf(base, tmp_path / "merged", adapter, weights, dtype="bfloat16")
+    out = tmp_path / "merged"
+    merged = tensors(out)
+    metadata = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]
+    assert metadata["format"] == "pt" and metadata["total_size"] == sum(t.nbytes for t in merged.values())
+    assert metadata["total_parameters"] == sum(t.size for t in merged.values())
+    written = json.loads((out / "config.json").read_text())
+    assert (written["dtype"], written["torch_dtype"], written["text_config"]["dtype"]) == ("bfloat16",) * 3
+
+
 def test_unknown_module_fails_before_writing(tmp_path):
     base = build_base(tmp_path / "base", "llama-untied")
     _, config, weights = adapter_for(base, tmp_path, target_modules=["q_proj"])
