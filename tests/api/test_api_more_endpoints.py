@@ -103,6 +103,42 @@ def test_a_copy_into_a_trained_runs_slot_is_refused_after_a_restart(
         server.db.records._update(TrainingRunRow, run.id, status=run.status)
 
 
+def test_copies_run_two_at_a_time_on_threads_of_their_own(
+    source: str, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy is a whole checkpoint directory (GBs). It ran on the threads every sync route shares (forty):
+    a tenant's forty copies at once held heartbeats and saves back until sessions expired. Copies now run on
+    two threads of their own, and wait there for one another."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tx.api import routes_copy
+
+    running, seen, lock = [0], [], threading.Lock()
+    copy_tree = routes_copy._copy_tree
+
+    def slow_copy(*args: object) -> None:
+        with lock:
+            running[0] += 1
+            seen.append((threading.current_thread().name, running[0]))
+        time.sleep(0.1)
+        with lock:
+            running[0] -= 1
+        copy_tree(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(routes_copy, "_copy_tree", slow_copy)
+    body = {"source_path": source, "destination_project_id": "p"}
+
+    def copy(_: int) -> int:
+        return http.post("/copy_weights", json=body, headers={"X-Idempotency-Key": str(uuid.uuid4())}).status_code
+
+    with ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(copy, range(6))) == [200] * 6
+    assert len(seen) == 6 and all(name.startswith("tx-copy") for name, _ in seen), seen
+    assert max(count for _, count in seen) <= 2
+
+
 def test_copy_errors(source: str, http: httpx.Client, other: httpx.Client, rest: tinker.RestClient) -> None:
     project = {"destination_project_id": "p"}
     assert other.post("/copy_weights", json={"source_path": source, **project}).status_code == 404

@@ -136,6 +136,7 @@ def create_app(
         yield
         task.cancel()
         ctx.heavy_pool.shutdown(wait=False)
+        ctx.copy_pool.shutdown(wait=False)
 
     app = FastAPI(title="SmolGym", description="Tinker-compatible training and sampling server", lifespan=lifespan)
     app.state.ctx = ctx

@@ -64,6 +64,9 @@ class AppContext:
     heavy_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="tx-submit")
     )
+    # Checkpoint copies (whole directories, GBs each) on two threads of their own: on the threads every sync
+    # route shares, a tenant's forty copies at once held heartbeats back until sessions expired.
+    copy_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="tx-copy"))
 
     async def run_heavy(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.heavy_pool, fn, *args)

@@ -13,6 +13,8 @@ a request whose destination already holds the same checkpoint returns that copy 
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -67,12 +69,22 @@ def parse_body(model: type[BaseModel], body: Any) -> Any:
 
 
 @router.post("/copy_weights")
-def copy_weights(
+async def copy_weights(
     ctx: Ctx,
     owner: Owner,
     body: Annotated[Any, Body()] = None,
     x_idempotency_key: Annotated[str | None, Header()] = None,
     x_tinker_weights_access_token: Annotated[str | None, Header()] = None,
+) -> dict[str, Any]:
+    """Runs on the copy threads (`AppContext.copy_pool`): copies wait there for one another, never holding a
+    thread that other routes need."""
+    loop = asyncio.get_running_loop()
+    run = functools.partial(_copy_weights, ctx, owner, body, x_idempotency_key, x_tinker_weights_access_token)
+    return await loop.run_in_executor(ctx.copy_pool, run)
+
+
+def _copy_weights(
+    ctx: AppContext, owner: str, body: Any, x_idempotency_key: str | None, x_tinker_weights_access_token: str | None
 ) -> dict[str, Any]:
     request: CopyWeightsRequest = parse_body(CopyWeightsRequest, body)
     if request.weights_access_token or x_tinker_weights_access_token:
