@@ -348,6 +348,8 @@ class JaxRunner:
         run.grads = {p: jnp.zeros_like(g) for p, g in run.grads.items()}
         if with_optimizer:
             run.opt_state, run.step = opt_state, step
+        else:  # "weights only, optimizer resets": the moments of the steps trained since were kept
+            self.trainer.reset_optimizer(run)
 
     def _run(self, run_id: str):  # noqa: ANN202
         if run_id not in self.trainer.runs:

@@ -178,6 +178,14 @@ class Trainer:
         )
         return run
 
+    def reset_optimizer(self, run: Run) -> None:
+        """A fresh AdamW state for `run` (a weights-only `load_state`), placed as a new run's is."""
+        params = self.run_params(run)
+        full = run.lora is None
+        state = ts.fresh_state(params, jnp.float32 if full else None)
+        _, run.opt_state = self._placed_like(state, params if full else {})
+        run.step = 0
+
     def _placed_like(self, state: Any, params: Flat) -> Any:
         """A new run's (grads, optimizer state) placed as `adam_step` will return them: each per-weight leaf
         like its weight in `params`, everything else (LoRA runs, counters) replicated over the mesh.
