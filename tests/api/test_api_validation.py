@@ -143,14 +143,16 @@ def test_sample_counts_are_checked_before_any_per_sample_work(http: httpx.Client
 
 def test_unset_max_tokens_fills_what_the_prompt_leaves(server: Server, http: httpx.Client, ids: dict[str, str]) -> None:
     """Without max_tokens a sample runs to the default (512) or to the model's length, whichever comes first:
-    a 125-token prompt on a 128-token model may add 4 (the last takes no position), not fail for 125 + 512."""
+    a 125-token prompt on a 128-token model may add 3 (the whole sequence then fits a prompt again), not fail
+    for 125 + 512; an explicit 4 is allowed (the last token drawn takes no position), 5 is not."""
     prompt = {"chunks": [{"type": "encoded_text", "tokens": [1] * 125}]}
     for seq_id, params in ((94, {}), (95, {"max_tokens": None})):
         reply = _sample(http, ids, seq_id=seq_id, prompt=prompt, sampling_params=params)
         assert reply.status_code == 200, reply.text
         http.post("/retrieve_future", json={"request_id": reply.json()["request_id"]})  # long-polls until run
         item = next(i for i in server.runner.seen if i.model_id == ids["sampler"] and i.seq_id == seq_id)
-        assert isinstance(item.payload, SampleRequest) and item.payload.params.max_tokens == 4
+        assert isinstance(item.payload, SampleRequest) and item.payload.params.max_tokens == 3
+    assert _sample(http, ids, seq_id=97, prompt=prompt, sampling_params={"max_tokens": 4}).status_code == 200
     _assert_400(_sample(http, ids, seq_id=96, prompt=prompt, sampling_params={"max_tokens": 5}), "= 130 exceeds")
 
 

@@ -128,7 +128,9 @@ def asample(body: schemas.SampleRequest, ctx: Ctx, owner: Owner) -> dict[str, An
         not_found(f"unknown sampling_session_id {body.sampling_session_id!r}")
     served, settings = ctx.models.get(owner, sampler.base_model), ctx.settings
     prompt = model_input_tokens(body.prompt, "prompt", served.limits.max_seq_len)
-    room = max(served.info.max_seq_len - len(prompt) + 1, 1)  # an unset max_tokens fills what the prompt leaves
+    # An unset max_tokens fills what the prompt leaves, short of the last position: the whole sequence then
+    # fits a prompt again (compute_logprobs of a rollout, a next turn), which may hold max_seq_len tokens.
+    room = max(served.info.max_seq_len - len(prompt), 1)
     request = SampleRequest(
         prompt=prompt,
         num_samples=body.num_samples,
