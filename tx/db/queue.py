@@ -94,7 +94,9 @@ class SqlQueue:
         self.write_lock = write_lock
         self.rescan_s = rescan_s
         self._last_scan = float("-inf")
-        self._at_share = False  # the last claim left an owner's request for being at its share
+        # what the last claim left for want of room: owners at their share, and whether the bytes cut it short
+        self._left_owners: set[str] = set()
+        self._left_for_bytes = False
         self._uncertain: list[int | None] = []  # ids of the claim whose commit raised
         self._postgres = not is_sqlite(engine)
         self._group = GroupCommit(engine, write_lock, lambda session: self._pg_notify(session, WORK_CHANNEL, ""))
@@ -186,8 +188,7 @@ class SqlQueue:
         self._last_scan = time.monotonic()
         with self.write_lock.held(), Session(self.engine, expire_on_commit=False) as session:
             turns = session.execute(_turns(limit)).all()
-            chosen = _within(turns, per_owner, max_bytes)
-            self._at_share = len(chosen) < len(turns)  # a request left for room may be claimed once one finishes
+            chosen, self._left_owners, self._left_for_bytes = _within(turns, per_owner, max_bytes)
             query = select(FutureRow).where(col(FutureRow.id).in_(chosen), FutureRow.status == "pending")
             query = query.order_by(col(FutureRow.id))
             if self._postgres:
@@ -269,23 +270,25 @@ class SqlQueue:
         sampler still held it must not turn done later, nor flip the rows it made)."""
         blobs = [None if isinstance(out, RequestError) else codec.encode(out) for _, out in outcomes]
         try:
-            found = self._record_outcomes(outcomes, blobs)
+            found, owners = self._record_outcomes(outcomes, blobs)
         except OperationalError as exc:  # the database refuses writes now, not this result
             raise QueueUnavailable(str(exc.orig)) from exc
         for future_id, _, _ in found:
             self.notifier.result_ready(future_id)
-        if found and self._at_share:
-            self.notifier.work_submitted()  # look again: the owner left behind may have room now
+        if found and (self._left_for_bytes or owners & self._left_owners):
+            self.notifier.work_submitted()  # look again: what the last claim left has room now
 
     def _record_outcomes(
         self, outcomes: Sequence[tuple[str, Result | RequestError]], blobs: list[bytes | None]
-    ) -> list[tuple[str, Result | RequestError, bytes | None]]:
+    ) -> tuple[list[tuple[str, Result | RequestError, bytes | None]], set[str]]:
+        """The outcomes recorded (a future already finished keeps its first), and their owners."""
         with self.write_lock.held(), Session(self.engine) as session:
             ids = [int(future_id) for future_id, _ in outcomes]
             query = select(FutureRow).where(col(FutureRow.id).in_(ids)).options(defer(FutureRow.payload))  # type: ignore[arg-type]
             rows = {row.id: row for row in session.exec(query)}  # their payloads are dropped, never read
             open_ = {row_id for row_id, row in rows.items() if row.status not in FINISHED}
             found = [(f, out, blob) for (f, out), blob in zip(outcomes, blobs, strict=True) if int(f) in open_]
+            owners = {rows[int(f)].owner for f, _, _ in found}
             linking = [(f, out) for f, out, _ in found if rows[int(f)].kind not in UNLINKED_KINDS]
             # Linked rows first: an unload finished after its run's creation leaves the run unloaded.
             self._mark_linked(session, [f for f, out in linking if not isinstance(out, RequestError)], "ready")
@@ -302,7 +305,7 @@ class SqlQueue:
             if metrics:
                 session.execute(METRICS.insert(), metrics)
             session.commit()
-        return found
+        return found, owners
 
     def _complete_row(self, session: Session, row: FutureRow, result: Result, blob: bytes | None) -> None:
         future_id = str(row.id)
@@ -424,18 +427,22 @@ def _put_back_orphans(session: Session) -> None:
         )
 
 
-def _within(turns: Sequence[Any], per_owner: int | None, max_bytes: int | None) -> list[int]:
-    """The ids of (id, turn, bytes) rows, in turn order, within the owner share and the bytes."""
+def _within(turns: Sequence[Any], per_owner: int | None, max_bytes: int | None) -> tuple[list[int], set[str], bool]:
+    """Of (id, turn, bytes, owner) rows in turn order: the ids within the owner share and the bytes, the owners
+    left at their share, and whether the bytes cut the claim short. A finish of one of those owners' requests
+    (or any, after a cut) is worth another look; others are not (each look ranks every queued request)."""
     ids: list[int] = []
+    left: set[str] = set()
     total = 0
-    for row_id, turn, nbytes in turns:
+    for row_id, turn, nbytes, owner in turns:
         if per_owner is not None and turn > per_owner:
+            left.add(owner)
             continue
         if max_bytes is not None and ids and total + (nbytes or 0) > max_bytes:
-            break
+            return ids, left, True
         ids.append(row_id)
         total += nbytes or 0
-    return ids
+    return ids, left, False
 
 
 def _turns(limit: int) -> Any:
@@ -452,4 +459,4 @@ def _turns(limit: int) -> Any:
     size = func.length(FutureRow.payload)  # of those rows alone: the stored header says, the blob is not read
     by_turn = (chosen.c.turn, chosen.c.id)
     joined = col(FutureRow.id) == chosen.c.id
-    return select(chosen.c.id, chosen.c.turn, size).join(FutureRow, joined).order_by(*by_turn)
+    return select(chosen.c.id, chosen.c.turn, size, FutureRow.owner).join(FutureRow, joined).order_by(*by_turn)
