@@ -83,6 +83,28 @@ def test_a_checkpoint_replaced_or_deleted_mid_download_streams_whole_as_it_was(t
         directory = _checkpoint(tmp_path / "ckpt")
 
 
+def test_a_file_that_cannot_be_opened_fails_the_archive_instead_of_leaving_it_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every error opening a member read as "gone": out of file handles, the client got a 200 and a well-formed
+    archive missing files. Only a file gone or swapped for a link is left out; anything else raises."""
+    import errno
+    import os
+
+    directory = _checkpoint(tmp_path / "ckpt")
+    real_open = os.open
+
+    def no_handles(path, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if str(path).endswith(".bin"):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_handles)
+    with pytest.raises(OSError) as raised:
+        _tar_members(directory)
+    assert raised.value.errno == errno.EMFILE
+
+
 def test_one_download_link_per_checkpoint_however_often_asked(tmp_path: Path) -> None:
     uploads = UploadStore(tmp_path / "u", 0)
     ctx = AppContext(Settings(data_dir=tmp_path, archive_url_ttl_s=3600), None, MODEL, limits_for(MODEL), uploads)  # type: ignore[arg-type]
@@ -106,7 +128,8 @@ def test_a_link_works_on_every_api_process_and_after_a_restart_and_not_once_chan
     assert other.resolve(token) == one.resolve(token) == (tmp_path / "checkpoints" / "r").resolve()
     name, until, signature = token.split(".")
     forged = DownloadLinks(tmp_path / "elsewhere", 3600).issue(tmp_path / "elsewhere" / "r")[0]
-    for bad in (f"{name}.{int(until) + 1}.{signature}", f"Li4.{until}.{signature}", forged, "x", "a.b.c", ""):
+    malformed = ("a.\u00b2.b", f"{name}.{until}.{signature[:-1]}\u00e9", "x", "a.b.c", "")  # a 500 each before
+    for bad in (f"{name}.{int(until) + 1}.{signature}", f"Li4.{until}.{signature}", forged, *malformed):
         assert other.resolve(bad) is None, bad
     past = int(time.time()) - 1
     assert other.resolve(f"{name}.{past}.{one._sign(name, past)}") is None  # signed, but expired

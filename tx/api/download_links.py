@@ -42,8 +42,8 @@ class DownloadLinks:
         """The directory a link names; None for a link this server did not issue, a changed one, or an
         expired one. The directory is checked to lie in the data directory once more."""
         parts = token.split(".")
-        if len(parts) != 3 or not parts[1].isdigit() or len(parts[1]) > 12:
-            return None
+        if not token.isascii() or len(parts) != 3 or not parts[1].isdigit() or len(parts[1]) > 12:
+            return None  # "²" is a digit to isdigit, and compare_digest raises on other non-ASCII text
         name, expires, signature = parts[0], int(parts[1]), parts[2]
         if not hmac.compare_digest(signature, self._sign(name, expires)) or expires < time.time():
             return None
@@ -77,9 +77,22 @@ def _shared_key(path: Path) -> bytes:
             os.link(tmp, path)
         except FileExistsError:
             pass  # another process made it first: use theirs
+        except OSError:  # a filesystem without hard links: the first to create the name writes it
+            _write_once(path, tmp.read_bytes())
         finally:
             tmp.unlink()
-    key = path.read_bytes()
-    if len(key) != 32:
-        raise RuntimeError(f"{path} is not a download key (32 bytes); remove it and restart")
-    return key
+    for _ in range(100):  # a key another process is still writing (no hard links) reads short for a moment
+        key = path.read_bytes()
+        if len(key) == 32:
+            return key
+        time.sleep(0.01)
+    raise RuntimeError(f"{path} is not a download key (32 bytes); remove it and restart")
+
+
+def _write_once(path: Path, key: bytes) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "wb") as file:
+        file.write(key)

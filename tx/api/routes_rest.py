@@ -8,6 +8,7 @@ archive endpoint (SDK <= 0.33 download) redirects to a one-off, unauthenticated 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ from pathlib import Path
 from stat import S_ISDIR, S_ISREG
 from typing import Any, BinaryIO
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, RedirectResponse, Response, StreamingResponse
 
@@ -231,8 +232,11 @@ async def download_archive(token: str, ctx: Ctx) -> Response:
         not_found("unknown or expired download link")
     try:
         members = await run_in_threadpool(_tar_members, directory)
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         not_found("the checkpoint files are gone")
+    except OSError as err:  # out of file handles, say: a download missing files would be worse
+        detail = f"the checkpoint's files cannot be opened now ({err.strerror}); retry"
+        raise HTTPException(503, detail=detail) from None
     headers = {
         "Content-Disposition": f'attachment; filename="{directory.name}.tar"',
         "Content-Length": str(sum(len(header) + _padded(info.size) for _, info, header in members) + TAR_END),
@@ -273,8 +277,10 @@ def _member(relative: Path, name: str, folder_fd: int) -> tuple[BinaryIO | None,
         if S_ISREG(stat.st_mode):
             file = os.fdopen(os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder_fd), "rb")
             stat = os.fstat(file.fileno())
-    except OSError:  # gone meanwhile, or swapped for a link
-        return None
+    except OSError as err:  # gone meanwhile, or swapped for a link; anything else fails the download
+        if err.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+            return None
+        raise
     if file is None and not S_ISDIR(stat.st_mode):
         return None
     info = tarfile.TarInfo(relative.as_posix().removeprefix("./"))
