@@ -126,6 +126,19 @@ def test_a_request_whose_one_row_passes_the_limit_with_the_sampler_idle_fails_na
         run(qwen.sampler, {"short": (make_req(PROMPTS[0], 20, temperature=1.0, seed=5), 0)})[0]["short"]
     )
     budget = CacheBudget(_linear, (1, 2), limit_bytes=10 * 64)
-    budget.check_alone(64, held_bytes=0)  # exactly at the limit: runs
+    budget.check_alone(64)  # exactly at the limit: runs
     with pytest.raises(RequestError):
-        budget.check_alone(65, held_bytes=10**9)  # a fixed limit: what the cache holds does not count
+        budget.check_alone(65)
+
+
+def test_without_a_flag_a_request_is_refused_only_past_what_an_idle_machine_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Free memory shrinks while other models load; a request refused for that failed for good (the SDK does
+    not retry a user error). Without a flag the bound is 45% of all the memory, not of the free memory."""
+    budget = CacheBudget(_linear, (1, 2), limit_bytes=None)
+    monkeypatch.setattr(cache_budget, "free_bytes", lambda devices: 0)  # the machine busy now
+    monkeypatch.setattr(cache_budget, "total_bytes", lambda devices: 1000 / cache_budget.SHARE_OF_FREE)
+    budget.check_alone(100)  # 1000 bytes: what an idle machine gives
+    with pytest.raises(RequestError):
+        budget.check_alone(101)

@@ -6,10 +6,10 @@ and an RL step that queues 64 samples of 2000 tokens asks for exactly that. The 
 server for everyone. So rows are admitted only while the cache they need at the longest final length of
 the rows (prompt + max_tokens, bucketed) fits a limit: `--decode-cache-gb`, or by default 45% of the memory
 free at that moment plus what the cache already holds (a resize holds the old and the new cache at once).
-Rows that do not fit wait for others to finish; one row always runs, unless it could not fit even with the
-sampler idle (`check_alone`: a model with a huge head dimension has a 17 GB cache row at 1024 positions):
-that request fails, naming the sizes. An engine over several processes admits by the flag alone: its
-processes must decide alike, and each sees its own free memory.
+Rows that do not fit wait for others to finish; one row always runs, unless it could not fit even on an idle
+machine (`check_alone`: the flag, or 45% of all the memory; a model with a huge head dimension has a 17 GB
+cache row at 1024 positions): that request fails, naming the sizes. An engine over several processes admits
+by the flag alone: its processes must decide alike, and each sees its own free memory.
 """
 
 from __future__ import annotations
@@ -46,6 +46,14 @@ def free_bytes(devices: set[jax.Device]) -> int:
     return sum(int(s["bytes_limit"]) - int(s.get("bytes_in_use", 0)) for s in stats if s)
 
 
+def total_bytes(devices: set[jax.Device]) -> int:
+    """All the memory of `devices`: their allocators' limits, or the host's when one reports none (CPU)."""
+    stats = [device.memory_stats() for device in devices]
+    if not stats or any(not s or "bytes_limit" not in s for s in stats):
+        return int(psutil.virtual_memory().total)
+    return sum(int(s["bytes_limit"]) for s in stats if s)
+
+
 class CacheBudget:
     """`cache_bytes(rows, length)`: the bytes of a decode cache of that shape; `row_buckets`: the row counts
     the sampler compiles for; `limit_bytes`: a fixed limit, or None to follow the free memory."""
@@ -67,13 +75,16 @@ class CacheBudget:
         fitting = [rows for rows in self.row_buckets if self.cache_bytes(rows, length) <= limit]
         return max(fitting, default=self.row_buckets[0])
 
-    def check_alone(self, length: int, held_bytes: int) -> None:
-        """Refuse (a user error) a request whose smallest cache of `length` positions passes the limit with
-        the sampler's own cache (`held_bytes`) given back: it could never run without taking the machine."""
-        limit = self.limit()
-        if limit is None:
+    def check_alone(self, length: int) -> None:
+        """Refuse (a user error) a request whose smallest cache of `length` positions passes the limit even
+        on an idle machine (the flag, or 45% of all the memory: free memory shrinks while other models load,
+        and the SDK does not retry a user error): it could never run without taking the machine."""
+        if self.limit_bytes is not None:
+            limit = self.limit_bytes
+        elif jax.process_count() > 1:
             return
-        limit += 0 if self.limit_bytes is not None else int(SHARE_OF_FREE * held_bytes)
+        else:
+            limit = int(SHARE_OF_FREE * total_bytes(set(jax.local_devices())))
         needed = self.cache_bytes(self.row_buckets[0], length)
         if needed > limit:
             raise RequestError(

@@ -229,7 +229,7 @@ class Sampler:
         if not 0 <= slot < slots:
             raise RequestError(f"adapter slot {slot} does not exist (the model has {slots})", "server")
         length = bucket_size(len(req.prompt) + req.params.max_tokens - 1, self.cfg.length_buckets)
-        self.budget.check_alone(length, self._held_bytes())
+        self.budget.check_alone(length)
 
     def _admit(self) -> list[Row]:
         """Take waiting requests into new rows (host bookkeeping only: `_fit_cache` places them)."""
