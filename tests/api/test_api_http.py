@@ -151,22 +151,29 @@ def test_checkpoint_archive_download(http: httpx.Client, model_id: str, server: 
     assert gone.status_code == 404 and "files are gone" in gone.json()["detail"], gone.text
 
 
-def test_the_reaper_drops_results_past_their_retention(http: httpx.Client, server: Server, model_id: str) -> None:
+def test_the_reaper_drops_results_past_their_retention(
+    http: httpx.Client, server: Server, model_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A day after a request finished its stored result goes (the database kept every result for good); a
     poll then reads a failure saying so, through the SDK's own error path."""
     from sqlalchemy import update
 
+    from tx.api import app
     from tx.db.queue import RESULT_RETENTION_S
     from tx.db.tables import FutureRow
 
-    request_id = http.post("/save_weights", json={"model_id": model_id, "path": "kept-a-day"}).json()["request_id"]
-    wait(http, request_id)
+    ids = [http.post("/save_weights", json={"model_id": model_id, "path": f"kept-a-day-{i}"}).json()["request_id"]
+           for i in range(3)]  # fmt: skip
+    for request_id in ids:
+        wait(http, request_id)
     with server.db.queue.write_lock.held(), server.db.engine.begin() as conn:
         long_ago = time.time() - RESULT_RETENTION_S - 60
-        conn.execute(update(FutureRow).where(FutureRow.id == int(request_id)).values(completed_at=long_ago))
+        conn.execute(update(FutureRow).where(FutureRow.id.in_([int(i) for i in ids])).values(completed_at=long_ago))
+    monkeypatch.setattr(app, "DROP_BATCH", 1)  # a busy server: more old results than one batch, all dropped
     reap_sessions(SimpleNamespace(db=server.db))  # type: ignore[arg-type]
-    reply = http.post("/retrieve_future", json={"request_id": request_id}).json()
-    assert reply["category"] == "user" and "is gone" in reply["error"], reply
+    for request_id in ids:
+        reply = http.post("/retrieve_future", json={"request_id": request_id}).json()
+        assert reply["category"] == "user" and "is gone" in reply["error"], reply
 
 
 def test_expired_session_unloads_runs_and_heartbeat_410(http: httpx.Client, server: Server) -> None:

@@ -55,6 +55,7 @@ log = logging.getLogger("tx.db")
 
 FINISHED = ("done", "failed")
 RESULT_RETENTION_S = 86400.0  # a result is kept this long after its request finished (the SDK asks at once)
+DROP_BATCH = 1000  # results forgotten per statement (`drop_old_results`)
 RUNNING_AT_RESTART = "the server stopped while this request was running, so its effect is unknown; it was not run again"
 
 
@@ -209,7 +210,7 @@ class SqlQueue:
             self.notifier.work_submitted()
         return self._decode_items(rows)
 
-    def drop_old_results(self, older_than_s: float = RESULT_RETENTION_S, batch: int = 1000) -> int:
+    def drop_old_results(self, older_than_s: float = RESULT_RETENTION_S, batch: int = DROP_BATCH) -> int:
         """Forget the results of up to `batch` requests finished more than `older_than_s` ago: a poll of one
         reads a failure saying so. Kept for good, every sample's tokens and every forward's outputs filled the
         database. The rows stay (their ids are never reused). Returns how many went."""
