@@ -85,9 +85,13 @@ def test_a_run_made_without_a_session_is_unloaded_once_idle_for_the_open_timeout
                       _run(used, 1), _run(young, 0, last_request_at=utcnow() - day)])  # fmt: skip
     for session_id in (idle, used):
         records._update(SessionRow, session_id, created_at=utcnow() - day)
+    forwarded = records.create_session(ME, [], {}, None, status="open")  # used by forwards alone
+    records.add_rows([_run(forwarded, 0, last_request_at=utcnow() - day)])
+    records._update(SessionRow, forwarded, created_at=utcnow() - day)
+    db.queue.submit(kind="forward", payload=UnloadModelRequest(), owner=ME, model_id=f"{forwarded}:train:0")
     assert [run.id for run in records.expire_sessions()] == [f"{idle}:train:0"]
     statuses = {row.id: row.status for row in records.owner_sessions(ME)}
-    assert statuses == {idle: "expired", used: "open", young: "open"}
+    assert statuses == {idle: "expired", used: "open", young: "open", forwarded: "open"}
 
 
 def test_expiry_unloads_only_the_silent_sessions_ready_runs(db: Database) -> None:

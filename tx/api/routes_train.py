@@ -75,8 +75,9 @@ def check_live_session(ctx: AppContext, session_id: str, owner: str) -> None:
 
 
 def _open_session(ctx: AppContext, owner: str) -> str:
-    """A session for a run created without one (SDK 0.1-0.2, before sessions): `open`, it needs no heartbeats,
-    so the run stays until unload_model. Made only once the request passed every check, the run limit too."""
+    """A session for a run created without one (SDK 0.1-0.2, before sessions): `open`, it needs no heartbeats;
+    its runs stay until unload_model, or until none was sent work for `--open-session-timeout`. Made only once
+    the request passed every check, the run limit too."""
     check_run_limit(ctx, "", owner)
     return ctx.db.records.create_session(owner, ["sessionless"], {}, None, status="open")
 

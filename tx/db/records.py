@@ -132,7 +132,12 @@ class Records:
         session, no heartbeats) none of whose runs finished a request within the open timeout; returns their
         still-loaded runs."""
         cutoff, idle = utcnow() - self.session_timeout, utcnow() - self.open_session_timeout
-        busy = select(TrainingRunRow.session_id).where(col(TrainingRunRow.last_request_at) >= idle)
+        # a run is in use while it has work queued or running, or was sent any within the timeout (forwards
+        # and samples finish without touching `last_request_at`)
+        live = col(FutureRow.status).in_(("pending", "running"))
+        used = select(FutureRow.model_id).where(or_(live, col(FutureRow.created_at) >= idle.timestamp()))
+        recent = or_(col(TrainingRunRow.last_request_at) >= idle, col(TrainingRunRow.id).in_(used))
+        busy = select(TrainingRunRow.session_id).where(recent)
         silent = and_(col(SessionRow.status) == "active", col(SessionRow.last_heartbeat_at) < cutoff)
         unused = and_(col(SessionRow.created_at) < idle, col(SessionRow.id).not_in(busy))
         idle_open = and_(col(SessionRow.status) == "open", unused)
