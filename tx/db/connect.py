@@ -8,16 +8,19 @@ a no-op and the database does the concurrency control.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import event, text
+from sqlalchemy import Index, event, text
 from sqlalchemy.engine import Connection, Engine, create_engine
 from sqlmodel import SQLModel
 
 from tx.db import tables  # noqa: F401  (registers the tables on SQLModel.metadata)
+
+log = logging.getLogger("tx.db")
 
 # Held while the tables are created: two processes creating them at once both see them missing, and the
 # second's CREATE TABLE fails on Postgres's catalog (a unique violation on pg_type).
@@ -60,12 +63,32 @@ def open_engine(url: str) -> Engine:
         if engine.dialect.name == "postgresql":  # API and engine processes starting together on a new schema
             conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
         SQLModel.metadata.create_all(conn)
-        for table in SQLModel.metadata.sorted_tables:  # a database made before an index was added gets it
-            for index in table.indexes:
+        if engine.dialect.name != "postgresql":
+            for index in _indexes():  # a database made before an index was added gets it
                 index.create(conn, checkfirst=True)
         _allow_nan_metrics(engine, conn)
         _widen_integers(engine, conn)
+    if engine.dialect.name == "postgresql":
+        _add_indexes_concurrently(engine)
     return engine
+
+
+def _indexes() -> list[Index]:
+    return [index for table in SQLModel.metadata.sorted_tables for index in table.indexes]
+
+
+def _add_indexes_concurrently(engine: Engine) -> None:
+    """Postgres databases made before an index was added: built beside live servers (a plain CREATE INDEX
+    blocks every write to a large `futures` table while it builds), outside any transaction."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        for index in _indexes():
+            columns = ", ".join(column.name for column in index.columns)
+            try:
+                conn.exec_driver_sql(
+                    f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {index.name} ON {index.table.name} ({columns})"  # type: ignore[union-attr]
+                )
+            except Exception:  # another process building it at the same moment, say: it is there or will be
+                log.warning("could not add index %s; it is only an optimisation", index.name, exc_info=True)
 
 
 def _widen_integers(engine: Engine, conn: Connection) -> None:
