@@ -146,19 +146,25 @@ class SqlQueue:
 
     async def wait_finished(self, future_id: str, timeout_s: float, owner: str | None = None) -> FutureRow | None:
         """The future's row once finished, or as it is after `timeout_s`; None if unknown or (when `owner` is
-        given) another owner's, at once: nobody waits on a future that is not theirs."""
+        given) another owner's, at once: nobody waits on a future that is not theirs. A wake that finds it
+        still unfinished (a notification for another schema's future of that id) waits on: returned early,
+        it cost the client another round trip."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         waiter = self.notifier.add_waiter(future_id)
         try:
             row = await asyncio.to_thread(self.get, future_id)
             if row is None or (owner is not None and row.owner != owner):
                 return None
-            if row.status in FINISHED:
-                return row
-            try:
-                await asyncio.wait_for(waiter, timeout_s)
-            except TimeoutError:
-                pass
-            return await asyncio.to_thread(self.get, future_id)
+            while row is not None and row.status not in FINISHED and (left := deadline - loop.time()) > 0:
+                try:
+                    await asyncio.wait_for(waiter, left)
+                except TimeoutError:
+                    pass
+                self.notifier.remove_waiter(future_id, waiter)
+                waiter = self.notifier.add_waiter(future_id)  # before the read: no wake is missed
+                row = await asyncio.to_thread(self.get, future_id)
+            return row
         finally:
             self.notifier.remove_waiter(future_id, waiter)
 
