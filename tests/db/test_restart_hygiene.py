@@ -135,3 +135,40 @@ def test_a_full_weight_save_that_fails_leaves_nothing(tmp_path: Path, monkeypatc
     else:
         raise AssertionError("the full disk went unnoticed")
     assert [p.name for p in dest.parent.iterdir()] == ["s"] and (dest / "model.safetensors").read_text() == "old"
+
+
+def test_a_save_killed_after_its_files_were_in_place_is_done_after_the_restart(tmp_path: Path) -> None:
+    """A save over a taken name, killed after renaming its new files into place but before the engine recorded
+    it: the restart failed it and put the replaced checkpoint's row back, over the new files (a load of that
+    path read weights its row said were never saved). The engine marks a save's files in place; the restart
+    finishes such a save as done and drops the old row. A save killed before that still fails, its old row
+    back."""
+    from tx.api.__main__ import recover
+    from tx.db.tables import CheckpointRow
+    from tx.engine.checkpoints import mark_saved
+    from tx.protocol import SaveStateRequest
+
+    db = open_database(None, tmp_path)
+    weights = tmp_path / "checkpoints" / "s1_train_0" / "weights"
+    futures = {}
+    for name in ("landed", "killed"):
+        path = f"tinker://s1:train:0/weights/{name}"
+        old = CheckpointRow(run_id="s1:train:0", checkpoint_id=f"weights/{name}", checkpoint_type="training",
+                            tinker_path=path, owner="o", directory=str(weights / name), status="ready")  # fmt: skip
+        db.records.add_rows([old])
+        db.records.set_aside(db.records.get_checkpoint("s1:train:0", f"weights/{name}", "o"))  # type: ignore[arg-type]
+        new = CheckpointRow(run_id="s1:train:0", checkpoint_id=f"weights/{name}", checkpoint_type="training",
+                            tinker_path=path, owner="o", directory=str(weights / name))  # fmt: skip
+        payload = SaveStateRequest(name, str(weights / name), path)
+        futures[name] = db.queue.submit(kind="save_state", payload=payload, owner="o", model_id="s1:train:0",
+                                        rows=[new]).future_id  # fmt: skip
+        _make(weights / name, {"run.json": '{"step": 2}'})
+    db.queue.claim(10)
+    mark_saved(weights / "landed", futures["landed"])
+    recover(db, tmp_path)
+    landed, killed = (db.queue.get(futures[name]) for name in ("landed", "killed"))
+    assert landed is not None and landed.status == "done" and killed is not None and killed.status == "failed"
+    for name, want in (("landed", futures["landed"]), ("killed", None)):
+        row = db.records.get_checkpoint("s1:train:0", f"weights/{name}", "o")
+        assert row is not None and row.future_id == want, (name, row)  # the new row, or the old one back
+    assert not [p for p in weights.iterdir() if p.name.startswith(".")]  # the sweep took the marker

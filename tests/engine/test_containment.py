@@ -152,6 +152,8 @@ def test_a_failing_control_item_fails_once_and_alone(runner: JaxRunner, monkeypa
     assert isinstance(error, RequestError) and error.category == "server"
     assert str(tmp_path) not in error.message  # no server paths in what the caller sees
     assert not isinstance(results[fine.future_id], RequestError) and (tmp_path / "fine" / "run.json").is_file()
+    assert (tmp_path / ".fine.saved-by").read_text() == fine.future_id  # for a restart: its files are in place
+    assert not (tmp_path / ".boom.saved-by").exists()
     assert isinstance(results[after.future_id], ForwardBackwardResult)
     assert [p.name for p in calls].count("boom") == 1  # never re-executed
 
@@ -197,7 +199,8 @@ def test_a_save_that_fills_the_disk_leaves_nothing_and_says_so(runner: JaxRunner
     over = _item("save_state", "filler", SaveStateRequest("full", str(tmp_path / "full"), "tinker://x/weights/full"))
     assert "disk is full" in _run_all(runner, [over])[over.future_id].message  # type: ignore[union-attr]
     after = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "full").rglob("*") if p.is_file()}
-    assert after == before and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    temporaries = [p.name for p in tmp_path.iterdir() if p.name.startswith(".") and not p.name.endswith(".saved-by")]
+    assert after == before and temporaries == []  # the marker of the save that landed stays, for a restart
 
 
 def test_a_checkpoint_path_outside_the_root_fails_in_the_engine_too(runner: JaxRunner, tmp_path: Path) -> None:

@@ -150,6 +150,11 @@ def recover(db: Database, data_dir: Path) -> LostState:
     """Engine side only: settle the work a previous engine left (`SqlQueue.recover`: claimed work fails,
     pending work stays queued) and sweep half-written checkpoints; returns the state that died with it.
     Never run by an API server: another process's engine may be running that work right now."""
+    from tx.engine.checkpoints import saved_by, sweep_partial  # JAX loads with the engine, not with the CLI
+
+    settled = db.queue.settle_saved(saved_by)  # before `recover`, which would fail them
+    if settled:
+        log.info("%d saves whose files were in place when the previous engine stopped are done", settled)
     found = db.queue.recover()
     if found.failed:
         log.warning("failed %d requests that were running when the previous engine stopped", found.failed)
@@ -157,8 +162,6 @@ def recover(db: Database, data_dir: Path) -> LostState:
         log.info("%d requests queued before the restart will run now", found.pending)
     if found.lost.runs:
         log.warning("%d training runs lost their in-memory state at the restart", len(found.lost.runs))
-    from tx.engine.checkpoints import sweep_partial  # JAX loads with the engine, not with the CLI
-
     swept = sweep_partial(checkpoints_root(data_dir))
     if swept:
         log.warning("removed %d half-written checkpoint directories left by a previous run", len(swept))

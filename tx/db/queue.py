@@ -15,8 +15,9 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Table, and_, func, text
@@ -331,6 +332,27 @@ class SqlQueue:
         row.status, row.payload, row.completed_at = "failed", None, time.time()
         row.error, row.error_category = error.message, error.category
 
+    def settle_saved(self, saved: Callable[[Path, str], bool]) -> int:
+        """Before `recover`: the saves claimed by the previous engine whose files are in place (`saved(directory,
+        future id)`, the engine's marker) finish as done, with what they made: failed, the checkpoint row they
+        had replaced came back over their new files. Returns how many."""
+        saves = ("save_state", "save_weights_for_sampler", "save_weights_external")
+        running = select(FutureRow.id, FutureRow.kind).where(
+            FutureRow.status == "running", col(FutureRow.kind).in_(saves)
+        )
+        with Session(self.engine) as session:
+            kinds = {str(future_id): kind for future_id, kind in session.execute(running).all()}
+            made = select(CheckpointRow.future_id, CheckpointRow.tinker_path, CheckpointRow.directory)
+            rows = session.execute(made.where(col(CheckpointRow.future_id).in_(list(kinds)))).all()
+        done: list[tuple[str, Result | RequestError]] = [
+            (str(future_id), _saved_result(kinds[str(future_id)], path))
+            for future_id, path, directory in rows
+            if saved(Path(directory), str(future_id))
+        ]
+        if done:
+            self.finish_many(done)
+        return len(done)
+
     def recover(self) -> Recovery:
         """Start of a new engine: settle what the previous engine process left. Work it had claimed
         (`running`: maybe half done, its effect unknown) fails, with what it would have created; `pending`
@@ -432,6 +454,11 @@ def _put_back_orphans(session: Session) -> None:
         session.execute(
             CHECKPOINTS.update().where(CHECKPOINTS.c.id == row_id).values(status="ready", checkpoint_id=original)
         )
+
+
+def _saved_result(kind: str, tinker_path: str) -> CheckpointResult:
+    """What a named save answers (a named sampler save's snapshot is its path: `routes_weights`)."""
+    return CheckpointResult(tinker_path, tinker_path if kind == "save_weights_for_sampler" else None)
 
 
 def _within(turns: Sequence[Any], per_owner: int | None, max_bytes: int | None) -> tuple[list[int], set[str], bool]:

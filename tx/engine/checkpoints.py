@@ -105,6 +105,24 @@ def restore(source: Path, params_like: dict, opt_like: Any) -> tuple[dict, Any]:
     return _unkeyed(tree["params"]), tree["opt_state"]
 
 
+def mark_saved(dest: Path, future_id: str) -> None:
+    """Record, beside a checkpoint whose files are in place, the save that wrote them (`.NAME.saved-by`, one
+    per name, replaced by each save): killed before the engine recorded the save, a restart put the replaced
+    checkpoint's row back over the new files. The restart reads it (`saved_by`), then the sweep removes it."""
+    marker = dest.with_name(f".{dest.name}.saved-by")
+    tmp = dest.with_name(f".{dest.name}.saved-by.tmp")
+    tmp.write_text(future_id)
+    os.replace(tmp, marker)
+
+
+def saved_by(dest: Path, future_id: str) -> bool:
+    """Whether the save `future_id` left its files in place at `dest` (`mark_saved`)."""
+    try:
+        return dest.is_dir() and dest.with_name(f".{dest.name}.saved-by").read_text() == future_id
+    except OSError:
+        return False
+
+
 PARTIAL_MARKERS = (".tmp-", ".old-", "orbax-checkpoint-tmp", f".{META}.tmp")
 
 

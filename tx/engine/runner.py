@@ -269,6 +269,16 @@ class JaxRunner:
             return Completion(item.future_id, self._error(err))
 
     def _dispatch(self, item: WorkItem):  # noqa: ANN202 - one of the protocol results
+        result = self._run_item(item)
+        dest = getattr(item.payload, "dest_dir", None)
+        if isinstance(result, CheckpointResult) and dest:  # its files are in place: a restart must know
+            try:
+                checkpoints.mark_saved(self._path(dest), item.future_id)
+            except OSError as err:  # only a crash's recovery reads it: the save stands
+                log.warning("could not mark save %s done on disk: %s", item.future_id, err)
+        return result
+
+    def _run_item(self, item: WorkItem):  # noqa: ANN202 - one of the protocol results
         run_id, p = str(item.model_id), item.payload
         if isinstance(p, CreateModelRequest):
             self._create(run_id, p.lora)
