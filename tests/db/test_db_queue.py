@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from sqlmodel import Session, SQLModel
+from sqlmodel import Session, SQLModel, select
 
 from tx.db import Database, DuplicateRequestError, open_database, owner_of
 from tx.db.queue import SqlQueue
@@ -749,3 +749,30 @@ def test_an_older_database_gets_the_new_indexes_when_opened(db: Database) -> Non
         assert "ix_futures_live" in {i["name"] for i in inspect(reopened).get_indexes("futures")}
     finally:
         reopened.dispose()
+
+
+def test_a_commit_that_landed_and_then_raised_writes_a_keyless_request_once(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection lost after the server committed: the batch is written again, entry by entry. A request
+    with a key found its row; one without (unload_model, a sample without seq_id) was written twice and ran
+    twice. Each gets a key of its own for its retries."""
+    from sqlalchemy import func as sql_func
+
+    from tx.db import submit
+
+    landed_then_lost = [True]
+
+    class Flaky(submit.Session):  # type: ignore[misc, name-defined]
+        def commit(self) -> None:
+            super().commit()
+            if landed_then_lost[0]:
+                landed_then_lost[0] = False
+                raise ConnectionError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(submit, "Session", Flaky)
+    submitted = db.queue.submit(kind="unload_model", payload=UnloadModelRequest(), owner=OWNER, model_id="m")
+    with Session(db.queue.engine) as session:
+        rows = session.exec(select(sql_func.count()).select_from(FutureRow).where(FutureRow.kind == "unload_model"))
+        assert rows.one() == 1
+    assert db.queue.get(submitted.future_id) is not None

@@ -5,7 +5,9 @@ the leader and writes every request waiting at that moment in a single transacti
 lookup and one insert each, then one commit); the others sleep until the leader has written theirs,
 and the next waiter whose request is still unwritten leads the next batch. A burst of large
 submissions therefore costs one commit per batch instead of one per request. If the batch
-transaction fails, its entries are retried one transaction each so only the faulty one fails.
+transaction fails, its entries are retried one transaction each so only the faulty one fails. A request
+without a key of its own gets one for its retries (`NewRequest.retry_key`): a commit that landed and then
+raised (a connection lost after the server committed) wrote such requests twice, and they ran twice.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +56,11 @@ class NewRequest:
     rows: Sequence[SQLModel] = ()
     outcome: Submitted | Exception | None = None
     done: bool = field(default=False, repr=False)
+    retry_key: str = field(default_factory=lambda: f"~{uuid.uuid4().hex}", repr=False)  # when dedupe_key is None
+
+    @property
+    def key(self) -> str:
+        return self.dedupe_key if self.dedupe_key is not None else self.retry_key
 
 
 class GroupCommit:
@@ -111,23 +119,22 @@ class GroupCommit:
 
 
 def _insert(session: Session, entry: NewRequest) -> Submitted:
-    if entry.dedupe_key is not None:
-        found = session.execute(
-            select(_FUTURES.c.id, _FUTURES.c.payload_hash, _FUTURES.c.sequence_ids_json).where(
-                _FUTURES.c.dedupe_key == entry.dedupe_key
-            )
-        ).first()
-        if found is not None:
-            if found.payload_hash != entry.digest:
-                what = entry.dedupe_key.replace("#", " seq_id ")
-                raise DuplicateRequestError(f"{what} was already used for a different request")
-            ids = json.loads(found.sequence_ids_json) if found.sequence_ids_json else []
-            return Submitted(str(found.id), ids, duplicate=True)
+    found = session.execute(
+        select(_FUTURES.c.id, _FUTURES.c.payload_hash, _FUTURES.c.sequence_ids_json).where(
+            _FUTURES.c.dedupe_key == entry.key
+        )
+    ).first()
+    if found is not None:
+        if found.payload_hash != entry.digest:
+            what = entry.key.replace("#", " seq_id ")
+            raise DuplicateRequestError(f"{what} was already used for a different request")
+        ids = json.loads(found.sequence_ids_json) if found.sequence_ids_json else []
+        return Submitted(str(found.id), ids, duplicate=True)
     values = {
         "kind": entry.kind,
         "model_id": entry.model_id,
         "seq_id": entry.seq_id,
-        "dedupe_key": entry.dedupe_key,
+        "dedupe_key": entry.key,
         "payload_hash": entry.digest,
         "payload": entry.blob,
         "owner": entry.owner,
