@@ -149,3 +149,31 @@ def test_one_tenants_stream_of_saves_trims_its_own_snapshots_before_anothers(run
     finally:
         runner.bank.max_runs = saved
     _unload(runner, "bob-run", "alice-run")
+
+
+def test_a_drain_for_adapter_slots_holds_no_sample_of_a_full_copy(runner: JaxRunner) -> None:
+    """While a LoRA save waits for adapter slots, new samples of LoRA snapshots wait; samples of a full
+    fine-tuning copy, which holds no adapter slot, went on waiting too (the drain paused every snapshot of the
+    model). They run, as they would alone."""
+    for name in ("a", "b"):
+        _ok(runner, _item("create_model", name, CreateModelRequest("m", LoraConfig(4, 8.0, seed=3))))
+    _ok(runner, _item("create_model", "f", CreateModelRequest("m", None)))
+    _ok(runner, _save("a", "snap-a"), _save("f", "full-1"))
+    alone = _ok(runner, _sample("full-1"))[0]
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=7)
+    runner.submit([_item("sample", "s", SampleRequest([1, 2, 3], 1, params, "m", weights=WeightsRef("snap-a")))])
+    finished = {c.future_id: c.result for c in runner.step()}  # snap-a's slot is being read, for a while
+    runner.submit([_save("b", "snap-b")])
+    finished.update((c.future_id, c.result) for c in runner.step())
+    assert runner.draining == {"lora"}
+    full, lora = _sample("full-1"), _sample("snap-a")
+    runner.submit([full, lora])
+    waiting = {item.future_id for item in runner.slot_waiting}
+    assert lora.future_id in waiting and full.future_id not in waiting
+    for _ in range(200):
+        finished.update((c.future_id, c.result) for c in runner.step())
+        if runner.idle():
+            break
+    assert finished[full.future_id].sequences[0].tokens == alone.sequences[0].tokens
+    assert not [r for r in finished.values() if isinstance(r, RequestError)]
+    _unload(runner, "a", "b", "f")

@@ -11,8 +11,8 @@ are submitted. A round holds no more LoRA runs (plus the snapshots they save) th
 slots the sampler is not reading; its runs that live in host memory are paged in before it runs
 (`tx.engine.paging`), and an item that still finds no slot stays pending for a later round. An item that
 waits for room that sampling holds (a LoRA save needs two slots, and sampling may read all but one; a full
-fine-tuning save a copy past the busy ones kept) makes new samples of snapshots wait until what they read
-drains (`draining`): samples kept coming held it back for good. The weights a sample reads, and the
+fine-tuning save a copy past the busy ones kept) makes new samples of snapshots of that kind wait until what
+they read drains (`draining`): samples kept coming held it back for good. The weights a sample reads, and the
 snapshots saves make, are `tx.engine.sampler_weights`'s.
 """
 
@@ -38,7 +38,7 @@ from tx.engine.round_notes import RoundNotes
 from tx.engine.run_memory import lora_run_bytes
 from tx.engine.sampler import Sampler
 from tx.engine.sampler_weights import SamplerWeights
-from tx.engine.snapshots import FullSnapshots, HeldSnapshots, SamplerFactory
+from tx.engine.snapshots import FullCopiesBusy, FullSnapshots, HeldSnapshots, SamplerFactory
 from tx.engine.trainer import Trainer
 from tx.engine.weights_io import WeightsIO
 from tx.lora.slots import ReadSlotsBusy, SlotsExhausted, SlotTable
@@ -97,7 +97,9 @@ class JaxRunner:
         self.outbox: list[Completion] = []  # requests refused at submit, reported by the next step
         self.slot_waiting: list[WorkItem] = []  # samples whose snapshot waits in host memory for a free slot
         self.read_queue: set[str] = set()  # those of them that wait for a slot sampling may read: first in turn
-        self.draining = False  # a training item waits for room sampling holds: new samples of snapshots wait
+        # the kinds of room ("lora" slots, "full" copies) a training item waits for: new samples of that kind wait
+        self.draining: frozenset[str] = frozenset()
+        self._waited: set[str] = set()  # the kinds control items of this round found no room of
         data_dirs = [checkpoint_root.parent] if checkpoint_root is not None else []
         # a request over one round's tokens, a micro-batch per round
         self.long = LongItem(trainer, functools.partial(as_request_error, roots=data_dirs))
@@ -179,7 +181,8 @@ class JaxRunner:
         done += self.long.advance()
         controls = [self._control(item) for item in plan.control]
         done += [c for c in controls if c is not None]
-        self.draining = 0 < plan.starved <= self.slots.max_adapters or None in controls
+        starved = {"lora"} if 0 < plan.starved <= self.slots.max_adapters else set()
+        self.draining, self._waited = frozenset(starved | self._waited), set()
         self._protect = self.long.runs()
         finished = {c.future_id for c in done}
         # Every planned item has a completion (each one's failure is caught), so none is re-run; a long item's
@@ -261,7 +264,8 @@ class JaxRunner:
         """The item's completion; None when it must wait for a slot (it stays pending for a later round)."""
         try:
             return Completion(item.future_id, self._dispatch(item))
-        except SlotsExhausted:  # every slot is read by the sampler or held by this round: try again next round
+        except SlotsExhausted as err:  # every slot is read by the sampler or held by this round: try again next round
+            self._waited.add("full" if isinstance(err, FullCopiesBusy) else "lora")
             return None
         except Exception as err:  # contained: this item fails, nothing else does
             if not isinstance(err, RequestError):
@@ -374,8 +378,11 @@ class JaxRunner:
         req = item.payload
         assert isinstance(req, SampleRequest)
         try:
-            if self.draining and req.weights is not None:
-                raise ReadSlotsBusy("a training item waits for room that samples of snapshots hold")
+            if (
+                req.weights is not None
+                and ("full" if req.weights.snapshot_id in self.full else "lora") in self.draining
+            ):
+                raise ReadSlotsBusy("a training item waits for room that samples of such snapshots hold")
             slot = self.weights.resolve(req, self._path, self._protect, bool(self.read_queue), item.owner)
             snapshot = req.weights.snapshot_id if req.weights else None
             full = self.full.use(snapshot) if snapshot else None

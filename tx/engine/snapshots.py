@@ -59,6 +59,10 @@ class HeldSnapshots:
         return sum(h.nbytes for h in self.lora.values()) + full
 
 
+class FullCopiesBusy(SlotsExhausted):
+    """Every full fine-tuning copy kept is being sampled: the save or sample that needs another waits."""
+
+
 class FullSnapshots:
     """Full fine-tuning snapshots by snapshot id; `make_sampler(get_weights)` builds a sampler over one (None:
     this model cannot sample full snapshots)."""
@@ -93,7 +97,7 @@ class FullSnapshots:
         busy one adds a decode chunk to every engine step."""
         busy = sum(not sampler.idle() for sid, (sampler, _) in self._device.items() if sid != snapshot_id)
         if snapshot_id not in self._device and busy >= self.max_kept:
-            raise SlotsExhausted(f"all {self.max_kept} full fine-tuning snapshots kept are being sampled")
+            raise FullCopiesBusy(f"all {self.max_kept} full fine-tuning snapshots kept are being sampled")
 
     def add(self, snapshot_id: str, weights: Flat) -> None:
         """Sample `weights` as `snapshot_id` (replacing an idle snapshot of that id), evicting beyond `max_kept`."""
