@@ -38,6 +38,17 @@ def test_sweep_removes_partial_directories_only(tmp_path: Path) -> None:
     assert sweep_partial(root) == [] and sweep_partial(tmp_path / "missing") == []
 
 
+def test_sweep_removes_save_markers_without_counting_them_as_half_written(tmp_path: Path) -> None:
+    """`.NAME.saved-by` beside a finished checkpoint is read by the restart before the sweep; every restart
+    after a named save warned of half-written directories it had "removed" when it removed these."""
+    run = tmp_path / "checkpoints" / "s1_train_0"
+    done = _make(run / "weights" / "done", {"run.json": "{}"})
+    (run / "weights" / ".done.saved-by").write_text("42")
+    (run / "weights" / ".done.saved-by.tmp").write_text("4")
+    assert sweep_partial(tmp_path / "checkpoints") == []
+    assert [p.name for p in (run / "weights").iterdir()] == ["done"] and (done / "run.json").is_file()
+
+
 def test_sweep_keeps_finished_checkpoints_whose_names_look_like_temporaries(tmp_path: Path) -> None:
     """`step.tmp-1`, `v2.old-best` and `orbax-checkpoint-tmp-x` are valid checkpoint names: every restart
     removed such finished checkpoints (listed still, their files gone). Writers' temporaries start with '.'."""

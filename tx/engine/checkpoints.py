@@ -130,10 +130,13 @@ def sweep_partial(root: Path) -> list[Path]:
     """Remove what writers killed mid-write left under the checkpoint root (`<run>/<kind>/<name>`): the
     temporary and moved-aside directories of the atomic writers, orbax's temporary directories, and
     `save_state` directories that never got their `run.json`. A finished checkpoint is never touched, and
-    one a save had moved aside when it was killed goes back to its name."""
+    one a save had moved aside when it was killed goes back to its name. Save markers go too, uncounted."""
     removed: list[Path] = []
     for entry in sorted(root.glob("*/*/*")) if root.is_dir() else []:
         if _put_back(entry):
+            continue
+        if ".saved-by" in entry.name:  # a finished save's marker (`mark_saved`), read by now: no half-write
+            entry.unlink(missing_ok=True)
             continue
         # user names never start with "." (`tx.names`), and every writer's temporary does (`save_hf`'s too); a
         # user may name a checkpoint `step.tmp-1`, so the markers count only inside a checkpoint's directory
