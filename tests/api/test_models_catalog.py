@@ -168,6 +168,40 @@ def test_a_hub_model_with_only_its_config_cached_is_left_to_the_engine_to_fetch(
     assert ModelCatalog(ModelRules()).get("alice", "org/big").model_dir == str(snapshot)
 
 
+def test_a_hub_model_named_at_start_is_checked_from_its_config_before_its_weights_download(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--base-model org/x`: the architecture and the memory budget are read from `config.json`, and the
+    weights fetched only then; the whole checkpoint was downloaded first, then refused."""
+    import huggingface_hub.constants
+
+    from tx.engine.build import estimate_bytes
+    from tx.engine.errors import RequestError
+    from tx.engine.pool import ModelPool
+
+    for name, config in (("big", QWEN3), ("odd", {**QWEN3, "architectures": ["MistralForCausalLM"]})):
+        snapshot = _model_dir(tmp_path / "hub" / f"models--org--{name}" / "snapshots", "3" * 40, config)
+        (snapshot.parents[1] / "refs").mkdir()
+        (snapshot.parents[1] / "refs" / "main").write_text("3" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    fetched: list[str] = []
+
+    def pool(budget: int) -> ModelPool:
+        return ModelPool(
+            None, lambda d: estimate_bytes(d, "float32", 2), budget, locate=lambda n: fetched.append(n) or tmp_path
+        )  # type: ignore[arg-type, func-returns-value]
+
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        ModelCatalog(ModelRules()).preload("org/odd", pool(1 << 40).fetch_within_budget)
+    with pytest.raises(RequestError, match="more than the memory budget"):
+        ModelCatalog(ModelRules()).preload("org/big", pool(1000).fetch_within_budget)
+    assert fetched == []
+    assert ModelCatalog(ModelRules()).preload("org/big", pool(1 << 40).fetch_within_budget).model_dir == str(tmp_path)
+    assert fetched == ["org/big"]
+    assert ModelCatalog(ModelRules()).preload("org/big").info.vocab_size == 300  # --role api: no weights fetched
+    assert fetched == ["org/big"]
+
+
 def test_no_base_model_names_a_directory_in_the_data_directory(tmp_path: Path) -> None:
     """Another tenant's full fine-tuning checkpoint is a model directory under the data directory: named by
     path (directly, through a symlink, or with `~`), it is refused before anything reads it; its owner names

@@ -119,7 +119,7 @@ def build_catalog(args: argparse.Namespace, pool: ModelPool | None, uploads: Upl
     catalog.only_preloaded = NO_LOADS if args.coordinator else ""
     try:
         for name in args.base_model:
-            model_dir = Path(catalog.preload(name).model_dir)
+            model_dir = Path(catalog.preload(name, pool.fetch_within_budget if pool is not None else None).model_dir)
             if pool is not None:
                 pool.preload(name, model_dir)
     except (FileNotFoundError, ValueError, MemoryError, RequestError) as err:  # bad model: say so, no traceback

@@ -22,7 +22,7 @@ from fastapi import HTTPException
 
 from tx.api.limits import Limits, limits_for
 from tx.api.validate import ValidationError
-from tx.models.catalog import describe_model, has_weights, is_hub_name, locate_config, locate_model
+from tx.models.catalog import describe_model, has_weights, is_hub_name, locate_config
 from tx.protocol import ModelInfo
 
 UPLOAD_PREFIX = "upload:"
@@ -86,11 +86,15 @@ class ModelCatalog:
         self.preloaded[model.info.base_model] = model
         self._known[(None, model.info.base_model)] = model
 
-    def preload(self, name: str) -> ServedModel:
-        """Locate and describe a model named on the command line (raises FileNotFoundError or ValueError)."""
-        model_dir = locate_model(name)
+    def preload(self, name: str, fetch: Callable[[str, Path], Path] | None = None) -> ServedModel:
+        """Locate and describe a model named on the command line from its `config.json` alone (raises
+        FileNotFoundError or ValueError): an unsupported architecture is refused before any weight is
+        downloaded. `fetch(name, config_dir)` gives the directory with its weights (the engine's pool, which
+        sizes the model from the config first); without it (`--role api`) no weight is fetched."""
+        config_dir = locate_config(name)
         r = self.rules
-        info = describe_model(name, model_dir, r.max_seq_len, r.max_lora_rank, r.max_lora_adapters)
+        info = describe_model(name, config_dir, r.max_seq_len, r.max_lora_rank, r.max_lora_adapters)
+        model_dir = fetch(name, config_dir) if fetch is not None else config_dir
         model = ServedModel(info, str(model_dir), limits_for(info))
         self.add(model)
         return model

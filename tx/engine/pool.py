@@ -39,7 +39,7 @@ from tx.engine.errors import EXITS, as_request_error
 from tx.engine.loop import Completion, Runner
 from tx.engine.run_memory import RunMemory, gb, host_memory_bytes
 from tx.engine.snapshots import HeldSnapshots
-from tx.models.catalog import locate_config, locate_model
+from tx.models.catalog import has_weights, locate_config, locate_model
 from tx.protocol import CreateModelRequest, LoadWeightsRequest, ModelInfo, RequestError, SampleRequest, WorkItem
 from tx.upload_store import UPLOAD_PREFIX
 
@@ -127,6 +127,14 @@ class ModelPool:
         runner, info = self._build(name, model_dir)
         self.preloaded.add(key)
         return self._add(key, runner, info).info
+
+    def fetch_within_budget(self, name: str, config_dir: Path) -> Path:
+        """The directory with the weights of a model named at start-up, downloaded only once its config says it
+        fits the memory budget: a hub model was downloaded whole (tens of GB) and then refused."""
+        self._check_budget(name, self._estimate(config_dir))
+        if not has_weights(config_dir):
+            log.info("fetching %s (about %s once loaded)", name, gb(self._estimate(config_dir)))
+        return self._locate(name)
 
     def _size_of(self, key: str) -> int:
         return self.sizes.get(key) or self._estimate(self.located.get(key, Path(key)))
