@@ -130,7 +130,7 @@ def _proto_tensor(tensor: Any, where: str, budget: _Budget) -> np.ndarray:
     dtype = _PROTO_DTYPES.get(tensor.dtype)
     if dtype is None:
         raise WireError(f"{where}: unsupported dtype enum {tensor.dtype}")
-    shape = [int(s) for s in tensor.shape]
+    shape = _checked_shape([int(s) for s in tensor.shape[: MAX_DIMS + 1]], where)
     if tensor.WhichOneof("encoding") == "sparse_csr":
         csr = tensor.sparse_csr
         budget.take(shape, where)
@@ -280,15 +280,28 @@ def _int_list(values: Any, where: str) -> np.ndarray:
 def _json_shape(shape: Any, where: str) -> list[int]:
     if shape is None:
         return []
-    if not isinstance(shape, list) or not all(type(s) is int for s in shape):
+    if not isinstance(shape, list) or not all(type(s) is int for s in shape[: MAX_DIMS + 1]):
         raise WireError(f"{where}: shape must be a list of integers")
+    return _checked_shape(shape, where)
+
+
+MAX_DIMS = 4  # loss inputs are [N] or [N, K]
+
+
+def _checked_shape(shape: list[int], where: str) -> list[int]:
+    """A shape of at most `MAX_DIMS` non-negative sizes, checked before anything multiplies it: the product
+    of a list of 60,000 huge sizes (172 bytes of zstd protobuf) held the GIL, and the server, for 8 s."""
+    if len(shape) > MAX_DIMS:
+        raise WireError(f"{where}: shape has more than {MAX_DIMS} dimensions")
+    if any(s < 0 or s >= 1 << 62 for s in shape):
+        raise WireError(f"{where}: shape {shape} has a size below 0 or of 2^62 and more")
     return shape
 
 
 def _reshape(flat: np.ndarray, shape: list[int], where: str) -> np.ndarray:
     if not shape:
         return flat.copy()
-    if any(s < 0 for s in shape) or math.prod(shape) != flat.size:
+    if math.prod(shape) != flat.size:
         raise WireError(f"{where}: {flat.size} values do not fit shape {shape}")
     return flat.reshape(shape).copy()
 
