@@ -224,6 +224,30 @@ def test_small_bodies_cannot_allocate_much(real: dict[str, Any]) -> None:
     assert huge.status_code == 413 and "limit" in huge.json()["detail"]
 
 
+def test_many_bad_items_in_one_body_make_a_short_answer(real: dict[str, Any]) -> None:
+    """Each bad item of an unbounded list or map was one error: a 600 KB body made a 37 MB 422, encoded on
+    the event loop for 15 s while every other request waited. Lists and maps are bounded before their items
+    are checked, and an answer shows ten errors at most."""
+    http, model_id = real["http"], real["training"].model_id
+    items = 100_000
+    cases = [
+        ("/save_weights_external", {"model_id": model_id, "path": "p", "age_encryption_recipients": [1] * items}),
+        ("/create_model", {"base_model": real["info"].base_model, "user_metadata": {str(i): i for i in range(items)}}),
+        ("/sessions/search", {"project_ids": [1] * items}),
+        ("/sessions/search", {"user_metadata": {str(i): i for i in range(items)}}),
+    ]
+    for route, body in cases:
+        reply = http.post(route, json=body)
+        assert 400 <= reply.status_code < 500 and len(reply.content) < 8000, (
+            route,
+            reply.status_code,
+            len(reply.content),
+        )
+    tags = http.post("/create_session", json={"tags": [1] * 60}).json()["detail"]  # 60 errors within the bound
+    assert len(tags) == 11 and tags[-1]["msg"] == "and 50 more errors"
+    _still_serves(real["training"])
+
+
 def test_malformed_bodies_are_4xx_never_5xx(real: dict[str, Any]) -> None:
     http, model_id = real["http"], real["training"].model_id
     good = proto_body(model_id, 0, [1, 2, 3])

@@ -83,11 +83,17 @@ async def _disk_full(request: Request, exc: Exception) -> JSONResponse:
     raise exc
 
 
+MAX_ERRORS_SHOWN = 10
+
+
 async def _schema_error(_request: Request, exc: Exception) -> JSONResponse:
     """FastAPI's field-by-field 422, with each offending input shown by its repr: an input such as NaN
     cannot be rendered as strict JSON, and a 500 here would make the SDK retry a request that cannot pass."""
     assert isinstance(exc, RequestValidationError)
-    detail = [{**error, "input": repr(error.get("input"))[:200]} for error in exc.errors()]
+    errors = exc.errors()
+    detail = [{**error, "input": repr(error.get("input"))[:200]} for error in errors[:MAX_ERRORS_SHOWN]]
+    if len(errors) > MAX_ERRORS_SHOWN:  # each of 100,000 bad items is an error: megabytes, encoded on the loop
+        detail.append({"type": "more", "loc": [], "msg": f"and {len(errors) - MAX_ERRORS_SHOWN} more errors"})
     return JSONResponse({"detail": jsonable_encoder(detail, custom_encoder={float: repr})}, status_code=422)
 
 

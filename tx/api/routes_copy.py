@@ -62,10 +62,10 @@ def parse_body(model: type[BaseModel], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except PydanticValidationError as exc:
-        problems = [
-            f"{'.'.join(str(part) for part in error['loc']) or 'body'}: {error['msg']}" for error in exc.errors()
-        ]
-        user_error("invalid request body: " + "; ".join(problems))
+        errors = exc.errors(include_url=False, include_input=False)
+        problems = [f"{'.'.join(str(part) for part in e['loc']) or 'body'}: {e['msg']}" for e in errors[:10]]
+        more = f"; and {len(errors) - 10} more" if len(errors) > 10 else ""
+        user_error("invalid request body: " + "; ".join(problems) + more)
 
 
 @router.post("/copy_weights")

@@ -22,6 +22,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from tx.api.context import Ctx, Owner, user_error
 from tx.api.routes_copy import parse_body
+from tx.api.schemas import MetadataFilter
 from tx.db.records import Records
 from tx.db.tables import LIVE_SESSION, SessionRow
 
@@ -43,7 +44,7 @@ class _Status(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["active", "cancelled", "failed", "client_finished"]
-    reasons: list[Literal["success", "errored", "interrupted"]] | None = Field(default=None, min_length=1)
+    reasons: list[Literal["success", "errored", "interrupted"]] | None = Field(default=None, min_length=1, max_length=8)
 
 
 class _Cursor(BaseModel):
@@ -57,11 +58,11 @@ class SessionSearchRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     session_id: str | None = None
-    project_ids: list[str] | None = None
-    user_metadata: dict[str, str] = Field(default_factory=dict)
+    project_ids: list[Annotated[str, Field(max_length=256)]] | None = Field(default=None, max_length=256)
+    user_metadata: MetadataFilter = Field(default_factory=dict)
     display_name: str | None = Field(default=None, min_length=1)
     owner: _Owner = Field(default_factory=_Owner)
-    statuses: list[_Status] | None = Field(default=None, min_length=1)
+    statuses: list[_Status] | None = Field(default=None, min_length=1, max_length=8)
     limit: int = Field(default=50, ge=1, le=200)
     cursor: _Cursor | None = None
 
