@@ -91,7 +91,7 @@ def test_no_window_means_every_layer_attends_fully():
         ({"layer_types": ["full_attention"]}, "layer_types"),
         ({"experts_per_token": 3}, "disagree"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "not supported for gpt_oss"),
-        ({"rope_scaling": {**HUB["rope_scaling"], "mscale": 0.7}}, "without ['mscale']"),
+        ({"rope_scaling": {**HUB["rope_scaling"], "short_factor": [1.0]}}, "rope parameters ['short_factor'] are not"),
         ({"swiglu_limit": 0.0}, "swiglu_limit must be > 0"),
         ({"num_local_experts": 1}, "num_experts_per_tok must be in 1..num_experts"),
     ],

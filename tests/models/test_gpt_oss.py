@@ -175,3 +175,25 @@ def test_expert_mesh_matches_single_device(hf_oss, loaded, mesh_sizes):
     if "tp" in mesh_sizes:
         assert sharded.model.layers.self_attn.sinks[...].sharding.spec[1] == "tp"
     assert_sharded_matches_one_device(model, sharded, tokens)
+
+
+@pytest.mark.parity
+def test_a_config_without_window_or_rope_takes_transformers_defaults(hf_oss, tmp_path):
+    """A config.json that names no `sliding_window` (transformers: 128) and no rotary scaling (transformers:
+    its default YaRN) read as no window and no scaling: logits 0.6 and 2.9 off."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(hf_oss[0], tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key in ("sliding_window", "rope_parameters", "rope_scaling", "rope_theta"):
+        config.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert ref.config.sliding_window == 128 and ref.config.rope_parameters["rope_type"] == "yarn"
+    model, cfg = load_model(str(tmp_path), progress=False, tuning=FORMS["dense"])
+    assert cfg.sliding_window == 128
+    tokens = tokens_for(cfg, (1, 160))
+    np.testing.assert_allclose(np.asarray(model(tokens)[0]), reference(ref, tokens), atol=1e-4, rtol=0)

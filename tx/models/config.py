@@ -49,14 +49,18 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
+    given_attention_factor: float | None = None  # the config's `attention_factor`, which wins when set
+    mscale: float | None = None  # else the ratio of two mscales (DeepSeek's YaRN), when both are set
+    mscale_all_dim: float | None = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_scaling.rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
         numbers = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
                    "beta_slow")  # fmt: skip
-        for name in numbers:  # NaN passed `<= 0`, and a zero divided at the first forward: NaN or a crash later
-            value = getattr(self, name)
+        optional = ("given_attention_factor", "mscale", "mscale_all_dim")
+        for name in numbers + tuple(n for n in optional if getattr(self, n) is not None):
+            value = getattr(self, name)  # NaN passed `<= 0`, and a zero divided at the first forward
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"rope_scaling.{name} must be a finite number > 0, got {value}")
         if self.rope_type == "llama3" and not self.low_freq_factor < self.high_freq_factor:
@@ -67,10 +71,19 @@ class RopeScaling:
 
     @property
     def attention_factor(self) -> float:
-        """YaRN's scale of q and k (each; the scores by its square): 0.1 ln(factor) + 1 for factor > 1."""
-        if self.rope_type != "yarn" or self.factor <= 1:
+        """YaRN's scale of q and k (each; the scores by its square): the config's `attention_factor`, else
+        mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else 0.1 ln(factor) + 1."""
+        if self.rope_type != "yarn":
             return 1.0
-        return 0.1 * math.log(self.factor) + 1.0
+        if self.given_attention_factor is not None:
+            return float(self.given_attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return _mscale(self.factor, self.mscale) / _mscale(self.factor, self.mscale_all_dim)
+        return _mscale(self.factor, 1.0)
+
+
+def _mscale(factor: float, scale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +303,7 @@ class ModelConfig:
             family=family,
             intermediate_size=int(hf["intermediate_size"]),
             **transformer_shape(hf, eps=1e-6, theta=10000.0, max_positions=4096),
-            rope_scaling=_rope_scaling(hf),
+            rope_scaling=_rope_scaling(hf, 4096),
             dtype=dtype or _dtype_of(hf),
         )
 
@@ -355,13 +368,31 @@ def _rope_params(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(params)
 
 
-def _rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
-    params = _rope_params(hf)
-    rope_type = params.get("rope_type") or params.get("type") or "default"
+ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor", "beta_fast",
+             "beta_slow", "truncate", "original_max_position_embeddings", "attention_factor", "mscale",
+             "mscale_all_dim"}  # fmt: skip
+
+
+def _rope_scaling(hf: dict[str, Any], max_positions: int = 4096) -> RopeScaling | None:
+    """The config's rotary scaling as transformers reads it; a key it would read and SmolGym does not is
+    refused (YaRN's `attention_factor` had been dropped without a word: logits 2.3 off)."""
+    params = {k: v for k, v in _rope_params(hf).items() if v is not None}
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     if rope_type == "default":
         return None
-    fields = {f.name for f in dataclasses.fields(RopeScaling)}
-    return RopeScaling(rope_type=rope_type, **{k: v for k, v in params.items() if k in fields and k != "rope_type"})
+    unknown = sorted(set(params) - ROPE_KEYS)
+    if unknown:
+        raise ValueError(f"rope parameters {unknown} are not supported (SmolGym reads {sorted(ROPE_KEYS)})")
+    # the pre-training length: a top-level field first (as transformers), then the rope's, then the context
+    original = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+    original = original or hf.get("max_position_embeddings") or max_positions
+    if rope_type == "yarn" and "factor" not in params:  # DeepSeek-style: the ratio of the two lengths
+        params["factor"] = (hf.get("max_position_embeddings") or max_positions) / original
+    params.pop("rope_theta", None)
+    params.pop("type", None)
+    params["original_max_position_embeddings"] = original
+    params["given_attention_factor"] = params.pop("attention_factor", None)
+    return RopeScaling(rope_type=rope_type, **params)
 
 
 def _dtype_of(hf: dict[str, Any]) -> str:

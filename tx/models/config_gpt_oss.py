@@ -14,7 +14,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from tx.models.config import ClampedSwiGLU, ModelConfig, MoE, RopeScaling, _dtype_of, _rope_params, transformer_shape
+from tx.models.config import (
+    ClampedSwiGLU,
+    ModelConfig,
+    MoE,
+    RopeScaling,
+    _dtype_of,
+    _rope_params,
+    _rope_scaling,
+    transformer_shape,
+)
 
 READ = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -41,8 +50,6 @@ IGNORED = {
 # Fields whose one supported value is what the model implements.
 REQUIRED: dict[str, Any] = {"attention_dropout": 0.0}
 LAYER_KINDS = ("sliding_attention", "full_attention")
-YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "beta_fast", "beta_slow", "truncate"}
-YARN_KEYS |= {"original_max_position_embeddings"}
 
 
 def gpt_oss_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
@@ -85,29 +92,25 @@ def _sliding(hf: dict[str, Any], layers: int) -> tuple[int, tuple[int, ...]]:
     kinds = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     if len(kinds) != layers or any(k not in LAYER_KINDS for k in kinds):
         raise ValueError(f"layer_types {kinds} must list one of {LAYER_KINDS} for each of {layers} layers")
-    window = int(hf.get("sliding_window") or 0)
+    window = int(hf.get("sliding_window", 128) or 0)  # transformers' default; null: no window
     if window < 0:
         raise ValueError(f"sliding_window must be >= 0, got {window}")
     sliding = tuple(i for i, k in enumerate(kinds) if k == "sliding_attention") if window else ()
     return (window if sliding else 0), sliding
 
 
+# transformers' rotary scaling for a gpt-oss config that names none (`GptOssConfig`)
+DEFAULT_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}  # fmt: skip
+
+
 def _yarn(hf: dict[str, Any]) -> RopeScaling | None:
     params = _rope_params(hf)
-    kind = params.get("rope_type") or params.get("type") or "default"
-    if kind == "default":
-        return None
-    unknown = sorted(set(params) - YARN_KEYS - {k for k, v in params.items() if v is None})
-    if kind != "yarn" or unknown:
-        raise ValueError(f"rope parameters {params} are not supported for gpt_oss (YaRN without {unknown})")
-    return RopeScaling(
-        rope_type="yarn",
-        factor=float(params["factor"]),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        truncate=bool(params.get("truncate", True)),
-    )
+    if not params:
+        hf = {**hf, "rope_parameters": DEFAULT_YARN}
+    elif (params.get("rope_type") or params.get("type") or "default") not in ("default", "yarn"):
+        raise ValueError(f"rope parameters {params} are not supported for gpt_oss (YaRN or none)")
+    return _rope_scaling(hf, 131072)
 
 
 def _moe(hf: dict[str, Any], layers: int) -> MoE:

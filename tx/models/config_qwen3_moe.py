@@ -53,7 +53,7 @@ def qwen3_moe_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConf
         family="qwen3_moe",
         intermediate_size=int(hf.get("intermediate_size", 6144)),
         **transformer_shape(hf, eps=1e-6, theta=10000.0, max_positions=32768),
-        rope_scaling=_rope_scaling(hf),
+        rope_scaling=_rope_scaling(hf, 32768),
         dtype=dtype or _dtype_of(hf),
         moe=_moe(hf, layers),
     )
