@@ -274,3 +274,25 @@ def test_save_hf_writes_the_multimodal_checkpoint_back(models, tmp_path):
     assert set(written) == set(original)
     for key, value in original.items():
         np.testing.assert_array_equal(written[key], value, err_msg=key)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize(
+    "extra",
+    [{"layer_types": ["full_attention"] * 2, "num_hidden_layers": 2}, {"linear_conv_kernel_dim": 1}],
+    ids=["no-linear-layers", "conv-kernel-1"],
+)
+def test_empty_recurrent_states_run(tmp_path, extra):
+    """A stack without DeltaNet layers, or a convolution without a window (kernel 1), has zero-size states:
+    their reshape to the layer stack divided by zero (ZeroDivisionError) at the first forward."""
+    ref = build(tmp_path, False, **extra)
+    model, cfg = load_model(str(tmp_path), progress=False)
+    tokens = tokens_for(cfg, (2, 9))
+    with torch.no_grad():
+        want = ref(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    full, _ = model(tokens)
+    np.testing.assert_allclose(np.asarray(full), want, atol=1e-4, rtol=0)
+    positions = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
+    _, cache = model(tokens[:, :8], positions, cache=HybridCache.zeros(cfg, 2, 16))
+    last, _ = model(tokens[:, 8:], jnp.full((2, 1), 8, jnp.int32), cache=cache)
+    np.testing.assert_allclose(np.asarray(last), np.asarray(full)[:, 8:], atol=1e-5, rtol=0)

@@ -202,7 +202,7 @@ def _at(graph: nnx.GraphDef, state: object, index: int) -> nnx.Module:
 
 def _ungroup(tree: Any) -> Any:
     """[G, n / G, ...] -> [n, ...]."""
-    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)
+    return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)  # -1 fails at size 0
 
 
 def _layers(
