@@ -475,3 +475,37 @@ def test_the_engine_holds_no_more_stored_bytes_in_flight_than_its_bound(sqlite_d
     runner.items = runner.items[1:]
     engine.run_once()
     assert [i.future_id for i in runner.items] == big[1:4]
+
+
+class HoldingRunner(ScriptedRunner):
+    """Takes every item and finishes none: the engine stops with all of them claimed."""
+
+    def step(self) -> list[Completion]:
+        return []
+
+    def idle(self) -> bool:
+        return False
+
+
+def test_an_orderly_stop_hands_back_the_claimed_requests_that_change_no_state(tmp_path: Path) -> None:
+    """SIGTERM failed every claimed request at the restart ("its effect is unknown"), hundreds of samples
+    that had never started among them. Samples and forwards go back to the queue and run after the
+    restart; a claimed forward_backward, which may have accumulated its gradient, still fails then."""
+    db = open_database(None, tmp_path)
+    trained = _submit(db, 1)
+    sampled = _submit_sample(db, 1)
+    forward = ForwardBackwardRequest([Datum([1, 2], {"target_tokens": np.array([2, 3])})], "cross_entropy", {}, True)
+    looked = db.queue.submit(kind="forward", payload=forward, owner=OWNER, model_id="m", seq_id=2).future_id
+    engine = Engine(db.queue, HoldingRunner(), idle_wait_s=0.05)
+    engine.start()
+    deadline = time.monotonic() + 20
+    while {db.queue.get(f).status for f in (trained, sampled, looked)} != {"running"}:  # type: ignore[union-attr]
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    engine.stop()
+    assert [db.queue.get(f).status for f in (trained, sampled, looked)] == ["running", "pending", "pending"]  # type: ignore[union-attr]
+    db.close()
+    reopened = open_database(None, tmp_path)
+    reopened.queue.recover()
+    assert [reopened.queue.get(f).status for f in (trained, sampled, looked)] == ["failed", "pending", "pending"]  # type: ignore[union-attr]
+    reopened.close()

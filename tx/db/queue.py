@@ -217,6 +217,19 @@ class SqlQueue:
             self.notifier.work_submitted()
         return self._decode_items(rows)
 
+    def release(self, future_ids: Sequence[str]) -> int:
+        """Claimed requests a stopping engine left unfinished, pending again (the engine picks those that change
+        no state: run again they do what they would have done). Returns how many."""
+        ids = [int(f) for f in future_ids]
+        if not ids:
+            return 0
+        with self.write_lock.held(), Session(self.engine) as session:
+            running = FUTURES.c.id.in_(ids) & (FUTURES.c.status == "running")
+            released = session.execute(select(func.count()).select_from(FUTURES).where(running)).scalar_one()
+            session.execute(FUTURES.update().where(running).values(status="pending"))
+            session.commit()
+        return int(released)
+
     def drop_old_results(self, older_than_s: float = RESULT_RETENTION_S, batch: int = DROP_BATCH) -> int:
         """Forget the results of up to `batch` requests finished more than `older_than_s` ago: a poll of one
         reads a failure saying so. Kept for good, every sample's tokens and every forward's outputs filled the

@@ -94,6 +94,9 @@ class Runner(Protocol):
     # Optional: `discard(future_ids)`, forget items the engine failed itself after an unexpected error.
 
 
+RERUNNABLE = frozenset({"sample", "forward"})  # kinds that change no state: safe to run again after a stop
+
+
 @dataclass
 class _Inflight:
     item: WorkItem
@@ -135,10 +138,23 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop; once it has stopped, store the results the queue refused earlier, and hand back the
+        claimed requests that change no state (`RERUNNABLE`) to run after a restart: an orderly stop failed
+        every claimed sample, hundreds of which had never started."""
         self._stop.set()
         self.queue.wake()
         if self._thread is not None:
             self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return
+        self._record_kept()
+        release = getattr(self.queue, "release", None)
+        rerun = [f for f, entry in self._inflight.items() if entry.item.kind in RERUNNABLE]
+        if release is not None and rerun:
+            try:
+                log.info("handed back %d unfinished requests to run after a restart", release(rerun))
+            except Exception:
+                log.exception("could not hand back %d unfinished requests", len(rerun))
 
     def in_flight(self) -> list[str]:
         """The future ids claimed and not yet recorded (safe to call from another thread)."""
