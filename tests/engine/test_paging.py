@@ -397,3 +397,78 @@ def test_samples_kept_coming_on_one_snapshot_do_not_hold_its_slot_from_another(r
     runner.bank.host_snapshots.clear()
     for info in list(runner.slots):
         runner.bank.clear(runner.bank.release(info.owner).slot)
+
+
+def test_a_page_in_that_raises_fails_only_that_runs_items_and_the_run_comes_back_later(
+    runner: JaxRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device out of memory while paging a run in (the host-to-device copy raises once): the run's
+    request fails alone, a base-model sample in the same step runs, the run keeps its host copy and no
+    slot, and its next step equals that of a run never paged. The copy had been dropped before the
+    transfer: every later request of the run raised, failing every other request of the model with it,
+    and its slot stayed held for good."""
+    import tx.engine.trainer as trainer_module
+
+    for name in ("twin", "victim"):
+        _create(runner, name)
+        _step(runner, name, [5, 6, 7, 8, 9])
+    _create(runner, "pusher")  # two slots: "twin" or "victim" (least recently used) goes to host memory
+    _touch(runner, "twin")
+    _create(runner, "pusher2")
+    assert "victim" in runner.bank.host and "twin" not in runner.bank.host
+    real = trainer_module.packed_to_device
+    calls = iter([True])
+
+    def flaky(tree: Any, sharding: Any) -> Any:
+        if next(calls, False):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while trying to allocate 12.00MiB")
+        return real(tree, sharding)
+
+    monkeypatch.setattr(trainer_module, "packed_to_device", flaky)
+    base = SampleRequest([1, 2, 3], 1, SamplingParams(max_tokens=3, temperature=0.0), "m")
+    failed, sampled = _run(runner, _item("forward_backward", "victim", _fb([9, 3, 4])), _item("sample", "s", base))
+    assert isinstance(failed, RequestError) and "out of memory" in failed.message
+    assert isinstance(sampled, SampleResult) and len(sampled.sequences[0].tokens) == 3
+    assert "victim" in runner.bank.host and "victim" not in runner.slots and not runner.trainer.runs["victim"].resident
+    _touch(runner, "twin")
+    results = {name: _step(runner, name, [9, 3, 4, 11, 2, 7]) for name in ("victim", "twin")}
+    np.testing.assert_array_equal(results["victim"].outputs[0]["logprobs"], results["twin"].outputs[0]["logprobs"])
+    for got, want in zip(_state(runner, "victim"), _state(runner, "twin"), strict=True):
+        np.testing.assert_array_equal(got, want)
+    _unload(runner, "twin", "victim", "pusher", "pusher2")
+
+
+def test_a_snapshot_restore_that_raises_keeps_its_host_copy_and_gives_the_slot_back(
+    runner: JaxRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stashed snapshot whose write back to the device raises: the sample fails, the slot is given back,
+    and the next sample reads the trained weights from host memory (it had read an empty slot: the base
+    model's tokens, as a success)."""
+    for name in ("a0", "a1", "a2"):
+        _create(runner, name)
+        _step(runner, name, [4, 5, 6, 7])
+        _ok(runner, _item("save_weights_for_sampler", name, SaveSamplerRequest(f"snap-{name}")))
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+
+    def sample(name: str) -> WorkItem:
+        return _item("sample", "s", SampleRequest([1, 2, 3], 1, params, "m", weights=WeightsRef(f"snap-{name}")))
+
+    stashed = next(n for n in ("a0", "a1", "a2") if f"snap-{n}" in runner.bank.host_snapshots)
+    real, calls = runner.bank.write, iter([True])
+
+    def flaky(slot: int, weights: Any) -> None:
+        if next(calls, False):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        real(slot, weights)
+
+    monkeypatch.setattr(runner.bank, "write", flaky)
+    (failed,) = _run(runner, sample(stashed))
+    assert isinstance(failed, RequestError) and "out of memory" in failed.message
+    assert f"snap-{stashed}" in runner.bank.host_snapshots and f"snap-{stashed}" not in runner.slots
+    trained = _ok(runner, sample(stashed))[0].sequences[0]
+    base = _ok(runner, _item("sample", "s", SampleRequest([1, 2, 3], 1, params, "m")))[0].sequences[0]
+    assert trained.tokens != base.tokens or not np.allclose(trained.logprobs, base.logprobs, atol=1e-6)
+    _unload(runner, "a0", "a1", "a2")
+    runner.bank.host_snapshots.clear()
+    for info in list(runner.slots):
+        runner.bank.clear(runner.bank.release(info.owner).slot)

@@ -289,8 +289,9 @@ class AdapterBank:
 
     def restore_snapshot(self, owner: str, slot: int) -> None:
         """Write a stashed snapshot back into `slot` (allocated to it) and forget the host copy."""
-        host = self.host_snapshots.pop(owner)
+        host = self.host_snapshots[owner]  # dropped only once written: a failed write leaves it on the host
         self.write(slot, {p: jnp.asarray(a) for p, a in host.arrays.items()})
+        del self.host_snapshots[owner]
         self.scale[slot] = host.scale
         self.tenants[owner] = host.tenant
 

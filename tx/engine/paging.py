@@ -11,10 +11,11 @@ always has one. A run is paged back in (`Trainer.page_in`) before its next item 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from tx.engine.trainer import Trainer, lora_targets
 from tx.lora.slots import OwnerKind, ReadSlotsBusy, SlotsExhausted
@@ -59,11 +60,28 @@ class Pager:
         start = time.perf_counter()
         nbytes = self.bank.host[run_id].nbytes
         slot = self.claim(run_id, "run", run.lora, protect)
-        self.trainer.page_in(run_id, slot)
+        with self._released_on_failure(run_id, slot):
+            self.trainer.page_in(run_id, slot)
         self.stats.page_ins += 1
         self.stats.seconds += time.perf_counter() - start
         log.info("paged run %s into slot %d from %.2f MiB of host memory", run_id, slot, nbytes / 2**20)
         return nbytes
+
+    @contextlib.contextmanager
+    def _released_on_failure(self, owner: str, slot: int) -> Iterator[None]:
+        """A page-in that raises (a device out of memory) gives its slot back, cleared; the host copy stays.
+        The slot had stayed allocated: the run read an empty adapter or failed for good, a snapshot sampled
+        the base model, and paging another owner out later tripped over the half-made slot."""
+        try:
+            yield
+        except BaseException:
+            try:
+                self.bank.clear(slot)
+            except Exception:
+                log.exception("could not clear slot %d after a failed page-in of %s", slot, owner)
+            if owner in self.bank.slots:
+                self.bank.release(owner)
+            raise
 
     def _make_room(self, protect: frozenset[str]) -> None:
         slots = self.bank.slots
@@ -121,7 +139,8 @@ class Pager:
         info = host.info
         self._make_room(protect | {snapshot_id})
         slot = self.bank.allocate(snapshot_id, "sampler", info.rank, info.alpha, info.targets).slot
-        self.bank.restore_snapshot(snapshot_id, slot)
+        with self._released_on_failure(snapshot_id, slot):
+            self.bank.restore_snapshot(snapshot_id, slot)
         self.stats.page_ins += 1
         self.stats.seconds += time.perf_counter() - start
         return slot

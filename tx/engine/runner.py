@@ -172,7 +172,8 @@ class JaxRunner:
         self.submit(waiting)  # in their order: the first that finds no slot makes the rest wait behind it
         self.weights.loads.keep_only({ref.snapshot_id for i in self.slot_waiting if (ref := _weights_of(i))})
         done, self.outbox = self.outbox, []
-        plan = self._resident(plan_round(self.pending, self._full_runs(), self._limits()))
+        plan, unplaced = self._resident(plan_round(self.pending, self._full_runs(), self._limits()))
+        done += unplaced
         self.notes.planned(plan, self.trainer.runs)
         if plan.fused:
             done += self._forward_backward(plan.fused)
@@ -205,23 +206,30 @@ class JaxRunner:
         paged_out = {r for r, run in self.trainer.runs.items() if not run.resident}
         return RoundLimits(free, self.trainer.micro_batch_tokens, self.long.runs(), self.notes.turns(paged_out))
 
-    def _resident(self, plan: Plan) -> Plan:
+    def _resident(self, plan: Plan) -> tuple[Plan, list[Completion]]:
         """Page in the planned runs that are in host memory; a run that finds no slot (every one held by
-        this round or by snapshots being sampled) waits for a later round."""
+        this round or by snapshots being sampled) waits for a later round, and one whose page-in raises (a
+        device out of memory) fails this round's items, alone: its host copy stays for a later try."""
         self._protect = frozenset(str(i.model_id) for i in plan.items) | self.long.runs()
         waiting: set[str] = set()
+        failed: list[Completion] = []
         for run_id in dict.fromkeys(str(i.model_id) for i in plan.items):
             try:
                 nbytes = self.pager.ensure_resident(run_id, self._protect)
             except SlotsExhausted:
                 waiting.add(run_id)
                 continue
+            except Exception as err:
+                log.exception("paging run %s in failed", run_id)
+                waiting.add(run_id)
+                failed += [Completion(i.future_id, self._error(err)) for i in plan.items if i.model_id == run_id]
+                continue
             if nbytes:
                 self.notes.paged([i for i in plan.items if i.model_id == run_id], nbytes)
         fused = [i for i in plan.fused if i.model_id not in waiting]
         control = [i for i in plan.control if i.model_id not in waiting]
         long = plan.long if plan.long is not None and plan.long.model_id not in waiting else None
-        return Plan(fused, control, long, plan.starved)
+        return Plan(fused, control, long, plan.starved), failed
 
     def _error(self, err: BaseException) -> RequestError:
         data_dir = [self.checkpoint_root.parent] if self.checkpoint_root is not None else []

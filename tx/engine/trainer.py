@@ -224,12 +224,13 @@ class Trainer:
         """Bring a paged-out run back into `slot` (allocated to it in the bank's table), placed as before."""
         run = self.runs[run_id]
         assert run.lora is not None
-        host = self.bank.take_run(run_id)
+        host = self.bank.host[run_id]  # dropped only once on the device: a failed copy leaves the run paged out
         # As `_placed_like` places a LoRA run's state: every leaf replicated (one transfer for all of them).
-        params, run.grads, run.opt_state = packed_to_device((host.params, host.grads, host.opt_state), self._replicated)
-        run.slot = slot
+        params, grads, opt_state = packed_to_device((host.params, host.grads, host.opt_state), self._replicated)
         self.bank.set_scale(slot, run.lora.rank, run.lora.alpha / run.lora.rank)
         self.bank.write(slot, params)  # the whole slot: what the adapter does not train is written zero
+        self.bank.take_run(run_id)
+        run.slot, run.grads, run.opt_state = slot, grads, opt_state
 
     def run_params(self, run: Run) -> Flat:
         if run.params is not None:
