@@ -427,6 +427,28 @@ def test_one_owner_holds_at_most_half_of_the_room_in_flight(sqlite_db: Database)
     assert [i.future_id for i in runner.items][-1] == flood[20]
 
 
+class _Parking(_Holding):
+    """Holds every item as the model pool holds requests for a model still loading (`parked`)."""
+
+    def parked(self) -> int:
+        return len(self.items)
+
+
+def test_two_owners_parked_on_a_loading_model_leave_room_for_a_third(sqlite_db: Database) -> None:
+    """Two owners' floods on a model being loaded (each at its half of `max_in_flight`) filled the room: a
+    third owner's forward_backward on a loaded model waited 57 s in the queue, until the load ended. Parked
+    requests count in each owner's share and in bytes, not in the room."""
+    runner = _Parking()
+    engine = Engine(sqlite_db.queue, runner, claim_limit=16, max_in_flight=40, gather_s=0.0)
+    floods = [_submit_as(sqlite_db, owner, seq) for seq in range(50) for owner in ("tml-a", "tml-b")]
+    for _ in range(6):
+        engine.run_once()
+    assert sorted(engine.in_flight(), key=int) == floods[:40]  # 20 each: the owners' shares
+    other = _submit_as(sqlite_db, "tml-c", 1)
+    engine.run_once()
+    assert other in engine.in_flight() and len(engine.in_flight()) == 41
+
+
 class _NativePanic(BaseException):
     """What pyo3 raises for a panic in a native extension: not an Exception."""
 

@@ -323,10 +323,12 @@ def test_other_models_keep_running_while_one_loads(dirs, tmp_path: Path) -> None
         finished.update((c.future_id, c.result) for c in pool.step())
     assert not isinstance(finished.get(training.future_id), (RequestError, type(None))), finished
     assert waiting.future_id not in finished and str(dirs["llama"]) in pool.loading
+    assert pool.parked() == 1  # the engine leaves it out of its room (`Engine._parked`)
     release.set()
     while waiting.future_id not in finished and time.monotonic() < deadline:
         finished.update((c.future_id, c.result) for c in pool.step())
     assert isinstance(finished.get(waiting.future_id), SampleResult), finished
+    assert pool.parked() == 0
 
 
 def test_a_step_that_fails_unexpectedly_fails_only_its_models_requests(dirs, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -217,15 +217,24 @@ class Engine:
 
     def _claim(self, gathered: Sequence[WorkItem] = ()) -> list[WorkItem]:
         """At most `claim_limit` pending requests, and none past `max_in_flight` claimed and unfinished (half
-        of that for one owner, whose requests parked on a model being loaded held every other tenant off) or
-        past `max_in_flight_bytes` of stored requests: the rest stay queued (not decoded into the engine's
-        memory, not failed by a restart) until there is room."""
+        of that for one owner, whose requests parked on a model being loaded held every other tenant off;
+        parked ones count only in that share, `_parked`) or past `max_in_flight_bytes` of stored requests:
+        the rest stay queued (not decoded into the engine's memory, not failed by a restart) until there is
+        room."""
         held = [entry.item for entry in self._inflight.values()] + list(gathered)
-        room = min(self.claim_limit, self.max_in_flight - len(held))
+        room = min(self.claim_limit, self.max_in_flight - len(held) + self._parked())
         room_bytes = self.max_in_flight_bytes - sum(item.nbytes for item in held)
         if room <= 0 or room_bytes <= 0:
             return []
         return self.queue.claim(room, max(self.max_in_flight // 2, 1), room_bytes)
+
+    def _parked(self) -> int:
+        """Requests the runner holds for a model still loading or downloading (its optional `parked()`): they
+        count in bytes, and in each owner's share, but not in the room, which two owners' floods on a
+        loading model had filled, holding every other tenant's requests queued until the load (56 s, or a
+        download's hours)."""
+        parked = getattr(self.runner, "parked", None)
+        return int(parked()) if parked is not None else 0
 
     def _submitting(self) -> bool:
         submitting = getattr(self.queue, "submitting", None)

@@ -345,6 +345,10 @@ class ModelPool:
             model.runner.discard(held)
             return [Completion(future_id, error) for future_id in held]
 
+    def parked(self) -> int:
+        """How many submitted requests wait for their model's load or download (held by no runner yet)."""
+        return sum(len(items) for items in self.waiting.values())
+
     def idle(self) -> bool:
         return not self.outbox and not self.waiting and all(m.runner.idle() for m in self.models.values())
 
