@@ -332,3 +332,36 @@ def test_stored_metadata_and_tags_are_bounded(http: httpx.Client, training) -> N
     fits = {"k": "x" * ((64 << 10) - 20)}
     ok = http.post("/create_session", json={"user_metadata": fits, "tags": ["t"] * 64, "sdk_version": "0.38.0"})
     assert ok.status_code == 200, ok.text
+
+
+def test_a_source_deleted_or_swapped_mid_copy_is_404_or_503_not_500(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint deleted while `copy_weights` copied it made `shutil.copytree` raise, answered as a 500
+    (the SDK retried it, then got a 404): half of 20 copies racing a delete."""
+    import shutil
+
+    from fastapi import HTTPException
+
+    from tx.api import routes_copy
+
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("a", "b"):
+        (source / name).write_text(name)
+    real_copy = shutil.copyfile  # what copytree's copy2 calls for each file
+    for swap, status in ((False, 404), (True, 503)):
+
+        def copy_then_vanish(src: str, dst: str, *, follow_symlinks: bool = True, swap: bool = swap) -> object:
+            shutil.rmtree(source)  # the delete (or the overwrite's swap) lands mid-copy
+            if swap:
+                source.mkdir()
+            return real_copy(src, dst, follow_symlinks=follow_symlinks)
+
+        monkeypatch.setattr(shutil, "copyfile", copy_then_vanish)
+        with pytest.raises(HTTPException) as err:
+            routes_copy._copy_tree(source, tmp_path / f"dest-{swap}", "tinker://r/weights/src")
+        assert err.value.status_code == status
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".dest")]  # no temporary left behind
+        monkeypatch.setattr(shutil, "copyfile", real_copy)
+        source.mkdir(exist_ok=True)
+        for name in ("a", "b"):
+            (source / name).write_text(name)

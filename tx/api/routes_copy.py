@@ -25,7 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Header
+from fastapi import APIRouter, Body, Header, HTTPException
 from pydantic import BaseModel, ConfigDict
 from pydantic import ValidationError as PydanticValidationError
 from sqlalchemy.exc import IntegrityError
@@ -178,6 +178,10 @@ def _copy_tree(source: Path, dest: Path, source_path: str) -> None:
     try:
         shutil.copytree(source, tmp)
         os.rename(tmp, dest)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, FileNotFoundError | shutil.Error):  # deleted or overwritten meanwhile: not a 500
+            if not source.is_dir():
+                not_found(f"{source_path!r} was deleted while it was being copied")
+            raise HTTPException(503, detail=f"{source_path!r} changed while it was being copied; retry") from None
         raise
