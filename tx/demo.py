@@ -58,6 +58,7 @@ def child_env(url: str, model_dir: Path) -> dict[str, str]:
         TRANSFORMERS_OFFLINE="1",
         TINKER_TELEMETRY="0",
         TOKENIZERS_PARALLELISM="false",
+        TRANSFORMERS_VERBOSITY="error",  # "PyTorch was not found" is not news: the examples use only tokenizers
         TINKER_BASE_URL=url,
         TINKER_API_KEY=API_KEY,
         TINKER_BASE_MODEL=str(model_dir),
@@ -136,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             server.wait()
     except KeyboardInterrupt:
         code = 130
+    except (RuntimeError, TimeoutError) as err:  # the server's own lines above say why
+        print(f"error: {err}", flush=True)
     finally:
         stop(server)
     print("demo " + ("finished" if code == 0 else f"failed (exit {code})"), flush=True)

@@ -37,3 +37,21 @@ def test_demo_runs_offline(tmp_path):
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > 0.8 and last > first + 0.2, rewards
     assert losses[-1] < 0.8 * losses[0] and losses[-1] < min(losses[:3]), losses
+
+
+def test_a_server_that_cannot_start_is_a_one_line_failure(tmp_path, monkeypatch, capsys):
+    """The server refusing to start (another engine holds the data directory, say) printed its reason, then
+    the demo's own traceback, and never "demo failed"."""
+    from tx import demo
+
+    def exits_at_once(model_dir: Path, port: int, data_dir: Path, env: dict) -> subprocess.Popen:
+        line = "error: another SmolGym engine is running on the data directory"
+        return subprocess.Popen([sys.executable, "-c", f"print({line!r}); raise SystemExit(1)"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+    monkeypatch.setattr(demo, "start_server", exits_at_once)
+    monkeypatch.setattr(demo, "write_tiny_model", lambda path: path)
+    assert demo.main(["--data-dir", str(tmp_path), "--port", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "another SmolGym engine" in out and "before it was ready" in out and "demo failed" in out
+    assert "Traceback" not in out
