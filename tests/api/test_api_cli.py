@@ -140,3 +140,20 @@ def test_who_may_load_what_follows_the_listening_address(tmp_path: Path) -> None
     assert allowed() is None and allowed("--host", "127.0.0.1") is None
     assert allowed("--host", "0.0.0.0") == (str(model),)
     assert allowed("--host", "0.0.0.0", "--allow-models", "Qwen/*", "meta-llama/*") == ("Qwen/*", "meta-llama/*")
+
+
+def test_a_taken_port_is_refused_before_the_model_loads(tmp_path) -> None:
+    """uvicorn found the address taken only after the model had loaded (minutes for a large one)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["--base-model", str(tmp_path / "never" / "loaded"), "--data-dir", str(tmp_path), "--port", str(port)]
+        proc = subprocess.run([sys.executable, "-m", "tx.api", "--host", "127.0.0.1", *argv],
+            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert f"error: cannot listen on 127.0.0.1:{port}" in proc.stderr and "Traceback" not in proc.stderr

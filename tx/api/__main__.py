@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -208,6 +209,21 @@ def serve(
     server.run()
 
 
+def check_port(host: str, port: int) -> None:
+    """Exit now if the address is taken: found only by uvicorn, after the model had loaded (minutes for a
+    large one), and its exit status was the one a lost follower's exit documents."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as err:
+        sys.exit(f"error: cannot listen on {host}:{port} ({err.strerror or err}); is another server running? "
+                 "pick another --port")  # fmt: skip
+
+
 def wait_for_signal() -> None:
     """`--role engine`: block until SIGTERM or SIGINT (the engine thread does the work)."""
     stop = threading.Event()
@@ -242,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
         max_runs_per_key=args.max_runs_per_key,
     )
     uploads = UploadStore(settings.data_dir / "uploads", settings.max_upload_bytes)
+    if args.role != "engine":
+        check_port(args.host, args.port)
     engine = pool = lease = None
     try:
         if args.role == "api":
