@@ -25,6 +25,20 @@ def test_unsupported_architecture_lists_supported(hf_models, tmp_path):
         load_hf_config(path)
 
 
+def test_a_config_without_architectures_or_not_json_says_so(hf_models, tmp_path):
+    """A config with no `architectures` read as "unsupported architecture qwen3" (a supported one); broken
+    JSON gave the parser's message without the file's name."""
+    path = copy_model(hf_models()[0], tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["architectures"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r'names no architectures \(model_type .qwen3.\).*"Qwen3ForCausalLM"'):
+        load_hf_config(path)
+    (path / "config.json").write_text("{'model_type': 'qwen3'}")
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
+        load_hf_config(path)
+
+
 def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match="num_kv_heads"):
         ModelConfig(

@@ -97,7 +97,8 @@ def build_runner(
     tuning = machine_tuning(load_hf_config(model_dir, dtype), config.sampler.max_rows, store)
     adapters = config.adapters
     mesh = make_mesh(1, config.fsdp_size, config.tensor_parallel_size, expert=config.expert_parallel_size)
-    log.info("loading %s (%s)", model_dir, dtype or "checkpoint dtype")
+    where = f"{mesh.devices.size} {mesh.devices.flat[0].platform} device{'s' if mesh.devices.size > 1 else ''}"
+    log.info("loading %s (%s) on %s", model_dir, dtype or "checkpoint dtype", where)  # "1 cpu device": no GPU jax
     # Slot 0 is the base model. The stacks start at the smallest rank bucket: the bank widens them to the
     # ranks of the adapters it holds (up to --max-lora-rank), so no array is ever allocated at the limit.
     width = rank_bucket(1, adapters.max_lora_rank)

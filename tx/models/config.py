@@ -356,6 +356,12 @@ def _check_whole_numbers(hf: dict[str, Any]) -> None:
 
 def family_of(hf: dict[str, Any]) -> str:
     archs = hf.get("architectures") or []
+    if not archs:
+        named = [a for a, family in ARCHITECTURES.items() if family == hf.get("model_type")]
+        hint = f', e.g. "architectures": ["{named[0]}"]' if named else ""
+        raise ValueError(
+            f"config.json names no architectures (model_type {hf.get('model_type')!r}); add its class{hint}"
+        )
     for arch in archs:
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]
@@ -404,4 +410,10 @@ def load_hf_config(model_dir: str | Path, dtype: str | None = None) -> ModelConf
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a model directory needs a Hugging Face config.json")
-    return ModelConfig.from_hf(json.loads(path.read_text()), dtype=dtype)
+    try:
+        hf = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return ModelConfig.from_hf(hf, dtype=dtype)
