@@ -161,7 +161,7 @@ def test_a_hub_model_with_only_its_config_cached_is_left_to_the_engine_to_fetch(
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     served = ModelCatalog(ModelRules()).get("alice", "org/big")
     assert served.model_dir == "org/big" and served.info.vocab_size == 300
-    with pytest.raises(FileNotFoundError, match="not in the HF cache"):
+    with pytest.raises(FileNotFoundError, match="not in the HF cache .*`hf download org/big`"):
         locate_model("org/big")  # offline, and the cache holds no weights
     (snapshot / "model.safetensors").write_bytes(b"")
     assert locate_model("org/big") == snapshot

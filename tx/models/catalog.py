@@ -46,7 +46,10 @@ def locate_model(name_or_dir: str) -> Path:
     except Exception:
         pass
     if hub_offline():
-        raise FileNotFoundError(f"{name_or_dir!r} is not a local directory and is not in the HF cache (offline mode)")
+        raise FileNotFoundError(
+            f"{name_or_dir!r} is not a local directory and is not in the HF cache (offline mode: HF_HUB_OFFLINE is "
+            f"set); download it once with `hf download {name_or_dir}`, or unset HF_HUB_OFFLINE"
+        )
     try:
         return Path(snapshot_download(name_or_dir, allow_patterns=list(HF_FILES)))
     except Exception as err:
