@@ -35,18 +35,27 @@ class BodyLimit:
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
             await self.refuse(send)
             return
-        seen = 0
+        seen, tripped = 0, False
 
         async def counted() -> Message:
-            nonlocal seen
+            nonlocal seen, tripped
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
+                    tripped = True
                     raise BodyTooLarge(self.detail())
             return message
 
-        await self.app(scope, counted, send)
+        async def answered(message: Message) -> None:
+            """Once the body passed the limit, the answer is our 413, whatever the handler made of the error:
+            FastAPI's body parsing turned it into a 400 "error parsing the body" naming no limit."""
+            if not tripped:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                await self.refuse(send)
+
+        await self.app(scope, counted, answered)
 
     def detail(self) -> str:
         return f"request body is larger than this server's limit of {self.max_bytes} bytes"
