@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from tx.models.attention import AttentionMask
 from tx.models.layers import rms_norm, swiglu
@@ -120,3 +121,28 @@ def test_rope_gradient_is_the_inverse_rotation():
     mine = jax.grad(lambda x: jnp.sum(apply_rope(x, positions, inv_freq) * d))(x)
     ref = jax.grad(lambda x: jnp.sum(plain(x) * d))(x)
     np.testing.assert_allclose(mine, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
+def test_bfloat16_norms_round_where_the_reference_rounds(family):
+    """Qwen3.5's offset norms and gpt-oss's multiply by the weight in float32 and round once; ours rounded
+    the normalised input (and Qwen3.5's 1 + w) to bfloat16 first: a third of the outputs a bit off, each
+    such error carried down the residual stream. Now bit for bit those of transformers' modules."""
+    import torch
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    from tx.models.layers import RMSNorm
+
+    rng = np.random.RandomState(0)
+    x, w = rng.randn(64, 256).astype(np.float32) * 3, (rng.randn(256) * 0.05).astype(np.float32)
+    stored = w if family == "qwen3_5" else 1 + w  # Qwen3.5 stores its norms zero-centred
+    ref = (Qwen3_5RMSNorm if family == "qwen3_5" else GptOssRMSNorm)(256, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.copy_(torch.tensor(stored))
+    want = ref.to(torch.bfloat16)(torch.tensor(x).to(torch.bfloat16)).float().detach().numpy()
+    offset = 1.0 if family == "qwen3_5" else 0.0  # an offset norm multiplies in float32 of itself
+    ours = RMSNorm(256, 1e-6, jnp.bfloat16, offset=offset, f32_product=family == "gpt_oss")
+    ours.weight[...] = jnp.asarray(stored, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(ours(jnp.asarray(x, jnp.bfloat16)).astype(jnp.float32)), want)

@@ -41,9 +41,10 @@ CacheT = TypeVar("CacheT", KVCache, LayerCache)
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, lora: LoRASpec | None, stack: tuple[int, ...], tuning: Tuning) -> None:
         dt = jnp.dtype(cfg.dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, stack)
+        f32 = cfg.family == "gpt_oss"  # its norms multiply in float32 and round once (`RMSNorm`)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, stack, f32_product=f32)
         self.self_attn = Attention(cfg, lora, stack, tuning)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, stack)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, stack, f32_product=f32)
         if cfg.dense_mlp_layers:  # Qwen3-MoE with dense layers: one `mlp` holding both kinds' stacks
             self.mlp: MLP | SparseMoeBlock = MixedMLP(cfg, lora, tuning)
         elif cfg.moe:
@@ -132,7 +133,7 @@ class Model(nnx.Module):
         dt = jnp.dtype(cfg.dtype)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dt)
         self.layers = DecoderLayer(cfg, lora, (cfg.num_layers,), tuning)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, f32_product=cfg.family == "gpt_oss")
 
 
 class LMHead(nnx.Module):

@@ -25,33 +25,45 @@ from tx.tuning import Tuning
 
 
 class RMSNorm(nnx.Module):
-    """`(offset + weight) * x / rms(x)`; Qwen3.5 stores its norms zero-centred (offset 1)."""
+    """`(offset + weight) * x / rms(x)`; Qwen3.5 stores its norms zero-centred (offset 1). Where the model's
+    reference multiplies by the weight in float32 and rounds once (Qwen3.5's offset norms, gpt-oss:
+    `f32_product`), so does this; Llama and Qwen3 round the normalised input to the dtype first."""
 
     def __init__(
-        self, dim: int, eps: float, dtype: jnp.dtype, stack: tuple[int, ...] = (), offset: float = 0.0
+        self,
+        dim: int,
+        eps: float,
+        dtype: jnp.dtype,
+        stack: tuple[int, ...] = (),
+        offset: float = 0.0,
+        f32_product: bool = False,
     ) -> None:
         self.weight = nnx.Param(jnp.ones((*stack, dim), dtype), logical_axes=(*("layers",) * len(stack), "norm"))
-        self.eps, self.offset = eps, offset
+        self.eps, self.offset, self.f32_product = eps, offset, f32_product or bool(offset)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.weight[...]
-        return rms_norm(x, weight + self.offset if self.offset else weight, self.eps)
+        if self.f32_product:  # 1 + w rounded to bfloat16 lost the small weights' bits
+            weight = weight.astype(jnp.float32) + self.offset
+        return rms_norm(x, weight, self.eps, self.f32_product)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """weight * x / sqrt(mean(x^2) + eps), normalised in float32. Differentiated by hand from x and the
-    per-token scale alone (autodiff kept the float32 copy and the normalised activations as well)."""
-    return _rms_norm_fwd(x, weight, eps)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, f32_product: bool = False) -> jax.Array:
+    """weight * x / sqrt(mean(x^2) + eps), normalised in float32, in x's dtype. Differentiated by hand from x
+    and the per-token scale alone (autodiff kept the float32 copy and the normalised activations as well)."""
+    return _rms_norm_fwd(x, weight, eps, f32_product)[0]
 
 
-def _rms_norm_fwd(x: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.Array, tuple]:
+def _rms_norm_fwd(x: jax.Array, weight: jax.Array, eps: float, f32_product: bool) -> tuple[jax.Array, tuple]:
     x32 = x.astype(jnp.float32)
     scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if f32_product:
+        return (weight.astype(jnp.float32) * (x32 * scale)).astype(x.dtype), (x, weight, scale)
     return weight * (x32 * scale).astype(x.dtype), (x, weight, scale)
 
 
-def _rms_norm_bwd(eps: float, res: tuple, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _rms_norm_bwd(eps: float, f32_product: bool, res: tuple, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
     x, weight, scale = res
     normed = x.astype(jnp.float32) * scale
     d_normed = dy.astype(jnp.float32) * weight.astype(jnp.float32)
