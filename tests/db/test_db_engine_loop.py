@@ -14,10 +14,12 @@ from sqlmodel import Session
 from tx.db import Database, open_database, owner_of
 from tx.db.tables import FutureRow
 from tx.engine.loop import Completion, Engine, StepError
+from tx.engine.restart import RestartGate
 from tx.protocol import (
     AdamParams,
     Datum,
     ForwardBackwardRequest,
+    LostState,
     OptimStepRequest,
     OptimStepResult,
     SampledSequence,
@@ -439,7 +441,8 @@ def test_two_owners_parked_on_a_loading_model_leave_room_for_a_third(sqlite_db: 
     third owner's forward_backward on a loaded model waited 57 s in the queue, until the load ended. Parked
     requests count in each owner's share and in bytes, not in the room."""
     runner = _Parking()
-    engine = Engine(sqlite_db.queue, runner, claim_limit=16, max_in_flight=40, gather_s=0.0)
+    gated = RestartGate(runner, LostState({}, frozenset()))  # as the server wraps its runner
+    engine = Engine(sqlite_db.queue, gated, claim_limit=16, max_in_flight=40, gather_s=0.0)
     floods = [_submit_as(sqlite_db, owner, seq) for seq in range(50) for owner in ("tml-a", "tml-b")]
     for _ in range(6):
         engine.run_once()

@@ -45,8 +45,10 @@ def test_sweep_removes_save_markers_without_counting_them_as_half_written(tmp_pa
     done = _make(run / "weights" / "done", {"run.json": "{}"})
     (run / "weights" / ".done.saved-by").write_text("42")
     (run / "weights" / ".done.saved-by.tmp").write_text("4")
+    named = _make(run / "sampler_weights" / "epoch1.saved-by-alice", {"adapter_config.json": "{}"})  # a user's
     assert sweep_partial(tmp_path / "checkpoints") == []
     assert [p.name for p in (run / "weights").iterdir()] == ["done"] and (done / "run.json").is_file()
+    assert (named / "adapter_config.json").is_file()
 
 
 def test_sweep_keeps_finished_checkpoints_whose_names_look_like_temporaries(tmp_path: Path) -> None:

@@ -135,7 +135,7 @@ def sweep_partial(root: Path) -> list[Path]:
     for entry in sorted(root.glob("*/*/*")) if root.is_dir() else []:
         if _put_back(entry):
             continue
-        if ".saved-by" in entry.name:  # a finished save's marker (`mark_saved`), read by now: no half-write
+        if _is_marker(entry):  # a finished save's marker (`mark_saved`), read by now: no half-write
             entry.unlink(missing_ok=True)
             continue
         # user names never start with "." (`tx.names`), and every writer's temporary does (`save_hf`'s too); a
@@ -150,6 +150,11 @@ def sweep_partial(root: Path) -> list[Path]:
                 path.unlink(missing_ok=True)
             removed.append(path)
     return removed
+
+
+def _is_marker(entry: Path) -> bool:
+    """`.NAME.saved-by` (or its temporary): dot-named, so no user's checkpoint (`epoch.saved-by-x` is one)."""
+    return entry.name.startswith(".") and entry.name.endswith((".saved-by", ".saved-by.tmp")) and entry.is_file()
 
 
 def _put_back(entry: Path) -> bool:

@@ -131,6 +131,10 @@ class LeaderRunner:
             log.error("a step failed while a follower was lost; waiting for the leader to exit")
             threading.Event().wait()
 
+    def parked(self) -> int:
+        """The inner runner's requests waiting for a model load (`Engine._parked`)."""
+        return int(getattr(self.runner, "parked", lambda: 0)())
+
     def discard(self, future_ids: Sequence[str]) -> None:
         self._send("discard", list(future_ids))
         getattr(self.runner, "discard", lambda _: None)(future_ids)

@@ -73,6 +73,10 @@ class RestartGate:
     def idle(self) -> bool:
         return not self.outbox and self.runner.idle()
 
+    def parked(self) -> int:
+        """The inner runner's requests waiting for a model load (`Engine._parked`)."""
+        return int(getattr(self.runner, "parked", lambda: 0)())
+
     def discard(self, future_ids: Sequence[str]) -> None:
         gone = set(future_ids)
         self.outbox = [c for c in self.outbox if c.future_id not in gone]
