@@ -409,6 +409,13 @@ def test_a_page_in_that_raises_fails_only_that_runs_items_and_the_run_comes_back
     and its slot stayed held for good."""
     import tx.engine.trainer as trainer_module
 
+    fit, widenings = runner.bank._fit, iter([True])
+
+    def widen_fails_once(at_least: int = 1) -> None:
+        if next(widenings, False):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while widening the adapter stacks")
+        fit(at_least)
+
     for name in ("twin", "victim"):
         _create(runner, name)
         _step(runner, name, [5, 6, 7, 8, 9])
@@ -430,6 +437,10 @@ def test_a_page_in_that_raises_fails_only_that_runs_items_and_the_run_comes_back
     assert isinstance(failed, RequestError) and "out of memory" in failed.message
     assert isinstance(sampled, SampleResult) and len(sampled.sequences[0].tokens) == 3
     assert "victim" in runner.bank.host and "victim" not in runner.slots and not runner.trainer.runs["victim"].resident
+    monkeypatch.setattr(runner.bank, "_fit", widen_fails_once)  # the slot's allocation raises this time
+    (failed,) = _run(runner, _item("forward_backward", "victim", _fb([9, 3, 4])))
+    assert isinstance(failed, RequestError) and "widening" in failed.message and "victim" not in runner.slots
+    monkeypatch.setattr(runner.bank, "_fit", fit)
     _touch(runner, "twin")
     results = {name: _step(runner, name, [9, 3, 4, 11, 2, 7]) for name in ("victim", "twin")}
     np.testing.assert_array_equal(results["victim"].outputs[0]["logprobs"], results["twin"].outputs[0]["logprobs"])

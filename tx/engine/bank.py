@@ -134,9 +134,15 @@ class AdapterBank:
         alpha: float = DEFAULT_ALPHA,
         targets: frozenset[str] = ALL_TARGETS,
     ) -> SlotInfo:
-        """A slot for `owner` (`SlotTable.allocate`), the stacks widened first if `rank` needs it."""
+        """A slot for `owner` (`SlotTable.allocate`), the stacks widened first if `rank` needs it; a widening
+        that raises (a device out of memory) leaves no slot held: the owner had kept one it could not use,
+        and every later request of it failed ("already holds LoRA slot")."""
         info = self.slots.allocate(owner, kind, rank, alpha, targets)
-        self._fit()
+        try:
+            self._fit()
+        except BaseException:
+            self.slots.free(owner)
+            raise
         return info
 
     def release(self, owner: str) -> SlotInfo:
