@@ -337,6 +337,7 @@ def test_stored_metadata_and_tags_are_bounded(http: httpx.Client, training) -> N
 def test_a_source_deleted_or_swapped_mid_copy_is_404_or_503_not_500(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint deleted while `copy_weights` copied it made `shutil.copytree` raise, answered as a 500
     (the SDK retried it, then got a 404): half of 20 copies racing a delete."""
+    import errno
     import shutil
 
     from fastapi import HTTPException
@@ -365,3 +366,11 @@ def test_a_source_deleted_or_swapped_mid_copy_is_404_or_503_not_500(tmp_path, mo
         source.mkdir(exist_ok=True)
         for name in ("a", "b"):
             (source / name).write_text(name)
+
+    def disk_full(src: str, dst: str, *, follow_symlinks: bool = True) -> object:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", disk_full)  # a full disk is the app's 507, not "changed; retry"
+    with pytest.raises(OSError) as full:
+        routes_copy._copy_tree(source, tmp_path / "dest-full", "tinker://r/weights/src")
+    assert full.value.errno == errno.ENOSPC and not isinstance(full.value, shutil.Error)

@@ -14,6 +14,7 @@ a request whose destination already holds the same checkpoint returns that copy 
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import hashlib
 import json
@@ -180,8 +181,18 @@ def _copy_tree(source: Path, dest: Path, source_path: str) -> None:
         os.rename(tmp, dest)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, FileNotFoundError | shutil.Error):  # deleted or overwritten meanwhile: not a 500
+        if isinstance(err, FileNotFoundError | shutil.Error) and not _disk_full(err):  # deleted or swapped
             if not source.is_dir():
                 not_found(f"{source_path!r} was deleted while it was being copied")
             raise HTTPException(503, detail=f"{source_path!r} changed while it was being copied; retry") from None
+        if isinstance(err, shutil.Error) and _disk_full(err):  # the app answers a full disk 507
+            raise OSError(errno.ENOSPC, "no space left on device") from err
         raise
+
+
+def _disk_full(err: BaseException) -> bool:
+    """Whether a copy failed for space: `copytree` gathers each file's error as text into one `shutil.Error`."""
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return True
+    errors = err.args[0] if isinstance(err, shutil.Error) and err.args and isinstance(err.args[0], list) else []
+    return any("No space left" in str(error) for error in errors)
