@@ -81,6 +81,14 @@ def test_no_window_means_every_layer_attends_fully():
     assert cfg.sliding_layers == () and cfg.sliding_window == 0
 
 
+def test_rope_absent_is_transformers_default_yarn_and_empty_is_plain():
+    """transformers gives a config with no rope parameters its default YaRN, and one with `{}` plain rope."""
+    bare = {k: v for k, v in HUB.items() if k not in ("rope_scaling", "rope_parameters")}
+    absent = ModelConfig.from_hf(bare).rope_scaling
+    assert absent is not None and (absent.factor, absent.original_max_position_embeddings) == (32, 4096)
+    assert ModelConfig.from_hf({**bare, "rope_parameters": {}}).rope_scaling is None
+
+
 @pytest.mark.parametrize(
     "change,message",
     [
@@ -91,7 +99,6 @@ def test_no_window_means_every_layer_attends_fully():
         ({"layer_types": ["full_attention"]}, "layer_types"),
         ({"experts_per_token": 3}, "disagree"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "not supported for gpt_oss"),
-        ({"rope_scaling": {**HUB["rope_scaling"], "short_factor": [1.0]}}, "rope parameters ['short_factor'] are not"),
         ({"swiglu_limit": 0.0}, "swiglu_limit must be > 0"),
         ({"num_local_experts": 1}, "num_experts_per_tok must be in 1..num_experts"),
     ],

@@ -37,6 +37,7 @@ ROPE_CORNERS = [
     {"rope_type": "yarn", "factor": 4.0},  # no pre-training length: the context's (256), not a default of 8192
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
     {"type": "yarn", "factor": 2.0, "beta_fast": 16.0, "truncate": False},  # an older config's spelling
+    {"rope_type": "yarn", "factor": 4.0, "mscale": 0, "finetuned": True},  # keys transformers ignores
 ]
 
 
@@ -60,16 +61,3 @@ def test_rope_scaling_corners_match_transformers(hf_models, tmp_path, rope):
     tokens = np.random.RandomState(2).randint(0, cfg.vocab_size, (1, 200))
     ours, _ = model(tokens)
     np.testing.assert_allclose(np.asarray(ours), reference_logits(reference, tokens), atol=1e-4, rtol=0)
-
-
-def test_rope_parameters_transformers_reads_and_smolgym_does_not_are_refused(hf_models, tmp_path):
-    import json
-    import shutil
-
-    source, _ = hf_models("llama", 2, False, "default")
-    shutil.copytree(source, tmp_path, dirs_exist_ok=True)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "long_factor": [1.0]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"rope parameters \['long_factor'\] are not supported"):
-        load_model(str(tmp_path), progress=False)

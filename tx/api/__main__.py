@@ -212,7 +212,7 @@ def serve(
 def check_port(host: str, port: int) -> None:
     """Exit now if the address is taken: found only by uvicorn, after the model had loaded (minutes for a
     large one), and its exit status was the one a lost follower's exit documents."""
-    if port == 0:
+    if port == 0 or not host:  # "" binds every interface, which getaddrinfo cannot name
         return
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -220,8 +220,8 @@ def check_port(host: str, port: int) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
             probe.bind(address)
     except OSError as err:
-        sys.exit(f"error: cannot listen on {host}:{port} ({err.strerror or err}); is another server running? "
-                 "pick another --port")  # fmt: skip
+        sys.exit(f"error: cannot listen on {host}:{port} ({err.strerror or err}): another server on the port, "
+                 "or a --host this machine does not have?")  # fmt: skip
 
 
 def wait_for_signal() -> None:

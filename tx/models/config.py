@@ -380,15 +380,14 @@ ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "hi
 
 
 def _rope_scaling(hf: dict[str, Any], max_positions: int = 4096) -> RopeScaling | None:
-    """The config's rotary scaling as transformers reads it; a key it would read and SmolGym does not is
-    refused (YaRN's `attention_factor` had been dropped without a word: logits 2.3 off)."""
-    params = {k: v for k, v in _rope_params(hf).items() if v is not None}
+    """The config's rotary scaling as transformers reads it: every key its llama3, linear and YaRN scalings
+    read (YaRN's `attention_factor` and mscales had been dropped: logits 2.3 off); others it ignores, and so
+    does this. A zero mscale means none, as there."""
+    params = {k: v for k, v in _rope_params(hf).items() if k in ROPE_KEYS and v is not None}
+    params = {k: v for k, v in params.items() if not (k in ("mscale", "mscale_all_dim") and v == 0)}
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     if rope_type == "default":
         return None
-    unknown = sorted(set(params) - ROPE_KEYS)
-    if unknown:
-        raise ValueError(f"rope parameters {unknown} are not supported (SmolGym reads {sorted(ROPE_KEYS)})")
     # the pre-training length: a top-level field first (as transformers), then the rope's, then the context
     original = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
     original = original or hf.get("max_position_embeddings") or max_positions

@@ -106,7 +106,7 @@ DEFAULT_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
 
 def _yarn(hf: dict[str, Any]) -> RopeScaling | None:
     params = _rope_params(hf)
-    if not params:
+    if hf.get("rope_parameters") is None and hf.get("rope_scaling") is None:  # absent; {} means plain rope
         hf = {**hf, "rope_parameters": DEFAULT_YARN}
     elif (params.get("rope_type") or params.get("type") or "default") not in ("default", "yarn"):
         raise ValueError(f"rope parameters {params} are not supported for gpt_oss (YaRN or none)")
