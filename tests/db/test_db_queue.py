@@ -579,6 +579,61 @@ def test_postgres_notify_reaches_another_server(db: Database) -> None:
         other.close()
 
 
+def _other_server(db: Database) -> Database:
+    from tx.db import open_database
+
+    other = open_database(db.engine.url.render_as_string(hide_password=False), ".")
+    time.sleep(0.3)  # let its listener connect
+    return other
+
+
+def test_a_restart_wakes_the_long_polls_of_the_requests_it_fails(db: Database) -> None:
+    """`recover` failed the claimed requests without a NOTIFY: another API process's long poll on one
+    answered only at its deadline (25 s), though the request had failed seconds before."""
+    if db.listener is None:
+        pytest.skip("LISTEN/NOTIFY only applies to Postgres")
+    other = _other_server(db)
+    try:
+        claimed = _submit(db, 1)
+        db.queue.claim(10)
+        threading.Timer(0.2, db.queue.recover).start()
+        start = time.monotonic()
+        row = asyncio.run(other.queue.wait_finished(claimed, 20.0))
+        assert row is not None and row.status == "failed" and time.monotonic() - start < 10.0
+    finally:
+        other.close()
+
+
+def test_a_listener_that_reconnects_wakes_the_long_polls_it_may_have_missed(db: Database) -> None:
+    """Notifications sent while the LISTEN connection was down are gone: a long poll on a request that
+    finished then waited out its deadline. The reconnected listener wakes every waiter to look again."""
+    if db.listener is None:
+        pytest.skip("LISTEN/NOTIFY only applies to Postgres")
+    from sqlalchemy import text
+
+    other = _other_server(db)
+    try:
+        future = _submit(db, 1)
+        items: list = []
+        while not items:  # a claim looks at the table on a signal, or every rescan_s
+            items = db.queue.claim(10)
+        (item,) = items
+
+        def finish_unheard() -> None:
+            with other.engine.begin() as conn:  # the listener's connection ends; the finish sends no NOTIFY
+                conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                  "WHERE query LIKE 'LISTEN%' AND pid <> pg_backend_pid()"))  # fmt: skip
+                conn.execute(text("UPDATE futures SET status = 'failed', error = 'x' WHERE id = :id"),
+                             {"id": int(item.future_id)})  # fmt: skip
+
+        threading.Timer(0.3, finish_unheard).start()
+        start = time.monotonic()
+        row = asyncio.run(other.queue.wait_finished(future, 20.0))
+        assert row is not None and row.status == "failed" and time.monotonic() - start < 10.0
+    finally:
+        other.close()
+
+
 def test_opening_an_up_to_date_postgres_database_takes_no_table_locks(db: Database) -> None:
     """A server starting beside live ones (an API server restarted mid-run) must not queue for an exclusive
     lock on the tables they read: its no-op ALTER TABLEs once deadlocked against their queries."""

@@ -11,12 +11,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import defaultdict
+from typing import Any
 
 log = logging.getLogger("tx.db")
 
 WORK_CHANNEL = "smolgym_work"
 DONE_CHANNEL = "smolgym_done"
+PING_S = 10.0  # a quiet listener checks its connection this often
+# libpq's TCP settings for the listener: a dead peer found in seconds, not after the kernel's two hours
+KEEPALIVE: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
+             "tcp_user_timeout": 15000}  # fmt: skip
 
 
 class Notifier:
@@ -67,6 +73,15 @@ class Notifier:
             if not entries:
                 self._waiters.pop(future_id, None)
 
+    def wake_all(self) -> None:
+        """Every waiter looks again, and the engine: what finished or arrived while no listener was connected
+        (each long poll re-reads its row, and waits on if it is still running)."""
+        self.work_submitted()
+        with self._lock:
+            future_ids = list(self._waiters)
+        for future_id in future_ids:
+            self.result_ready(future_id)
+
     def result_ready(self, future_id: str) -> None:
         with self._lock:
             entries = list(self._waiters.get(future_id, []))
@@ -100,17 +115,33 @@ class PgListener:
     def _run(self) -> None:
         import psycopg
 
+        again = False
         while not self._stop.is_set():
             try:
-                with psycopg.connect(self.conninfo, autocommit=True) as conn:
+                with psycopg.connect(self.conninfo, autocommit=True, **KEEPALIVE) as conn:
                     conn.execute(f"LISTEN {WORK_CHANNEL}")
                     conn.execute(f"LISTEN {DONE_CHANNEL}")
-                    while not self._stop.is_set():
-                        for note in conn.notifies(timeout=1.0):
-                            self._dispatch(note.channel, note.payload)
+                    if again:  # what was sent while no connection listened is lost: everyone looks again
+                        self.notifier.wake_all()
+                    again = True
+                    self._listen(conn)
             except Exception:
                 log.exception("postgres LISTEN connection failed; reconnecting")
                 self._stop.wait(1.0)
+
+    def _listen(self, conn: Any) -> None:
+        """Relay notifications; after `PING_S` without one, a query proves the connection alive. A listener
+        only reads, so a connection a NAT or load balancer dropped without a word went unnoticed: every long
+        poll ran to its 25 s deadline, for good. The query fails (at worst after `tcp_user_timeout`) and the
+        caller reconnects."""
+        heard = time.monotonic()
+        while not self._stop.is_set():
+            for note in conn.notifies(timeout=1.0):
+                self._dispatch(note.channel, note.payload)
+                heard = time.monotonic()
+            if time.monotonic() - heard > PING_S:
+                conn.execute("SELECT 1")
+                heard = time.monotonic()
 
     def _dispatch(self, channel: str, payload: str) -> None:
         if channel == WORK_CHANNEL:

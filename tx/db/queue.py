@@ -378,6 +378,8 @@ class SqlQueue:
                 row.status, row.payload, row.completed_at = "failed", None, time.time()
                 row.error, row.error_category = RUNNING_AT_RESTART, "server"
             self._mark_linked(session, [str(row.id) for row in stale], "failed")
+            for row in stale:  # long polls on other API processes waited out their deadline (25 s)
+                self._pg_notify(session, DONE_CHANNEL, str(row.id))
             _put_back_orphans(session)
             lost = LostState(self._lost_runs(session), self._lost_snapshots(session))
             session.execute(RUNS.update().where(RUNS.c.status == "ready").values(status="unloaded"))
