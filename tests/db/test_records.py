@@ -308,3 +308,26 @@ def test_an_expired_checkpoints_removal_leaves_a_save_that_took_its_name_since(d
     remove_checkpoint(records, tmp_path, read["weights/y"])
     assert not directories["y"].exists() and records.get_checkpoint(run.id, "weights/y", ME, expired=True) is None
     assert sorted(p.name for p in directories["y"].parent.iterdir()) == ["x"]
+
+
+def test_a_sampler_another_request_inserted_meanwhile_is_returned_not_a_500(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A create_sampling_session and its retry racing (on Postgres, or on two API processes) both found no
+    row, and the second insert's IntegrityError was a 500. The loser returns the winner's row."""
+    import sqlmodel
+
+    first = SamplingSessionRow(id="s:sample:0", session_id="s", owner=ME, base_model="b")
+    db.records.add_sampling_session(first)
+    real_get, misses = sqlmodel.Session.get, iter([True])
+
+    def racing_get(self, entity, ident, **kw):  # type: ignore[no-untyped-def]
+        if next(misses, False):  # the other request's insert lands after this look
+            return None
+        return real_get(self, entity, ident, **kw)
+
+    monkeypatch.setattr(sqlmodel.Session, "get", racing_get)
+    kept = db.records.add_sampling_session(
+        SamplingSessionRow(id="s:sample:0", session_id="s", owner=ME, base_model="b")
+    )
+    assert (kept.id, kept.base_model, kept.owner) == ("s:sample:0", "b", ME)

@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import and_, func, or_
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, SQLModel, col, select
 
 from tx.db.connect import WriteLock
@@ -262,13 +263,21 @@ class Records:
     # ---- sampling -----------------------------------------------------------------------------
 
     def add_sampling_session(self, row: SamplingSessionRow) -> SamplingSessionRow:
-        """Insert, or return the existing row for a repeated (session, seq) id."""
+        """Insert, or return the existing row for a repeated (session, seq) id: also when a retry racing this
+        call inserted it first (on Postgres, or from another API process: a 500 the SDK retried)."""
         with self.write_lock.held(), self._session() as session:
             existing = session.get(SamplingSessionRow, row.id)
             if existing is not None:
                 return existing
             session.add(row)
-            session.commit()
+            try:
+                session.commit()
+            except IntegrityError:
+                session.rollback()
+                raced = session.get(SamplingSessionRow, row.id)
+                if raced is None:
+                    raise
+                return raced
         return row
 
     def get_sampling_session(self, sampler_id: str, owner: str) -> SamplingSessionRow | None:
