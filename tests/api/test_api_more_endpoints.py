@@ -374,3 +374,21 @@ def test_a_source_deleted_or_swapped_mid_copy_is_404_or_503_not_500(tmp_path, mo
     with pytest.raises(OSError) as full:
         routes_copy._copy_tree(source, tmp_path / "dest-full", "tinker://r/weights/src")
     assert full.value.errno == errno.ENOSPC and not isinstance(full.value, shutil.Error)
+
+
+def test_a_copy_racing_its_retry_keeps_the_recorded_copy_and_replaces_only_leftovers(tmp_path) -> None:
+    """Two processes serving the same idempotent copy: the loser removed the winner's recorded directory
+    up front and its rename could then raise (a 500). A recorded copy in place stays; a dead copy's
+    leftovers are replaced; no temporary remains either way."""
+    from tx.api import routes_copy
+
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "adapter.safetensors").write_text("new")
+    for owned, kept in ((True, "winner"), (False, "new")):
+        dest = tmp_path / f"dest-{owned}"
+        dest.mkdir()
+        (dest / "adapter.safetensors").write_text("winner" if owned else "leftover")
+        routes_copy._copy_tree(source, dest, "tinker://r/weights/src", lambda owned=owned: owned)
+        assert (dest / "adapter.safetensors").read_text() == kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dest-False", "dest-True", "src"]

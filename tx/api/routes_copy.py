@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any
@@ -107,7 +108,11 @@ def _copy_weights(
         return _existing_copy(ctx, existing, dest, owner)
 
     directory = checkpoint_dir(ctx.settings.data_dir, dest)
-    _copy_tree(Path(source.directory), directory, request.source_path)
+
+    def owned() -> bool:
+        return ctx.db.records.get_run(run_id, owner) is not None
+
+    _copy_tree(Path(source.directory), directory, request.source_path, owned)
     run = TrainingRunRow(
         id=run_id, session_id=session_id, owner=owner, base_model=source_run.base_model,
         lora_rank=source_run.lora_rank, lora_alpha=source_run.lora_alpha, train_attn=source_run.train_attn,
@@ -168,17 +173,18 @@ def _existing_copy(ctx: AppContext, run: TrainingRunRow, dest: TinkerPath, owner
     user_error(f"the destination training run {run.id!r} already exists; pick an unused model_seq_id")
 
 
-def _copy_tree(source: Path, dest: Path, source_path: str) -> None:
-    """Copy `source` to `dest` atomically: into a sibling temporary directory, then one rename."""
+def _copy_tree(source: Path, dest: Path, source_path: str, owned: Callable[[], bool] = lambda: False) -> None:
+    """Copy `source` to `dest` atomically: into a sibling temporary directory, then one rename. A `dest` in
+    place is the same copy by a racing retry once a record owns it (`owned`): this one's files go; else it
+    is what a copy that died before its records were written left, and is replaced. The stale directory was
+    removed up front, which could remove a racing retry's committed copy, and the rename then raised."""
     if not source.is_dir():
         not_found(f"the files of {source_path!r} are missing on the server")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    if dest.exists():  # left by a copy that died before its records were written (no record owns it)
-        shutil.rmtree(dest)
     tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex}"
     try:
         shutil.copytree(source, tmp)
-        os.rename(tmp, dest)
+        _rename_in(tmp, dest, owned)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(err, FileNotFoundError | shutil.Error) and not _disk_full(err):  # deleted or swapped
@@ -188,6 +194,21 @@ def _copy_tree(source: Path, dest: Path, source_path: str) -> None:
         if isinstance(err, shutil.Error) and _disk_full(err):  # the app answers a full disk 507
             raise OSError(errno.ENOSPC, "no space left on device") from err
         raise
+
+
+def _rename_in(tmp: Path, dest: Path, owned: Callable[[], bool]) -> None:
+    for _ in range(3):
+        try:
+            os.rename(tmp, dest)
+            return
+        except OSError as err:
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        if owned():  # the racing retry's copy of the same checkpoint, recorded: keep it
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        shutil.rmtree(dest, ignore_errors=True)  # a dead copy's leftovers
+    raise OSError(errno.EEXIST, f"{dest.name} keeps being taken")
 
 
 def _disk_full(err: BaseException) -> bool:
