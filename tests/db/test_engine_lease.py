@@ -9,7 +9,7 @@ import pytest
 
 from tx.api.__main__ import main
 from tx.db import Database
-from tx.db.lease import EngineBusy, take_engine_lease
+from tx.db.lease import EngineBusy, EngineLease, take_engine_lease
 from tx.protocol import SampleRequest, SamplingParams, WorkItem
 
 
@@ -43,3 +43,57 @@ def test_a_refused_engine_leaves_the_live_ones_work_alone(tmp_path: Path) -> Non
     assert row is not None and row.status == "running"
     lease.release()
     db.close()
+
+
+def _kill_lease_connection(db: Database, lease: EngineLease) -> None:
+    """What a database restart does to the lock: its connection ends (the lock with it)."""
+    from sqlalchemy import text
+
+    assert lease._connection is not None
+    pid = lease._connection.execute(text("SELECT pg_backend_pid()")).scalar()
+    with db.engine.connect() as conn:
+        conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        conn.commit()
+
+
+def test_an_engine_takes_its_lease_again_after_the_database_restarts(db: Database, tmp_path: Path) -> None:
+    """A Postgres restart dropped the advisory lock with its connection and nothing noticed: a second
+    engine then started, recovered (failing the live one's running work, unloading its runs) and claimed
+    beside it. The watchdog takes the lock again; an engine starting after that is refused."""
+    import time
+
+    if db.engine.dialect.name != "postgresql":
+        pytest.skip("the advisory lock is Postgres's")
+    lost: list[str] = []
+    first = take_engine_lease(db.engine, tmp_path / "a")
+    first.check_s, first.on_lost = 0.1, lambda: lost.append("lost")
+    _kill_lease_connection(db, first)
+    deadline = time.monotonic() + 20
+    while True:  # taken again within a few checks
+        try:
+            take_engine_lease(db.engine, tmp_path / "b").release()
+        except EngineBusy:
+            if first._connection is not None and first._connection.closed is False:
+                break
+        assert time.monotonic() < deadline, "the lease was not taken again"
+        time.sleep(0.2)
+    assert not lost
+    first.release()
+
+
+def test_an_engine_whose_lease_another_took_meanwhile_stops(db: Database, tmp_path: Path) -> None:
+    import time
+
+    if db.engine.dialect.name != "postgresql":
+        pytest.skip("the advisory lock is Postgres's")
+    lost: list[str] = []
+    first = take_engine_lease(db.engine, tmp_path / "a")
+    first.check_s, first.on_lost = 0.5, lambda: lost.append("lost")
+    _kill_lease_connection(db, first)
+    second = take_engine_lease(db.engine, tmp_path / "b")  # in the gap, before the watchdog's next check
+    deadline = time.monotonic() + 20
+    while not lost:
+        assert time.monotonic() < deadline, "the lost lease went unnoticed"
+        time.sleep(0.1)
+    second.release()
+    first.release()

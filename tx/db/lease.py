@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
 
+log = logging.getLogger("tx.db")
 LOCK_FILE = "engine.lock"
 _ADVISORY = text("SELECT pg_try_advisory_lock(hashtext(current_schema() || :key))")
 _ADVISORY_KEY = {"key": "/smolgym-engine"}
@@ -28,16 +32,75 @@ class EngineBusy(RuntimeError):
     """Another engine holds the data directory or the database."""
 
 
+def _exit_lost() -> None:
+    log.critical("another engine took the database's engine lease while it was lost; exiting (status 4)")
+    os._exit(4)
+
+
 class EngineLease:
-    def __init__(self, fd: int, connection: Connection | None) -> None:
-        self._fd, self._connection = fd, connection
+    """Held until `release`. On Postgres a watchdog checks the lock's connection every `check_s`: a
+    database restart drops the advisory lock with the connection, and a second engine could then start,
+    recover (failing this one's running work, unloading its runs) and claim beside it. The watchdog takes
+    the lock again as soon as the database answers; if another engine took it meanwhile, `on_lost` (exit,
+    status 4) ends this one."""
+
+    def __init__(
+        self,
+        fd: int,
+        connection: Connection | None,
+        engine: Engine | None = None,
+        check_s: float = 5.0,
+        on_lost: Callable[[], None] = _exit_lost,
+    ) -> None:
+        self._fd, self._connection, self._engine = fd, connection, engine
+        self.check_s, self.on_lost = check_s, on_lost
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        if connection is not None and engine is not None:
+            threading.Thread(target=self._watch, name="tx-lease", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.check_s):
+            with self._lock:
+                if self._connection is None:
+                    return
+                try:
+                    self._connection.execute(text("SELECT 1"))
+                    continue
+                except Exception:
+                    log.warning("the engine lease's database connection was lost; taking the lease again")
+                    with contextlib.suppress(Exception):
+                        self._connection.invalidate()
+            self._retake()
+
+    def _retake(self) -> None:
+        assert self._engine is not None
+        while not self._stop.is_set():
+            try:
+                connection = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+                taken = bool(connection.execute(_ADVISORY, _ADVISORY_KEY).scalar())
+            except Exception:  # the database is still away
+                self._stop.wait(1.0)
+                continue
+            with self._lock:
+                if self._stop.is_set():
+                    connection.close()
+                    return
+                if taken:
+                    self._connection = connection
+                    log.warning("engine lease taken again")
+                    return
+            connection.close()
+            self.on_lost()
+            return
 
     def release(self) -> None:
-        if self._connection is not None:
-            with contextlib.suppress(Exception):  # a database already gone released the lock with it
-                self._connection.invalidate()  # closed, not returned to the pool still holding the lock
-                self._connection.close()
-            self._connection = None
+        self._stop.set()
+        with self._lock:
+            if self._connection is not None:
+                with contextlib.suppress(Exception):  # a database already gone released the lock with it
+                    self._connection.invalidate()  # closed, not returned to the pool still holding the lock
+                    self._connection.close()
+                self._connection = None
         if self._fd >= 0:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = -1
@@ -57,7 +120,7 @@ def take_engine_lease(engine: Engine, data_dir: Path) -> EngineLease:
             f"another SmolGym engine is running on the database {engine.url.render_as_string(hide_password=True)}"
             " (its schema): run one engine per database, and API-only processes beside it (--role api)"
         )
-    return EngineLease(fd, connection)
+    return EngineLease(fd, connection, engine)
 
 
 def _lock_file(path: Path) -> int:
