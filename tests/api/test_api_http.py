@@ -487,3 +487,24 @@ def test_a_training_state_is_not_a_sampler(http: httpx.Client, model_id: str) ->
     prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}
     reply = http.post("/asample", json={"prompt": prompt, "sampling_params": {"max_tokens": 2}, "model_path": state})
     assert reply.status_code == 400 and "save_weights_for_sampler" in reply.json()["detail"]
+
+
+def test_creates_racing_each_other_stay_within_the_share(tmp_path) -> None:
+    """Each create counted the live runs, then inserted its own in another transaction: eight at once all
+    found room, and one key held six runs on a share of two. Counting and inserting are one step now."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from api.fake_runner import FakeRunner
+    from api.harness import running_server
+
+    with running_server(FakeRunner(), MODEL, tmp_path, max_runs=16, max_runs_per_key=2) as (url, _db):
+        client = httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": KEY}, timeout=30)
+        session = client.post("/create_session", json={"tags": []}).json()["session_id"]
+        body = {"base_model": MODEL.base_model, "lora_config": {"rank": 4}, "session_id": session}
+
+        def create(seq: int) -> int:
+            return client.post("/create_model", json={**body, "model_seq_id": seq}).status_code
+
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(create, range(8)))
+        assert sorted(codes) == [200, 200] + [400] * 6, codes

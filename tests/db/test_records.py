@@ -331,3 +331,31 @@ def test_a_sampler_another_request_inserted_meanwhile_is_returned_not_a_500(
         SamplingSessionRow(id="s:sample:0", session_id="s", owner=ME, base_model="b")
     )
     assert (kept.id, kept.base_model, kept.owner) == ("s:sample:0", "b", ME)
+
+
+def test_run_creation_is_one_at_a_time_across_servers(db: Database) -> None:
+    """`Records.run_creation` holds counting and inserting runs together across API processes (an advisory
+    lock on Postgres), so racing creates cannot all find room."""
+    import threading
+    import time
+
+    from tx.db import open_database
+
+    other = open_database(db.engine.url.render_as_string(hide_password=False), ".") if db.listener else db
+    entered = threading.Event()
+
+    def second() -> None:
+        with other.records.run_creation():
+            entered.set()
+
+    try:
+        with db.records.run_creation():
+            thread = threading.Thread(target=second)
+            thread.start()
+            time.sleep(0.3)
+            assert not entered.is_set()  # the other server waits for this one's insert
+        thread.join(10)
+        assert entered.is_set()
+    finally:
+        if other is not db:
+            other.close()

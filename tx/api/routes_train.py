@@ -24,6 +24,7 @@ from tx.protocol import (
     ForwardBackwardRequest,
     LoraConfig,
     OptimStepRequest,
+    Payload,
     UnloadModelRequest,
 )
 
@@ -52,18 +53,19 @@ def create_model(body: schemas.CreateModelRequest, ctx: Ctx, owner: Owner) -> di
         )
     session_id = body.session_id or _open_session(ctx, owner)
     model_id = f"{session_id}:train:{body.model_seq_id}"
-    check_run_limit(ctx, model_id, owner)
     run = new_run_row(model_id, session_id, owner, body.base_model, lora, body.user_metadata or {})
     payload = CreateModelRequest(body.base_model, lora, body.user_metadata or {}, served.model_dir)
-    return submit(
-        ctx,
-        kind="create_model",
-        payload=payload,
-        owner=owner,
-        model_id=model_id,
-        dedupe_key=f"{model_id}#create",
-        rows=[run],
-    )
+    return submit_new_run(ctx, run, "create_model", payload)
+
+
+def submit_new_run(ctx: AppContext, run: TrainingRunRow, kind: str, payload: Payload) -> dict[str, Any]:
+    """Queue the request that creates `run`, its limits checked and its row inserted as one step
+    (`Records.run_creation`): checked apart, creates racing each other all found room."""
+    with ctx.db.records.run_creation():
+        check_run_limit(ctx, run.id, run.owner)
+        return submit(
+            ctx, kind=kind, payload=payload, owner=run.owner, model_id=run.id, dedupe_key=f"{run.id}#create", rows=[run]
+        )
 
 
 def check_live_session(ctx: AppContext, session_id: str, owner: str) -> None:

@@ -21,7 +21,7 @@ from sqlmodel import SQLModel
 from tx.api import schemas, validate
 from tx.api.context import AppContext, Ctx, Owner, not_found, run_model, submit, usable_run, user_error
 from tx.api.paths import TinkerPath, checkpoint_dir, parse_tinker_path
-from tx.api.routes_train import check_live_session, check_run_limit, new_run_row
+from tx.api.routes_train import check_live_session, new_run_row, submit_new_run
 from tx.db.records import is_expired
 from tx.db.tables import CheckpointRow, SamplerSnapshotRow, SamplingSessionRow, TrainingRunRow, utcnow
 from tx.protocol import (
@@ -243,16 +243,12 @@ def _create_from_state(
     served = run_model(ctx, source)
     lora = _run_lora(source)
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
-    check_run_limit(ctx, model_id, owner)
     meta = body.user_metadata or {}
     run = new_run_row(model_id, body.session_id, owner, source.base_model, lora, meta)
     payload = LoadWeightsRequest(
         source.base_model, lora, ckpt.directory, str(path), body.optimizer, meta, served.model_dir
     )
-    return submit(
-        ctx, kind="load_weights", payload=payload, owner=owner, model_id=model_id, dedupe_key=f"{model_id}#create",
-        rows=[run],
-    )  # fmt: skip
+    return submit_new_run(ctx, run, "load_weights", payload)
 
 
 def _run_lora(run: TrainingRunRow) -> LoraConfig | None:

@@ -8,14 +8,17 @@ creating request has not succeeded) are invisible to listings. Queued work goes 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import threading
 import uuid
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_
+from sqlalchemy import and_, func, or_, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, SQLModel, col, select
@@ -55,6 +58,24 @@ class Records:
         self.write_lock = write_lock
         self.session_timeout = timedelta(seconds=session_timeout_s)
         self.open_session_timeout = timedelta(seconds=open_session_timeout_s)  # no heartbeats: idle this long
+        self._creating = threading.Lock()
+
+    @contextlib.contextmanager
+    def run_creation(self) -> Iterator[None]:
+        """Held around counting the live runs and inserting a new one (`--max-runs`, `--max-runs-per-key`):
+        across threads and, on Postgres, across API processes (an advisory lock). Eight creates racing on two
+        processes each saw room, and one key ended with six runs on a share of two."""
+        with self._creating:
+            if self.engine.dialect.name != "postgresql":
+                yield
+                return
+            with self.engine.connect() as conn:
+                conn.execute(text("SELECT pg_advisory_lock(hashtext(current_schema() || '/smolgym-runs'))"))
+                try:
+                    yield
+                finally:
+                    conn.execute(text("SELECT pg_advisory_unlock(hashtext(current_schema() || '/smolgym-runs'))"))
+                    conn.commit()
 
     def _session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)
