@@ -386,3 +386,25 @@ def test_config_and_tokenizer_files_are_bounded():
         check_files([spec("config.json", CONFIG), weights, huge], 10**12)
     assert refused.value.status == 413 and "'tokenizer.json'" in str(refused.value) and "64 MiB" in str(refused.value)
     assert check_files([spec("config.json", CONFIG), weights, FileSpec("tokenizer.json", 64 << 20, "0" * 64)], 10**12)
+
+
+def test_a_begin_waits_for_another_processs_disk_check(tmp_path):
+    """The check of the disk and of a key's promised bytes, and the declaration it allows, were held under a
+    thread lock: two API processes each saw room, and both of two uploads past the key's limit were
+    accepted (30 trials in 60). They queue on a file lock in the data directory now."""
+    import threading
+
+    store = UploadStore(tmp_path / "uploads", 1 << 30)
+    (tmp_path / "uploads").mkdir(exist_ok=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT);"
+         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(1.0)",
+         str(tmp_path / "uploads" / ".disk.lock")], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        done = threading.Event()
+        threading.Thread(target=lambda: (begin(store), done.set()), daemon=True).start()
+        assert not done.wait(0.4)  # the other process is checking: this begin waits its turn
+        assert done.wait(30)
+    finally:
+        holder.wait(30)

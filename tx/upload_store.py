@@ -189,7 +189,8 @@ class UploadStore:
                 "files": [asdict(f) for f in files],
                 "received": {f.name: kept.get(f.name, 0) for f in files},
             }
-            with self._disk_lock:  # the check and this upload's declaration together: each begin sees the others
+            with self._disk_lock, _file_lock(self.root / ".disk.lock"):  # the check and this upload's declaration
+                # together, each begin seeing the others': on every API process (a thread lock held only its own)
                 self._need_disk(total - sum(kept.values()), staging, owner)
                 (staging / "model").mkdir(parents=True, exist_ok=True)
                 _write_state(staging, state)
@@ -412,3 +413,15 @@ def _sha256_of(path: Path) -> str:
         while block := f.read(_HASH_READ):
             digest.update(block)
     return digest.hexdigest()
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive `flock` on `path` (made if missing): API processes sharing the data directory queue here."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
