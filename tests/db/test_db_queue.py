@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ from tx.protocol import (
     SaveStateRequest,
     UnloadModelRequest,
     UnloadResult,
+    WorkItem,
 )
 
 OWNER = owner_of("tml-test")
@@ -579,59 +581,58 @@ def test_postgres_notify_reaches_another_server(db: Database) -> None:
         other.close()
 
 
-def _other_server(db: Database) -> Database:
-    from tx.db import open_database
-
-    other = open_database(db.engine.url.render_as_string(hide_password=False), ".")
+@pytest.fixture
+def other(db: Database) -> Iterator[Database]:
+    """A second server (process) on the same Postgres schema, its listener connected."""
+    if db.listener is None:
+        pytest.skip("LISTEN/NOTIFY only applies to Postgres")
+    second = open_database(db.engine.url.render_as_string(hide_password=False), ".")
     time.sleep(0.3)  # let its listener connect
-    return other
+    yield second
+    second.close()
 
 
-def test_a_restart_wakes_the_long_polls_of_the_requests_it_fails(db: Database) -> None:
+def test_a_restart_wakes_the_long_polls_of_the_requests_it_fails(db: Database, other: Database) -> None:
     """`recover` failed the claimed requests without a NOTIFY: another API process's long poll on one
     answered only at its deadline (25 s), though the request had failed seconds before."""
-    if db.listener is None:
-        pytest.skip("LISTEN/NOTIFY only applies to Postgres")
-    other = _other_server(db)
-    try:
-        claimed = _submit(db, 1)
-        db.queue.claim(10)
-        threading.Timer(0.2, db.queue.recover).start()
-        start = time.monotonic()
-        row = asyncio.run(other.queue.wait_finished(claimed, 20.0))
-        assert row is not None and row.status == "failed" and time.monotonic() - start < 10.0
-    finally:
-        other.close()
+    claimed = _submit(db, 1)
+    _claim_one(db)
+    threading.Timer(0.2, db.queue.recover).start()
+    _assert_failed_soon(other, claimed)
 
 
-def test_a_listener_that_reconnects_wakes_the_long_polls_it_may_have_missed(db: Database) -> None:
+def _claim_one(db: Database) -> WorkItem:
+    items: list[WorkItem] = []
+    while not items:  # a claim looks at the table on a signal, or every rescan_s
+        items = db.queue.claim(10)
+    (item,) = items
+    return item
+
+
+def _assert_failed_soon(server: Database, future_id: str) -> None:
+    """A long poll on `server` answers well before its 20 s deadline, with the request failed."""
+    start = time.monotonic()
+    row = asyncio.run(server.queue.wait_finished(future_id, 20.0))
+    assert row is not None and row.status == "failed" and time.monotonic() - start < 10.0
+
+
+def test_a_listener_that_reconnects_wakes_the_long_polls_it_may_have_missed(db: Database, other: Database) -> None:
     """Notifications sent while the LISTEN connection was down are gone: a long poll on a request that
     finished then waited out its deadline. The reconnected listener wakes every waiter to look again."""
-    if db.listener is None:
-        pytest.skip("LISTEN/NOTIFY only applies to Postgres")
     from sqlalchemy import text
 
-    other = _other_server(db)
-    try:
-        future = _submit(db, 1)
-        items: list = []
-        while not items:  # a claim looks at the table on a signal, or every rescan_s
-            items = db.queue.claim(10)
-        (item,) = items
+    future = _submit(db, 1)
+    item = _claim_one(db)
 
-        def finish_unheard() -> None:
-            with other.engine.begin() as conn:  # the listener's connection ends; the finish sends no NOTIFY
-                conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                                  "WHERE query LIKE 'LISTEN%' AND pid <> pg_backend_pid()"))  # fmt: skip
-                conn.execute(text("UPDATE futures SET status = 'failed', error = 'x' WHERE id = :id"),
-                             {"id": int(item.future_id)})  # fmt: skip
+    def finish_unheard() -> None:
+        assert other.listener is not None and other.listener.backend_pid is not None
+        with other.engine.begin() as conn:  # its listener's connection ends; the finish sends no NOTIFY
+            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": other.listener.backend_pid})
+            conn.execute(text("UPDATE futures SET status = 'failed', error = 'x' WHERE id = :id"),
+                         {"id": int(item.future_id)})  # fmt: skip
 
-        threading.Timer(0.3, finish_unheard).start()
-        start = time.monotonic()
-        row = asyncio.run(other.queue.wait_finished(future, 20.0))
-        assert row is not None and row.status == "failed" and time.monotonic() - start < 10.0
-    finally:
-        other.close()
+    threading.Timer(0.3, finish_unheard).start()
+    _assert_failed_soon(other, future)
 
 
 def test_opening_an_up_to_date_postgres_database_takes_no_table_locks(db: Database) -> None:

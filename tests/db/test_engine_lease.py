@@ -3,6 +3,8 @@ first one's running work (`tx.db.lease`)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -56,44 +58,42 @@ def _kill_lease_connection(db: Database, lease: EngineLease) -> None:
         conn.commit()
 
 
+def _cut_lease(db: Database, tmp_path: Path, check_s: float) -> tuple[EngineLease, list[str]]:
+    """A Postgres engine's lease whose lock connection was just ended; the list records `on_lost` calls."""
+    if db.engine.dialect.name != "postgresql":
+        pytest.skip("the advisory lock is Postgres's")
+    lost: list[str] = []
+    lease = take_engine_lease(db.engine, tmp_path / "a")
+    held = lease._connection
+    lease.check_s, lease.on_lost = check_s, lambda: lost.append("lost")
+    _kill_lease_connection(db, lease)
+    assert held is not None
+    return lease, lost
+
+
+def _within(seconds: float, done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
 def test_an_engine_takes_its_lease_again_after_the_database_restarts(db: Database, tmp_path: Path) -> None:
     """A Postgres restart dropped the advisory lock with its connection and nothing noticed: a second
     engine then started, recovered (failing the live one's running work, unloading its runs) and claimed
     beside it. The watchdog takes the lock again; an engine starting after that is refused."""
-    import time
-
-    if db.engine.dialect.name != "postgresql":
-        pytest.skip("the advisory lock is Postgres's")
-    lost: list[str] = []
-    first = take_engine_lease(db.engine, tmp_path / "a")
-    first.check_s, first.on_lost = 0.1, lambda: lost.append("lost")
-    _kill_lease_connection(db, first)
-    deadline = time.monotonic() + 20
-    while True:  # taken again within a few checks
-        try:
-            take_engine_lease(db.engine, tmp_path / "b").release()
-        except EngineBusy:
-            if first._connection is not None and first._connection.closed is False:
-                break
-        assert time.monotonic() < deadline, "the lease was not taken again"
-        time.sleep(0.2)
+    first, lost = _cut_lease(db, tmp_path, 0.1)
+    killed = first._connection
+    _within(20, lambda: first._connection is not killed, "the lease was not taken again")
+    with pytest.raises(EngineBusy, match="database"):
+        take_engine_lease(db.engine, tmp_path / "b")
     assert not lost
     first.release()
 
 
 def test_an_engine_whose_lease_another_took_meanwhile_stops(db: Database, tmp_path: Path) -> None:
-    import time
-
-    if db.engine.dialect.name != "postgresql":
-        pytest.skip("the advisory lock is Postgres's")
-    lost: list[str] = []
-    first = take_engine_lease(db.engine, tmp_path / "a")
-    first.check_s, first.on_lost = 0.5, lambda: lost.append("lost")
-    _kill_lease_connection(db, first)
+    first, lost = _cut_lease(db, tmp_path, 0.5)
     second = take_engine_lease(db.engine, tmp_path / "b")  # in the gap, before the watchdog's next check
-    deadline = time.monotonic() + 20
-    while not lost:
-        assert time.monotonic() < deadline, "the lost lease went unnoticed"
-        time.sleep(0.1)
+    _within(20, lambda: bool(lost), "the lost lease went unnoticed")
     second.release()
     first.release()

@@ -105,6 +105,7 @@ class PgListener:
         self.notifier = notifier
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tx-pg-listen", daemon=True)
+        self.backend_pid: int | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -119,6 +120,7 @@ class PgListener:
         while not self._stop.is_set():
             try:
                 with psycopg.connect(self.conninfo, autocommit=True, **KEEPALIVE) as conn:
+                    self.backend_pid = conn.info.backend_pid  # the server's process for it (logs, tests)
                     conn.execute(f"LISTEN {WORK_CHANNEL}")
                     conn.execute(f"LISTEN {DONE_CHANNEL}")
                     if again:  # what was sent while no connection listened is lost: everyone looks again
