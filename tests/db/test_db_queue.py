@@ -755,7 +755,7 @@ def test_a_claims_turns_read_no_request_payload_and_older_databases_get_the_inde
     from sqlalchemy import text
     from sqlmodel import Session
 
-    from tx.db.queue import _turns
+    from tx.db.turns import turns as _turns
 
     made = open_database(None, tmp_path)
     with made.queue.engine.begin() as conn:

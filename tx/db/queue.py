@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Table, and_, func, text
+from sqlalchemy import func, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import defer
@@ -28,18 +28,25 @@ from sqlmodel import Session, SQLModel, col, select
 
 from tx.db import codec
 from tx.db.connect import WriteLock, is_sqlite
+from tx.db.linked import (
+    CHECKPOINTS,
+    RUNS,
+    lost_runs,
+    lost_snapshots,
+    mark_linked,
+    put_back_orphans,
+    saved_result,
+    table_of,
+)
 from tx.db.notify import DONE_CHANNEL, WORK_CHANNEL, Notifier
 from tx.db.submit import GroupCommit, NewRequest, Submitted
 from tx.db.tables import (
-    REPLACED,
-    REPLACED_MARK,
     CheckpointRow,
     FutureRow,
     MetricRow,
-    SamplerSnapshotRow,
-    TrainingRunRow,
     utcnow,
 )
+from tx.db.turns import turns, within
 from tx.protocol import (
     CheckpointResult,
     ForwardBackwardResult,
@@ -60,15 +67,9 @@ DROP_BATCH = 1000  # results forgotten per statement (`drop_old_results`)
 RUNNING_AT_RESTART = "the server stopped while this request was running, so its effect is unknown; it was not run again"
 
 
-def _table(model: type[SQLModel]) -> Table:
-    return model.__table__  # type: ignore[attr-defined]
-
-
 # Results are recorded with Core statements on the tables: an ORM `update(Model)` flushes the session and
 # plans a bulk update first (about 1 ms a statement here, most of a round's queue writes).
-FUTURES, RUNS, CHECKPOINTS = _table(FutureRow), _table(TrainingRunRow), _table(CheckpointRow)
-METRICS = _table(MetricRow)
-_LINKED = (RUNS, CHECKPOINTS, _table(SamplerSnapshotRow))
+FUTURES, METRICS = table_of(FutureRow), table_of(MetricRow)
 # The kinds of the many requests of every step; they bring no rows into existence (`submit` refuses them
 # any), so finishing them flips no linked rows.
 UNLINKED_KINDS = frozenset({"sample", "forward", "forward_backward", "optim_step", "unload_model"})
@@ -182,7 +183,7 @@ class SqlQueue:
         self.notifier.work_submitted()
 
     def claim(self, limit: int, per_owner: int | None = None, max_bytes: int | None = None) -> list[WorkItem]:
-        """Pending requests, marked running: by turn, each owner's in id order (`_turns`), returned in id
+        """Pending requests, marked running: by turn, each owner's in id order (`turns`), returned in id
         order; none past an owner's `per_owner`-th unfinished request (its running ones count), and in turn
         order no more stored bytes than `max_bytes` but the first (which always goes). A claim whose
         commit raised may still have landed (a connection lost after the server committed): its rows are
@@ -195,8 +196,8 @@ class SqlQueue:
             return []
         self._last_scan = time.monotonic()
         with self.write_lock.held(), Session(self.engine, expire_on_commit=False) as session:
-            turns = session.execute(_turns(limit)).all()
-            chosen, self._left_owners, self._left_for_bytes = _within(turns, per_owner, max_bytes)
+            ranked = session.execute(turns(limit)).all()
+            chosen, self._left_owners, self._left_for_bytes = within(ranked, per_owner, max_bytes)
             query = select(FutureRow).where(col(FutureRow.id).in_(chosen), FutureRow.status == "pending")
             query = query.order_by(col(FutureRow.id))
             if self._postgres:
@@ -312,8 +313,8 @@ class SqlQueue:
             owners = {rows[int(f)].owner for f, _, _ in found}
             linking = [(f, out) for f, out, _ in found if rows[int(f)].kind not in UNLINKED_KINDS]
             # Linked rows first: an unload finished after its run's creation leaves the run unloaded.
-            self._mark_linked(session, [f for f, out in linking if not isinstance(out, RequestError)], "ready")
-            self._mark_linked(session, [f for f, out in linking if isinstance(out, RequestError)], "failed")
+            mark_linked(session, [f for f, out in linking if not isinstance(out, RequestError)], "ready")
+            mark_linked(session, [f for f, out in linking if isinstance(out, RequestError)], "failed")
             metrics: list[dict[str, Any]] = []
             for future_id, outcome, blob in found:
                 row = rows[int(future_id)]
@@ -358,7 +359,7 @@ class SqlQueue:
             made = select(CheckpointRow.future_id, CheckpointRow.tinker_path, CheckpointRow.directory)
             rows = session.execute(made.where(col(CheckpointRow.future_id).in_(list(kinds)))).all()
         done: list[tuple[str, Result | RequestError]] = [
-            (str(future_id), _saved_result(kinds[str(future_id)], path))
+            (str(future_id), saved_result(kinds[str(future_id)], path))
             for future_id, path, directory in rows
             if saved(Path(directory), str(future_id))
         ]
@@ -377,51 +378,18 @@ class SqlQueue:
             for row in stale:
                 row.status, row.payload, row.completed_at = "failed", None, time.time()
                 row.error, row.error_category = RUNNING_AT_RESTART, "server"
-            self._mark_linked(session, [str(row.id) for row in stale], "failed")
+            mark_linked(session, [str(row.id) for row in stale], "failed")
             for row in stale:  # long polls on other API processes waited out their deadline (25 s)
                 self._pg_notify(session, DONE_CHANNEL, str(row.id))
-            _put_back_orphans(session)
-            lost = LostState(self._lost_runs(session), self._lost_snapshots(session))
+            put_back_orphans(session)
+            lost = LostState(lost_runs(session), lost_snapshots(session))
             session.execute(RUNS.update().where(RUNS.c.status == "ready").values(status="unloaded"))
             session.commit()
             queued = select(func.count()).select_from(FutureRow).where(FutureRow.status == "pending")
             pending = session.exec(queued).one()
         return Recovery(len(stale), int(pending), lost)
 
-    @staticmethod
-    def _lost_runs(session: Session) -> dict[str, str | None]:
-        """Every ready run -> the tinker path of its newest ready training checkpoint (or None)."""
-        runs = session.exec(select(TrainingRunRow.id).where(TrainingRunRow.status == "ready")).all()
-        saved = session.exec(
-            select(CheckpointRow.run_id, CheckpointRow.tinker_path)
-            .where(CheckpointRow.status == "ready", CheckpointRow.checkpoint_type == "training")
-            .order_by(col(CheckpointRow.created_at), col(CheckpointRow.id))
-        ).all()
-        newest = dict(saved)  # later rows overwrite earlier ones
-        return {run: newest.get(run) for run in runs}
-
-    @staticmethod
-    def _lost_snapshots(session: Session) -> frozenset[str]:
-        """Ready sampler snapshots with no checkpoint on disk (ephemeral saves): they lived in memory only."""
-        query = select(SamplerSnapshotRow.id).where(
-            SamplerSnapshotRow.status == "ready", col(SamplerSnapshotRow.tinker_path).is_(None)
-        )
-        return frozenset(session.exec(query).all())
-
     # ---- helpers ------------------------------------------------------------------------------
-
-    @staticmethod
-    def _mark_linked(session: Session, future_ids: Sequence[str], status: str) -> None:
-        """The rows the futures brought into existence (runs, checkpoints, sampler snapshots) become `status`."""
-        for start in range(0, len(future_ids), 500):  # bound the statement's parameters (recovery may fail many)
-            ids = future_ids[start : start + 500]
-            saved = select(CHECKPOINTS.c.tinker_path).where(CHECKPOINTS.c.future_id.in_(ids))
-            paths = list(session.execute(saved).scalars())
-            for table in _LINKED:
-                session.execute(table.update().where(table.c.future_id.in_(ids)).values(status=status))
-            if status == "failed":  # a failed save leaves no checkpoint behind, so the name stays free
-                session.execute(CHECKPOINTS.delete().where(CHECKPOINTS.c.future_id.in_(ids)))
-            _settle_replaced(session, paths, status)
 
     @staticmethod
     def _metric_rows(row: FutureRow, result: Result) -> list[dict[str, Any]]:
@@ -438,74 +406,3 @@ class SqlQueue:
     def _pg_notify(self, session: Session, channel: str, payload: str) -> None:
         if self._postgres:
             session.execute(text("SELECT pg_notify(:channel, :payload)"), {"channel": channel, "payload": payload})
-
-
-def _settle_replaced(session: Session, paths: Sequence[str], status: str) -> None:
-    """A save over a taken name set the old checkpoint's row aside (`Records.set_aside`): a save that succeeds
-    drops it; one that fails puts it back, as its files were never touched (writers replace a directory
-    whole, at the end)."""
-    if not paths:
-        return
-    aside = and_(CHECKPOINTS.c.status == REPLACED, CHECKPOINTS.c.tinker_path.in_(paths))
-    if status != "failed":
-        session.execute(CHECKPOINTS.delete().where(aside))
-        return
-    for row_id, checkpoint_id in session.execute(
-        select(CHECKPOINTS.c.id, CHECKPOINTS.c.checkpoint_id).where(aside)
-    ).all():
-        original = checkpoint_id.split(REPLACED_MARK)[0]
-        session.execute(
-            CHECKPOINTS.update().where(CHECKPOINTS.c.id == row_id).values(status="ready", checkpoint_id=original)
-        )
-
-
-def _put_back_orphans(session: Session) -> None:
-    """Checkpoints set aside for a save that was never queued (the API process died, or the database refused
-    the queueing, in between): no save will settle them, so they go back to their names."""
-    replacing = select(CHECKPOINTS.c.tinker_path).where(CHECKPOINTS.c.status != REPLACED)
-    orphans = and_(CHECKPOINTS.c.status == REPLACED, CHECKPOINTS.c.tinker_path.not_in(replacing))
-    for row_id, checkpoint_id in session.execute(select(CHECKPOINTS.c.id, CHECKPOINTS.c.checkpoint_id).where(orphans)):
-        original = checkpoint_id.split(REPLACED_MARK)[0]
-        session.execute(
-            CHECKPOINTS.update().where(CHECKPOINTS.c.id == row_id).values(status="ready", checkpoint_id=original)
-        )
-
-
-def _saved_result(kind: str, tinker_path: str) -> CheckpointResult:
-    """What a named save answers (a named sampler save's snapshot is its path: `routes_weights`)."""
-    return CheckpointResult(tinker_path, tinker_path if kind == "save_weights_for_sampler" else None)
-
-
-def _within(turns: Sequence[Any], per_owner: int | None, max_bytes: int | None) -> tuple[list[int], set[str], bool]:
-    """Of (id, turn, bytes, owner) rows in turn order: the ids within the owner share and the bytes, the owners
-    left at their share, and whether the bytes cut the claim short. A finish of one of those owners' requests
-    (or any, after a cut) is worth another look; others are not (each look ranks every queued request)."""
-    ids: list[int] = []
-    left: set[str] = set()
-    total = 0
-    for row_id, turn, nbytes, owner in turns:
-        if per_owner is not None and turn > per_owner:
-            left.add(owner)
-            continue
-        if max_bytes is not None and ids and total + (nbytes or 0) > max_bytes:
-            return ids, left, True
-        ids.append(row_id)
-        total += nbytes or 0
-    return ids, left, False
-
-
-def _turns(limit: int) -> Any:
-    """The ids, turns and stored sizes of the `limit` pending requests whose turn comes first: an owner's n-th
-    unfinished request (running ones count) takes turn n, and turns go in order, ids within a turn. Claimed in
-    id order, one tenant's backlog (100k queued samples, say) held every later request of every tenant behind
-    it for as long as it took to run; now each owner's next request comes before anyone's backlog."""
-    turn = func.row_number().over(partition_by=col(FutureRow.owner), order_by=col(FutureRow.id)).label("turn")
-    live = col(FutureRow.status).in_(("pending", "running"))
-    unfinished = select(FutureRow.id, FutureRow.status, turn).where(live).subquery()
-    pending = unfinished.c.status == "pending"
-    first = select(unfinished.c.id, unfinished.c.turn).where(pending).order_by(unfinished.c.turn, unfinished.c.id)
-    chosen = first.limit(limit).subquery()
-    size = func.length(FutureRow.payload)  # of those rows alone: the stored header says, the blob is not read
-    by_turn = (chosen.c.turn, chosen.c.id)
-    joined = col(FutureRow.id) == chosen.c.id
-    return select(chosen.c.id, chosen.c.turn, size, FutureRow.owner).join(FutureRow, joined).order_by(*by_turn)
