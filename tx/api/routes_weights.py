@@ -22,7 +22,7 @@ from tx.api import schemas, validate
 from tx.api.context import AppContext, Ctx, Owner, not_found, run_model, submit, usable_run, user_error
 from tx.api.paths import TinkerPath, checkpoint_dir, parse_tinker_path
 from tx.api.routes_train import check_live_session, new_run_row, submit_new_run
-from tx.db.records import is_expired
+from tx.db.checkpoint_records import is_expired
 from tx.db.tables import CheckpointRow, SamplerSnapshotRow, SamplingSessionRow, TrainingRunRow, utcnow
 from tx.protocol import (
     DEFAULT_LORA_ALPHA,

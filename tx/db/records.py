@@ -21,13 +21,12 @@ from typing import Any
 from sqlalchemy import and_, func, or_, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import Session, SQLModel, col, select
+from sqlmodel import col, select
 
+from tx.db.checkpoint_records import CheckpointRecords, aware, unexpired
 from tx.db.connect import WriteLock
 from tx.db.tables import (
     LIVE_SESSION,
-    REPLACED,
-    REPLACED_MARK,
     CheckpointRow,
     FutureRow,
     MetricRow,
@@ -44,8 +43,8 @@ def owner_of(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()[:24]
 
 
-class Records:
-    """CRUD on the metadata tables, always scoped to one owner."""
+class Records(CheckpointRecords):
+    """CRUD on the metadata tables, always scoped to one owner (the checkpoints' half: `CheckpointRecords`)."""
 
     def __init__(
         self,
@@ -54,8 +53,7 @@ class Records:
         session_timeout_s: float = 600.0,
         open_session_timeout_s: float = 86400.0,
     ) -> None:
-        self.engine = engine
-        self.write_lock = write_lock
+        super().__init__(engine, write_lock)
         self.session_timeout = timedelta(seconds=session_timeout_s)
         self.open_session_timeout = timedelta(seconds=open_session_timeout_s)  # no heartbeats: idle this long
         self._creating = threading.Lock()
@@ -76,14 +74,6 @@ class Records:
                 finally:
                     conn.execute(text("SELECT pg_advisory_unlock(hashtext(current_schema() || '/smolgym-runs'))"))
                     conn.commit()
-
-    def _session(self) -> Session:
-        return Session(self.engine, expire_on_commit=False)
-
-    def _add(self, row: SQLModel) -> None:
-        with self.write_lock.held(), self._session() as session:
-            session.add(row)
-            session.commit()
 
     # ---- sessions -----------------------------------------------------------------------------
 
@@ -112,7 +102,7 @@ class Records:
             row = session.get(SessionRow, session_id)
         if row is None or row.owner != owner:
             return None
-        if row.status == "active" and utcnow() - _aware(row.last_heartbeat_at) > self.session_timeout:
+        if row.status == "active" and utcnow() - aware(row.last_heartbeat_at) > self.session_timeout:
             row.status = "expired"
         return row
 
@@ -226,7 +216,7 @@ class Records:
             rows = list(session.exec(query).all())
         now = utcnow()
         for row in rows:
-            if row.status == "active" and now - _aware(row.last_heartbeat_at) > self.session_timeout:
+            if row.status == "active" and now - aware(row.last_heartbeat_at) > self.session_timeout:
                 row.status = "expired"
         return rows
 
@@ -239,7 +229,7 @@ class Records:
                 col(TrainingRunRow.session_id).in_(session_ids),
                 CheckpointRow.owner == owner,
                 CheckpointRow.status == "ready",
-                _unexpired(),
+                unexpired(),
             )
         )
         stats: dict[str, tuple[int, int]] = {}
@@ -309,146 +299,3 @@ class Records:
     def get_snapshot(self, snapshot_id: str) -> SamplerSnapshotRow | None:
         with self._session() as session:
             return session.get(SamplerSnapshotRow, snapshot_id)
-
-    # ---- checkpoints --------------------------------------------------------------------------
-
-    def get_checkpoint(
-        self,
-        run_id: str,
-        checkpoint_id: str,
-        owner: str,
-        *,
-        ready: bool = True,
-        expired: bool = False,
-        or_replaced: bool = False,
-    ) -> CheckpointRow | None:
-        """The owner's checkpoint by name; past its expiry it reads as missing unless `expired`. With
-        `or_replaced`, while a save over the name is queued or running, the checkpoint it replaces (set aside,
-        its files in place until the save swaps them): a sampler or loader reading the name found nothing
-        for as long as the save waited, and failed for good."""
-        query = select(CheckpointRow).where(
-            CheckpointRow.run_id == run_id, CheckpointRow.checkpoint_id == checkpoint_id, CheckpointRow.owner == owner
-        )
-        if ready:
-            query = query.where(CheckpointRow.status == "ready")
-        aside = select(CheckpointRow).where(
-            CheckpointRow.tinker_path == f"tinker://{run_id}/{checkpoint_id}", CheckpointRow.owner == owner,
-            CheckpointRow.status == REPLACED,
-        )  # fmt: skip
-        with self._session() as session:
-            row = session.exec(query).first()
-            if row is None and ready and or_replaced:
-                row = session.exec(aside.order_by(col(CheckpointRow.id).desc())).first()
-        if row is not None and is_expired(row) and not expired:
-            return None
-        return row
-
-    def expired_checkpoints(self, limit: int = 1000) -> list[CheckpointRow]:
-        """Ready checkpoints past their expiry, every owner's, oldest expiry first: what the sweeper removes."""
-        query = (
-            select(CheckpointRow)
-            .where(CheckpointRow.status == "ready", col(CheckpointRow.expires_at) < utcnow())
-            .order_by(col(CheckpointRow.expires_at))
-        )
-        with self._session() as session:
-            return list(session.exec(query.limit(limit)).all())
-
-    def list_checkpoints(
-        self, owner: str, run_id: str | None, limit: int, offset: int
-    ) -> tuple[list[CheckpointRow], int]:
-        conds = [CheckpointRow.owner == owner, CheckpointRow.status == "ready", _unexpired()]
-        if run_id is not None:
-            conds.append(CheckpointRow.run_id == run_id)
-        query = select(CheckpointRow).where(*conds).order_by(col(CheckpointRow.created_at).desc())
-        with self._session() as session:
-            total = session.exec(select(func.count()).select_from(CheckpointRow).where(*conds)).one()
-            return list(session.exec(query.offset(offset).limit(limit)).all()), int(total)
-
-    def checkpoint_usage(self, owner: str) -> tuple[int, int]:
-        """(count, total bytes) of `owner`'s listed checkpoints, summed by the database (no row is read)."""
-        conds = [CheckpointRow.owner == owner, CheckpointRow.status == "ready", _unexpired()]
-        size = func.coalesce(func.sum(CheckpointRow.size_bytes), 0)
-        with self._session() as session:
-            count, total = session.exec(select(func.count(), size).select_from(CheckpointRow).where(*conds)).one()
-        return int(count), int(total or 0)
-
-    def latest_checkpoints(self, owner: str, run_ids: list[str]) -> dict[tuple[str, str], CheckpointRow]:
-        """(run id, checkpoint type) -> that run's newest listed checkpoint of that type, in two queries
-        however many checkpoints the runs hold (a listing of runs read every checkpoint of each)."""
-        conds = [CheckpointRow.owner == owner, CheckpointRow.status == "ready", _unexpired()]
-        conds.append(col(CheckpointRow.run_id).in_(run_ids))
-        kind, run = col(CheckpointRow.checkpoint_type), col(CheckpointRow.run_id)
-        newest = (
-            select(run, kind, func.max(CheckpointRow.created_at).label("at")).where(*conds).group_by(run, kind)
-        ).subquery()
-        at = col(CheckpointRow.created_at)
-        on = and_(run == newest.c.run_id, kind == newest.c.checkpoint_type, at == newest.c.at)
-        with self._session() as session:
-            rows = session.exec(select(CheckpointRow).join(newest, on).where(*conds)).all()
-        latest: dict[tuple[str, str], CheckpointRow] = {}
-        for row in rows:  # two saved within one clock tick: either is the newest
-            latest.setdefault((row.run_id, row.checkpoint_type), row)
-        return latest
-
-    def add_rows(self, rows: list[SQLModel]) -> None:
-        """Insert rows in one transaction (all or none); raises IntegrityError on a taken key."""
-        with self.write_lock.held(), self._session() as session:
-            session.add_all(rows)
-            session.commit()
-
-    def set_aside(self, row: CheckpointRow) -> None:
-        """Free a ready checkpoint's name for a save over it without losing it: the row is hidden (`REPLACED`)
-        until that save succeeds (the row goes) or fails (it comes back; `tx.db.queue`)."""
-        self._update(
-            CheckpointRow, row.id, status=REPLACED, checkpoint_id=f"{row.checkpoint_id}{REPLACED_MARK}{row.id}"
-        )
-
-    def put_back(self, row: CheckpointRow) -> None:
-        """Undo `set_aside` (the save it was for was never queued), unless a save has taken the name since."""
-        with self.write_lock.held(), self._session() as session:
-            taken = session.exec(
-                select(CheckpointRow).where(
-                    CheckpointRow.run_id == row.run_id, CheckpointRow.checkpoint_id == row.checkpoint_id
-                )
-            ).first()
-            current = session.get(CheckpointRow, row.id)
-            if taken is None and current is not None and current.status == REPLACED:
-                current.status, current.checkpoint_id = "ready", row.checkpoint_id
-                session.add(current)
-                session.commit()
-
-    def delete_checkpoint(self, row: CheckpointRow, as_read: bool = False) -> bool:
-        """Delete `row`; with `as_read`, only while its status is still the one `row` was read with. True
-        when a row went."""
-        with self.write_lock.held(), self._session() as session:
-            current = session.get(CheckpointRow, row.id)
-            if current is None or (as_read and current.status != row.status):
-                return False
-            session.delete(current)
-            session.commit()
-            return True
-
-    def update_checkpoint(self, row: CheckpointRow, **values: Any) -> None:
-        self._update(CheckpointRow, row.id, **values)
-
-    def _update(self, table: type[SQLModel], key: Any, **values: Any) -> None:
-        with self.write_lock.held(), self._session() as session:
-            row = session.get(table, key)
-            if row is not None:
-                for name, value in values.items():
-                    setattr(row, name, value)
-                session.commit()
-
-
-def is_expired(row: CheckpointRow) -> bool:
-    return row.expires_at is not None and _aware(row.expires_at) < utcnow()
-
-
-def _unexpired() -> Any:
-    """The SQL condition for a checkpoint not past its expiry (or without one)."""
-    return or_(col(CheckpointRow.expires_at).is_(None), col(CheckpointRow.expires_at) >= utcnow())
-
-
-def _aware(moment: datetime) -> datetime:
-    """SQLite returns naive datetimes; ours are all UTC."""
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=utcnow().tzinfo)
