@@ -24,13 +24,12 @@ model directory carries the upload's id, so an upload deleted and sent again und
 another directory: model serving keys loaded models by directory and never mistakes new weights for old.
 
 Every user string that becomes a path (owner, upload name, file name) is checked twice: by `check_name`
-where it enters, and by `contained` where the path is built. Leaf module: imports only `tx.names`.
+where it enters, and by `contained` where the path is built. Leaf module: imports only `tx.names` and
+`tx.upload_files` (chunks, state, hashes, locks).
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import os
 import re
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from tx.names import check_name, contained, is_valid_name
+from tx.upload_files import ChunkWriter, UploadError, file_lock, flocked, read_state, sha256_of, write_state
 
 UPLOAD_PREFIX = "upload:"
 MAX_FILES = 1024
@@ -52,19 +52,8 @@ MAX_CHUNK_BYTES = 8 << 20  # one chunk request's body; below the API's smallest 
 MAX_OTHER_FILE_BYTES = 64 << 20  # a config, tokenizer or index file (the largest hub tokenizers are ~35 MB)
 GB = 1e9
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_HASH_READ = 8 << 20
 STALE_AFTER_S = 7 * 86400.0  # a partial upload untouched this long is removed when a server starts
 PROMISE_IDLE_S = 3600.0  # a partial upload no chunk reached this long no longer holds disk for its bytes
-
-
-class UploadError(Exception):
-    """A refused upload operation: `status` is the HTTP status the API answers with. Two are transient, and
-    the client retries them: 423 (another request holds the upload) and 416 (a chunk at another offset
-    than the bytes held: ask again where the file stands)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass(frozen=True)
@@ -168,7 +157,7 @@ class UploadStore:
                 raise UploadError(423, f"upload {name!r} is busy with another request; retry")
             self._busy.add(key)
         try:
-            with _flocked(self._lock_file(owner, name), name):
+            with flocked(self._lock_file(owner, name), name):
                 yield
         finally:
             with self._lock:
@@ -183,17 +172,17 @@ class UploadStore:
             if (self._final(owner, name) / "upload.json").is_file():
                 raise UploadError(409, f"upload {name!r} already exists; delete it first (--delete {name})")
             staging = self._staging(owner, name)
-            old = _read_state(staging)
+            old = read_state(staging)
             kept = {f.name: old["received"].get(f.name, 0) for f in files if asdict(f) in old["files"]}
             state: dict[str, Any] = {
                 "files": [asdict(f) for f in files],
                 "received": {f.name: kept.get(f.name, 0) for f in files},
             }
-            with self._disk_lock, _file_lock(self.root / ".disk.lock"):  # the check and this upload's declaration
+            with self._disk_lock, file_lock(self.root / ".disk.lock"):  # the check and this upload's declaration
                 # together, each begin seeing the others': on every API process (a thread lock held only its own)
                 self._need_disk(total - sum(kept.values()), staging, owner)
                 (staging / "model").mkdir(parents=True, exist_ok=True)
-                _write_state(staging, state)
+                write_state(staging, state)
             for stale in (staging / "model").iterdir():
                 if stale.name not in kept:
                     stale.unlink()
@@ -233,7 +222,7 @@ class UploadStore:
             try:
                 if time.time() - state_file.stat().st_mtime > PROMISE_IDLE_S:
                     continue
-                state = _read_state(state_file.parent)
+                state = read_state(state_file.parent)
                 owed = sum(max(f["size"] - state["received"].get(f["name"], 0), 0) for f in state["files"])
             except (OSError, ValueError, KeyError, TypeError):  # gone meanwhile, or not ours to read
                 continue
@@ -243,7 +232,7 @@ class UploadStore:
 
     def received(self, owner: str, name: str) -> dict[str, int] | None:
         """Verified bytes per file of a partial upload; None when there is none."""
-        state = _read_state(self._staging(owner, name))
+        state = read_state(self._staging(owner, name))
         return dict(state["received"]) if state["files"] else None
 
     @contextmanager
@@ -252,7 +241,7 @@ class UploadStore:
         it wrote survives unless `commit` accepted its sha256."""
         with self._exclusive(owner, name):
             staging = self._staging(owner, name)
-            state = _read_state(staging)
+            state = read_state(staging)
             spec = next((f for f in state["files"] if f["name"] == file), None)
             if spec is None:
                 raise UploadError(404, f"upload {name!r} has no file {file!r} in progress")
@@ -270,7 +259,7 @@ class UploadStore:
                 writer.close()
             if writer.accepted:
                 state["received"][file] = offset + length
-                _write_state(staging, state)
+                write_state(staging, state)
 
     # ---- completion ------------------------------------------------------------------------------
 
@@ -279,7 +268,7 @@ class UploadStore:
         `max_context_length`, or `ValueError`) and publish the upload. A refused upload is removed."""
         with self._exclusive(owner, name):
             staging = self._staging(owner, name)
-            state = _read_state(staging)
+            state = read_state(staging)
             if not state["files"]:
                 raise UploadError(404, f"no upload {name!r} in progress")
             self._verify_files(owner, name, state)
@@ -302,10 +291,10 @@ class UploadStore:
             if held != spec["size"]:
                 raise UploadError(400, f"file {spec['name']!r} has {held} of {spec['size']} bytes: resume the upload")
             path = self._file(owner, name, spec["name"])
-            if _sha256_of(path) != spec["sha256"]:
+            if sha256_of(path) != spec["sha256"]:
                 state["received"][spec["name"]] = 0
                 path.unlink(missing_ok=True)
-                _write_state(self._staging(owner, name), state)
+                write_state(self._staging(owner, name), state)
                 raise UploadError(400, f"file {spec['name']!r} does not match its sha256; it must be sent again")
 
     # ---- complete uploads --------------------------------------------------------------------------
@@ -346,82 +335,3 @@ class UploadStore:
     def list_uploads(self, owner: str) -> list[str]:
         """The model strings (`upload:NAME`) of `owner`'s complete uploads."""
         return [info.base_model for info in self.uploads(owner)] if is_valid_name(owner) else []
-
-
-class ChunkWriter:
-    """Writes one chunk in place as its pieces arrive, hashing them; cut back to `offset` unless committed."""
-
-    def __init__(self, path: Path, offset: int, length: int) -> None:
-        self.offset, self.length, self.written = offset, length, 0
-        self.accepted = False
-        self._hash = hashlib.sha256()
-        self._file = open(path, "r+b" if path.exists() else "w+b")  # noqa: SIM115 (closed by close())
-        self._file.truncate(offset)  # bytes past the last verified chunk are not ours to keep
-        self._file.seek(offset)
-
-    def write(self, piece: bytes) -> None:
-        if self.written + len(piece) > self.length:
-            raise UploadError(400, f"chunk is longer than its declared {self.length} bytes")
-        self._file.write(piece)
-        self._hash.update(piece)
-        self.written += len(piece)
-
-    def commit(self, sha256: str) -> None:
-        if self.written != self.length:
-            raise UploadError(400, f"chunk ended after {self.written} of {self.length} bytes")
-        if self._hash.hexdigest() != sha256:
-            raise UploadError(400, "chunk does not match its X-Chunk-Sha256; send it again")
-        self._file.flush()
-        self.accepted = True
-
-    def close(self) -> None:
-        if not self.accepted:
-            self._file.truncate(self.offset)
-        self._file.close()
-
-
-@contextmanager
-def _flocked(path: Path, name: str) -> Iterator[None]:
-    """Hold an exclusive `flock` on `path`, or refuse at once if another process holds it. The lock files stay
-    (one per upload name, empty): unlinking one while it is held would let a third process lock a new file of
-    the same name."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UploadError(423, f"upload {name!r} is busy with another request; retry") from None
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _read_state(staging: Path) -> dict[str, Any]:
-    path = staging / "state.json"
-    return json.loads(path.read_text()) if path.is_file() else {"files": [], "received": {}}
-
-
-def _write_state(staging: Path, state: dict[str, Any]) -> None:
-    tmp = staging / ".state.json.tmp"
-    tmp.write_text(json.dumps(state))
-    os.replace(tmp, staging / "state.json")
-
-
-def _sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_HASH_READ):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-@contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive `flock` on `path` (made if missing): API processes sharing the data directory queue here."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing drops the lock
