@@ -70,7 +70,7 @@ def test_config_validation_names_the_field():
 def test_rope_scaling_that_would_break_the_first_forward_is_refused(fields, message):
     """NaN passed `factor <= 0` (every logit NaN); a zero low_freq_factor or original length divided by zero
     at the first forward, after the model had loaded: refused when the config is read, naming the field."""
-    from tx.models.config import RopeScaling
+    from tx.models.config_rope import RopeScaling
 
     with pytest.raises(ValueError, match=message):
         RopeScaling(**fields)

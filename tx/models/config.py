@@ -8,7 +8,7 @@ rejected here, with the field that caused it, rather than silently approximated.
 Mixture-of-experts families (Qwen3-MoE, `qwen3_moe`; Qwen3.5-MoE, `qwen3_5_moe`; gpt-oss, `gpt_oss`) add a
 `MoE` section, parsed the same way in `tx.models.config_qwen3_moe`, `tx.models.config_qwen3_5` and
 `tx.models.config_gpt_oss`; gpt-oss also sets the attention extras (biases, learned sinks, sliding-window
-layers) and YaRN rotary scaling.
+layers) and YaRN rotary scaling. Rotary scaling, read as transformers reads it, is `tx.models.config_rope`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import json
 import math
 from pathlib import Path
 from typing import Any
+
+from tx.models.config_rope import RopeScaling, rope_params, rope_scaling_of
 
 # HF architecture name -> family name.
 ARCHITECTURES: dict[str, str] = {
@@ -31,59 +33,6 @@ ARCHITECTURES: dict[str, str] = {
     "GptOssForCausalLM": "gpt_oss",
 }
 LAYER_TYPES = ("full_attention", "linear_attention")
-
-ROPE_TYPES = ("default", "llama3", "linear", "yarn")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """Rotary frequency scaling (`rope_type` "llama3" as in Llama 3.1/3.2, "linear", or "yarn" as in
-    gpt-oss: `beta_fast` / `beta_slow` bound the ramp between extrapolated and interpolated frequencies,
-    `truncate` rounds its ends to whole dimensions, and q and k are scaled by `attention_factor`)."""
-
-    rope_type: str
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    given_attention_factor: float | None = None  # the config's `attention_factor`, which wins when set
-    mscale: float | None = None  # else the ratio of two mscales (DeepSeek's YaRN), when both are set
-    mscale_all_dim: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope_scaling.rope_type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
-        numbers = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
-                   "beta_slow")  # fmt: skip
-        optional = ("given_attention_factor", "mscale", "mscale_all_dim")
-        for name in numbers + tuple(n for n in optional if getattr(self, n) is not None):
-            value = getattr(self, name)  # NaN passed `<= 0`, and a zero divided at the first forward
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise ValueError(f"rope_scaling.{name} must be a finite number > 0, got {value}")
-        if self.rope_type == "llama3" and not self.low_freq_factor < self.high_freq_factor:
-            raise ValueError(
-                f"rope_scaling.low_freq_factor ({self.low_freq_factor}) must be below high_freq_factor "
-                f"({self.high_freq_factor})"
-            )
-
-    @property
-    def attention_factor(self) -> float:
-        """YaRN's scale of q and k (each; the scores by its square): the config's `attention_factor`, else
-        mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else 0.1 ln(factor) + 1."""
-        if self.rope_type != "yarn":
-            return 1.0
-        if self.given_attention_factor is not None:
-            return float(self.given_attention_factor)
-        if self.mscale and self.mscale_all_dim:
-            return _mscale(self.factor, self.mscale) / _mscale(self.factor, self.mscale_all_dim)
-        return _mscale(self.factor, 1.0)
-
-
-def _mscale(factor: float, scale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,7 +252,7 @@ class ModelConfig:
             family=family,
             intermediate_size=int(hf["intermediate_size"]),
             **transformer_shape(hf, eps=1e-6, theta=10000.0, max_positions=4096),
-            rope_scaling=_rope_scaling(hf, 4096),
+            rope_scaling=rope_scaling_of(hf, 4096),
             dtype=dtype or _dtype_of(hf),
         )
 
@@ -320,7 +269,7 @@ def transformer_shape(hf: dict[str, Any], *, eps: float, theta: float, max_posit
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
         rms_norm_eps=float(hf.get("rms_norm_eps", eps)),
-        rope_theta=float(_rope_params(hf).get("rope_theta", hf.get("rope_theta", theta))),
+        rope_theta=float(rope_params(hf).get("rope_theta", hf.get("rope_theta", theta))),
         max_position_embeddings=int(hf.get("max_position_embeddings", max_positions)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
@@ -366,38 +315,6 @@ def family_of(hf: dict[str, Any]) -> str:
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]
     raise ValueError(f"unsupported architecture {archs or hf.get('model_type')}; supported: {sorted(ARCHITECTURES)}")
-
-
-def _rope_params(hf: dict[str, Any]) -> dict[str, Any]:
-    # transformers 5 writes `rope_parameters`; older configs write `rope_theta` + `rope_scaling`.
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    return dict(params)
-
-
-ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor", "beta_fast",
-             "beta_slow", "truncate", "original_max_position_embeddings", "attention_factor", "mscale",
-             "mscale_all_dim"}  # fmt: skip
-
-
-def _rope_scaling(hf: dict[str, Any], max_positions: int = 4096) -> RopeScaling | None:
-    """The config's rotary scaling as transformers reads it: every key its llama3, linear and YaRN scalings
-    read (YaRN's `attention_factor` and mscales had been dropped: logits 2.3 off); others it ignores, and so
-    does this. A zero mscale means none, as there."""
-    params = {k: v for k, v in _rope_params(hf).items() if k in ROPE_KEYS and v is not None}
-    params = {k: v for k, v in params.items() if not (k in ("mscale", "mscale_all_dim") and v == 0)}
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    if rope_type == "default":
-        return None
-    # the pre-training length: a top-level field first (as transformers), then the rope's, then the context
-    original = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-    original = original or hf.get("max_position_embeddings") or max_positions
-    if rope_type == "yarn" and "factor" not in params:  # DeepSeek-style: the ratio of the two lengths
-        params["factor"] = (hf.get("max_position_embeddings") or max_positions) / original
-    params.pop("rope_theta", None)
-    params.pop("type", None)
-    params["original_max_position_embeddings"] = original
-    params["given_attention_factor"] = params.pop("attention_factor", None)
-    return RopeScaling(rope_type=rope_type, **params)
 
 
 def _dtype_of(hf: dict[str, Any]) -> str:

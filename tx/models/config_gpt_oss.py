@@ -18,12 +18,10 @@ from tx.models.config import (
     ClampedSwiGLU,
     ModelConfig,
     MoE,
-    RopeScaling,
     _dtype_of,
-    _rope_params,
-    _rope_scaling,
     transformer_shape,
 )
+from tx.models.config_rope import RopeScaling, rope_params, rope_scaling_of
 
 READ = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -105,12 +103,12 @@ DEFAULT_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
 
 
 def _yarn(hf: dict[str, Any]) -> RopeScaling | None:
-    params = _rope_params(hf)
+    params = rope_params(hf)
     if hf.get("rope_parameters") is None and hf.get("rope_scaling") is None:  # absent; {} means plain rope
         hf = {**hf, "rope_parameters": DEFAULT_YARN}
     elif (params.get("rope_type") or params.get("type") or "default") not in ("default", "yarn"):
         raise ValueError(f"rope parameters {params} are not supported for gpt_oss (YaRN or none)")
-    return _rope_scaling(hf, 131072)
+    return rope_scaling_of(hf, 131072)
 
 
 def _moe(hf: dict[str, Any], layers: int) -> MoE:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tx.models.config import ModelConfig, MoE, _dtype_of, _rope_scaling, transformer_shape
+from tx.models.config import ModelConfig, MoE, _dtype_of, transformer_shape
+from tx.models.config_rope import rope_scaling_of
 
 READ = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -53,7 +54,7 @@ def qwen3_moe_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConf
         family="qwen3_moe",
         intermediate_size=int(hf.get("intermediate_size", 6144)),
         **transformer_shape(hf, eps=1e-6, theta=10000.0, max_positions=32768),
-        rope_scaling=_rope_scaling(hf, 32768),
+        rope_scaling=rope_scaling_of(hf, 32768),
         dtype=dtype or _dtype_of(hf),
         moe=_moe(hf, layers),
     )

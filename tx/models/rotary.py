@@ -8,7 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from tx.models.config import RopeScaling
+from tx.models.config_rope import RopeScaling
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
