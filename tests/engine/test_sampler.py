@@ -22,6 +22,7 @@ from flax import nnx
 from tx.engine.decode_steps import DecodePrograms, DecodeRows
 from tx.engine.sampler import Sampler, SamplerConfig
 from tx.engine.sampler_rows import plan_admission
+from tx.engine.text import load_decoder
 from tx.engine.train_step import flat
 from tx.lora.layers import LoRASpec
 from tx.lora.params import AdapterRoles, LoRAParam, LoRARows, slot_scale
@@ -460,6 +461,18 @@ def test_invalid_requests_are_user_errors(qwen):
     assert len(tokens_of(fits["edge"])[0]) == 62
     over, _ = run(qwen.sampler, {"over": (make_req([1, 2, 3], 63), 2)})
     assert isinstance(over["over"], RequestError) and "max_seq_len" in over["over"].message
+
+
+def test_stop_strings_on_a_model_without_a_tokenizer_are_refused(qwen, tmp_path):
+    sampler = qwen.new_sampler()
+    sampler.decode, _ = load_decoder(tmp_path)  # no tokenizer files: they could never match
+    results, _ = run(
+        sampler,
+        {"text": (make_req([1, 2], 4, stop_strings=["ab"]), 0), "ids": (make_req([1, 2], 4, stop_token_ids=[7]), 0)},
+    )
+    assert isinstance(results["text"], RequestError) and results["text"].category == "user"
+    assert "sampling_params.stop" in results["text"].message and "tokenizer" in results["text"].message
+    assert not isinstance(results["ids"], RequestError)
 
 
 def test_a_full_context_sequence_is_scored_as_the_training_forward_scores_it(qwen):

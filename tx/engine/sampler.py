@@ -44,6 +44,7 @@ from tx.engine.sampler_rows import (
     warm_bucket,
 )
 from tx.engine.sampling import StopChecker, resolve_seed, sample_seeds
+from tx.engine.text import has_text
 from tx.gather import to_host
 from tx.lora.params import AdapterRoles
 from tx.lora.select import Selection, select
@@ -219,6 +220,12 @@ class Sampler:
         cannot start without a prompt token, which this sampler relies on."""
         if not req.prompt:
             raise RequestError("the prompt is empty: sampling needs at least one prompt token", "user")
+        if req.params.stop_strings and not has_text(self.decode):  # they could never match: refused, not ignored
+            raise RequestError(
+                "sampling_params.stop: this model has no tokenizer, so stop strings cannot be matched; "
+                "stop on token ids instead",
+                "user",
+            )
         if len(req.prompt) + req.params.max_tokens - 1 > self.cfg.max_seq_len:  # the last token takes no position
             raise RequestError(
                 f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.params.max_tokens}) exceeds the sampler's "

@@ -101,6 +101,12 @@ def _no_text(tokens: list[int]) -> str:
     return ""
 
 
+def has_text(decode: Decode) -> bool:
+    """Whether `decode` turns tokens into text: False for the decoder of a model without a tokenizer, where a
+    stop string could never match."""
+    return decode is not _no_text
+
+
 def _json(path: Path) -> dict[str, Any]:
     try:
         value = json.loads(path.read_text())
