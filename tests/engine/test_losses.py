@@ -218,6 +218,36 @@ def test_a_masked_tokens_placeholder_logprob_leaves_the_gradient_finite(name: st
     assert loss_N[0] == 0 and grad_NK[0, 0] == 0 and grad_NK[1, 0] != 0
 
 
+@pytest.mark.parametrize("name", ["importance_sampling", "ppo", "gspo", "cispo", "stable_reinforce"])
+@pytest.mark.parametrize("advantage", [1.0, 0.0, -1.0])
+def test_a_weighted_token_far_above_its_sampling_logprob_keeps_the_step_finite(name: str, advantage: float) -> None:
+    """p - q = 99 overflowed exp(p - q): PPO's clipped token took NaN through its unchosen branch, and a zero
+    advantage (a group whose rewards tie) made inf * 0. The step's gradient must stay finite, the other
+    token's gradient must be what it is alone, and with no advantage the far token adds nothing."""
+
+    def inputs(q_far: float) -> LossInputs:
+        return LossInputs(
+            datum=jnp.zeros(2, jnp.int32),
+            valid=jnp.ones(2, bool),
+            weights=jnp.ones((2, 1)),
+            advantages=jnp.array([advantage, 1.0]),
+            sampling_logprobs=jnp.array([q_far, -1.0]),
+            ratio_mask=jnp.array([0.0, 1.0]),
+            kind=jnp.array([losses.loss_index(name)], jnp.int32),
+            config=jnp.array([losses.config_row(name, {"kl_coeff": 0.1} if name == "stable_reinforce" else {})]),
+            trains=jnp.ones(1, bool),
+        )
+
+    p_NK = jnp.array([[-1.0], [-1.2]])
+    loss_N, grad_NK = (np.asarray(x) for x in losses_and_grads(p_NK, inputs(-100.0)))
+    assert np.isfinite(loss_N).all() and np.isfinite(grad_NK).all(), (loss_N, grad_NK)
+    if advantage == 0.0 and name != "stable_reinforce":  # its KL term does not vanish with the advantage
+        assert loss_N[0] == 0 and grad_NK[0, 0] == 0
+    if name != "gspo":  # gspo's sequence ratio couples the tokens
+        _, alone_NK = (np.asarray(x) for x in losses_and_grads(p_NK, inputs(-1.0)))
+        np.testing.assert_allclose(grad_NK[1], alone_NK[1], rtol=1e-6)
+
+
 def test_cross_entropy_gradient_is_minus_weights() -> None:
     """forward_backward_custom relies on this: weights = -g must give gradient g, whatever its sign."""
     case = make_case(4)

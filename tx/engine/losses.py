@@ -6,7 +6,8 @@ belongs to and carries the datum's loss kind and config row, so one compiled pro
 that mixes losses and configs: every formula is evaluated elementwise and the datum's kind selects
 one. The batch loss is the plain sum of `token_losses` (Tinker sums, no normalisation; weights and
 advantages carry any scaling). Invalid (padding) tokens and tokens of other kinds are fed benign
-values before each formula, so a NaN or overflow there reaches neither the loss nor its gradient.
+values before each formula, so a NaN or overflow there reaches neither the loss nor its gradient. Every
+exp(log-ratio) is capped at exp(`MAX_LOG_RATIO`), so a weighted token far off policy cannot overflow either.
 
 Per-token losses, with q = `sampling_logprobs`, A = `advantages`, w = `weights`, r = exp(p - q),
 sg = stop-gradient, and RL losses multiplied by w[:, 0] (zero where w[:, 0] == 0):
@@ -103,10 +104,22 @@ def _cross_entropy(t: _Tokens) -> jax.Array:
     return -jnp.sum(t.w_NK * p_NK, axis=1)
 
 
+# exp overflows float32 past 88.7. A weighted token whose learner log-probability stood that far above the
+# sampler's made r = inf, and inf times a zero (the advantage of a group whose rewards all tie, or the zero
+# cotangent of PPO's unchosen branch) turned the whole step's gradient NaN: the next optim_step refused it,
+# and every other datum's gradient with it. Log-ratios are capped where r still fits beside any advantage;
+# a capped token's ratio passes no gradient (it is far past any clip range, where PPO's has none anyway).
+MAX_LOG_RATIO = 60.0
+
+
+def _capped_exp(log_ratio: jax.Array) -> jax.Array:
+    return jnp.exp(jnp.minimum(log_ratio, MAX_LOG_RATIO))
+
+
 def _ratio(t: _Tokens) -> jax.Array:
-    """r = exp(p - q), 1 on tokens of weight 0: a masked token's placeholder q (say -1e4) overflowed the
-    exponential, and its zero cotangent times inf made the datum's gradient NaN."""
-    return jnp.exp(jnp.where(t.w_N != 0, t.p_N - t.q_N, 0.0))
+    """r = exp(p - q) (capped: `MAX_LOG_RATIO`), 1 on tokens of weight 0: a masked token's placeholder q (say
+    -1e4) overflowed the exponential, and its zero cotangent times inf made the datum's gradient NaN."""
+    return _capped_exp(jnp.where(t.w_N != 0, t.p_N - t.q_N, 0.0))
 
 
 def _importance_sampling(t: _Tokens) -> jax.Array:
@@ -119,7 +132,7 @@ def _ppo(t: _Tokens) -> jax.Array:
 
 
 def _cispo(t: _Tokens) -> jax.Array:
-    ratio_N = jax.lax.stop_gradient(jnp.exp(t.p_N - t.q_N))
+    ratio_N = jax.lax.stop_gradient(_capped_exp(t.p_N - t.q_N))
     return _weighted(t, -t.clip(ratio_N) * t.adv_N * t.p_N)
 
 
@@ -132,18 +145,18 @@ def _gspo(t: _Tokens) -> jax.Array:
     in_ratio_N = (t.ratio_mask_N != 0).astype(t.p_N.dtype)
     log_ratio_sum_D = jax.ops.segment_sum(in_ratio_N * (p_sg_N - t.q_N), t.datum_N, num_segments=t.num_datums)
     count_D = jax.ops.segment_sum(in_ratio_N, t.datum_N, num_segments=t.num_datums)
-    seq_ratio_D = jnp.exp(log_ratio_sum_D / jnp.maximum(count_D, 1.0))
+    seq_ratio_D = _capped_exp(log_ratio_sum_D / jnp.maximum(count_D, 1.0))
     ratio_N = jnp.where(t.w_N != 0, seq_ratio_D[t.datum_N] * jnp.exp(t.p_N - p_sg_N), 1.0)  # as `_ratio`
     return _weighted(t, -jnp.minimum(ratio_N * t.adv_N, t.clip(ratio_N) * t.adv_N))
 
 
 def _stable_reinforce(t: _Tokens) -> jax.Array:
-    weight_N = jax.lax.stop_gradient(jnp.minimum(jnp.exp(t.p_N - t.q_N), t.column("truncation")))
+    weight_N = jax.lax.stop_gradient(jnp.minimum(_capped_exp(t.p_N - t.q_N), t.column("truncation")))
     kl_coeff_N = t.column("kl_coeff")
     # Without a KL term, exp(q - p) could overflow and turn a zero cotangent into NaN: feed p = q there.
     p_kl_N = jnp.where((kl_coeff_N != 0) & (t.w_N != 0), t.p_N, t.q_N)
     log_ratio_N = t.q_N - p_kl_N
-    kl_N = jnp.exp(log_ratio_N) - log_ratio_N - 1.0
+    kl_N = _capped_exp(log_ratio_N) - log_ratio_N - 1.0
     return _weighted(t, -weight_N * t.adv_N * t.p_N + kl_coeff_N * kl_N)
 
 
