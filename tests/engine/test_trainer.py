@@ -98,6 +98,24 @@ LOSSES = [
 ]
 
 
+def test_runs_without_a_seed_start_from_their_own_adapter(setup):
+    """Every unseeded run had started from seed 0's A; now each run's id draws its own, and a given seed
+    still reproduces its A whatever the run is called."""
+    _, _, model, _ = setup
+    trainer = Trainer(model, AdapterBank.of(model))
+
+    def a_of(run_id: str, slot: int, seed: int | None) -> np.ndarray:
+        run = trainer.create_lora_run(run_id, LoraConfig(rank=4, seed=seed), slot=slot)
+        params = trainer.run_params(run)
+        a = np.concatenate([np.asarray(v).ravel() for p, v in sorted(params.items()) if "lora_a" in p[-1]])
+        trainer.drop_run(run_id)
+        return a
+
+    first, second = a_of("x", 1, None), a_of("y", 2, None)
+    assert np.abs(first).max() > 0 and not np.array_equal(first, second)
+    np.testing.assert_array_equal(a_of("z", 1, 7), a_of("w", 2, 7))
+
+
 @pytest.mark.parity
 def test_every_loss_matches_torch_peft(setup):
     path, torch_model, model, cfg = setup

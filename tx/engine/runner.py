@@ -336,7 +336,7 @@ class JaxRunner:
         self._check_run_limit()
         slot = self.pager.claim(run_id, "run", lora, self._protect)
         try:
-            run = self.trainer.create_lora_run(run_id, lora, slot, seed=lora.seed or 0)
+            run = self.trainer.create_lora_run(run_id, lora, slot)
             self.run_memory.admit(run_id, lora_run_bytes(run.grads, run.opt_state))
             self.bank.trim_snapshots()  # host snapshots give way to runs
         except BaseException:  # a slot held for a run the trainer does not know would fail its eviction later

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import math
 import threading
@@ -110,10 +111,11 @@ class Trainer:
 
     # ---- runs -------------------------------------------------------------------------------------
 
-    def create_lora_run(self, run_id: str, cfg: LoraConfig, slot: int, seed: int = 0) -> Run:
-        """A fresh adapter in `slot`, initialised as PEFT does (so training starts at the base model)."""
+    def create_lora_run(self, run_id: str, cfg: LoraConfig, slot: int) -> Run:
+        """A fresh adapter in `slot`, initialised as PEFT does (so training starts at the base model), from
+        `cfg.seed`, else from the run's id (`init_seed`)."""
         targets = lora_targets(cfg)
-        self.bank.init(slot, cfg.rank, cfg.alpha, targets, seed if cfg.seed is None else cfg.seed)
+        self.bank.init(slot, cfg.rank, cfg.alpha, targets, init_seed(run_id, cfg.seed))
         slot_, roles = jnp.int32(slot), self.bank.roles
         stacks = {p: v for p, v in self.bank.arrays.items() if p[-2] in targets}
         params = ts.new_run_params(stacks, slot_, cfg.rank, frozenset(p for p in stacks if roles.is_a(p)))
@@ -399,3 +401,12 @@ class Trainer:
         if run_id not in self.runs:
             raise RequestError(f"unknown model_id {run_id!r}", "user")
         return self.runs[run_id]
+
+
+def init_seed(run_id: str, seed: int | None) -> int:
+    """The seed of a new adapter's A: the caller's, else one drawn from the run's id. Every run created
+    without a seed had started from the same A (seed 0), so repeats of an experiment were not independent.
+    The id, not a random draw: every process of a multi-host engine must initialise the same adapter."""
+    if seed is not None:
+        return seed
+    return int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:4], "big")
