@@ -56,8 +56,8 @@ TOP_K_LOSSES: tuple[str, ...] = ("cross_entropy",)
 def validate_loss(name: str, config: dict[str, Any] | None) -> dict[str, float]:
     """Check a loss name and its loss_fn_config; return the config with defaults filled in.
 
-    Raises ValueError (a user error) for an unknown loss, an unknown or non-numeric key, or clip
-    thresholds out of order.
+    Raises ValueError (a user error) for an unknown loss, an unknown or non-numeric key, a value below its
+    key's bound (`LOWEST`), or clip thresholds out of order.
     """
     if name not in LOSS_CONFIG_DEFAULTS:
         raise ValueError(f"unsupported loss_fn {name!r}; supported: {', '.join(LOSS_NAMES)}")
@@ -68,9 +68,29 @@ def validate_loss(name: str, config: dict[str, Any] | None) -> dict[str, float]:
             allowed = ", ".join(defaults) or "none"
             raise ValueError(f"unknown loss_fn_config key {key!r} for loss {name!r}; allowed keys: {allowed}")
         filled[key] = _as_float(key, value)
+        _check_range(name, key, filled[key])
     if filled.get("clip_low_threshold", 0.0) > filled.get("clip_high_threshold", math.inf):
         raise ValueError(f"loss {name!r}: clip_low_threshold must not exceed clip_high_threshold, got {filled}")
     return filled
+
+
+# Values below these turn a loss against its purpose: a ratio is never negative, so a negative clip bound is
+# a mistake; a negative `beta` or `kl_coeff` rewards leaving the sampling policy without bound; a
+# `truncation` at or below 0 flips the sign of every importance weight, so the run unlearns what it samples.
+LOWEST: dict[str, tuple[float, bool]] = {  # key -> (bound, whether the bound itself is allowed)
+    "clip_low_threshold": (0.0, True),
+    "clip_high_threshold": (0.0, True),
+    "beta": (0.0, True),
+    "kl_coeff": (0.0, True),
+    "truncation": (0.0, False),
+}
+
+
+def _check_range(name: str, key: str, value: float) -> None:
+    bound, inclusive = LOWEST[key]
+    if value < bound or (value == bound and not inclusive):
+        relation = ">=" if inclusive else ">"
+        raise ValueError(f"loss {name!r}: loss_fn_config key {key!r} must be {relation} {bound:g}, got {value:g}")
 
 
 # The engine computes losses in float32: a larger value is infinite there (beta = 1e300 times a zero

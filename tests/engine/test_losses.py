@@ -291,7 +291,20 @@ def test_validate_loss_errors_name_the_problem() -> None:
         losses.validate_loss("stable_reinforce", {"kl_coeff": math.nan})
     with pytest.raises(ValueError, match=r"'beta' must be a finite number within ±3.4e\+38, got 1e\+300"):
         losses.validate_loss("dro", {"beta": 1e300})  # finite in float64, infinite in the engine's float32
-    assert losses.validate_loss("dro", {"beta": -3e38}) == {"beta": -3e38}
+    assert losses.validate_loss("dro", {"beta": 3e38}) == {"beta": 3e38}
+    # Values that turn a loss against its purpose (an unbounded reward for leaving the sampling policy, every
+    # importance weight's sign flipped) are refused, naming the key and its bound; the bounds themselves pass.
+    refused = [
+        ("dro", "beta", -0.1, ">="),
+        ("stable_reinforce", "kl_coeff", -1.0, ">="),
+        ("stable_reinforce", "truncation", 0.0, ">"),
+        ("ppo", "clip_low_threshold", -0.5, ">="),
+    ]
+    for name, key, bad, relation in refused:
+        with pytest.raises(ValueError, match=rf"'{key}' must be {relation} 0, got {bad:g}"):
+            losses.validate_loss(name, {key: bad})
+    assert losses.validate_loss("stable_reinforce", {"kl_coeff": 0, "truncation": 1e-3})["truncation"] == 1e-3
+    assert losses.validate_loss("dro", {"beta": 0})["beta"] == 0
     with pytest.raises(ValueError, match="clip_low_threshold"):
         losses.validate_loss("gspo", {"clip_low_threshold": 1.5})
 
