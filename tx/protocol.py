@@ -153,7 +153,9 @@ class SaveSamplerRequest:
     """Snapshot the current weights for sampling under `snapshot_id`.
 
     `dest_dir` is set for named saves (PEFT files on disk, `tinker_path` is their address) and None
-    for ephemeral ones, which only live in memory (`snapshot_id` is then the sampling session id).
+    for ephemeral ones, which only live in memory (`snapshot_id` is then the sampling session id, unless
+    `session_id` names it: an `inflight` save writes its run's one shared snapshot, `inflight_snapshot_id`,
+    and answers with the new client's own session).
     """
 
     snapshot_id: str
@@ -161,6 +163,17 @@ class SaveSamplerRequest:
     name: str | None = None
     dest_dir: str | None = None
     tinker_path: str | None = None
+    session_id: str | None = None
+
+    @property
+    def answer_session(self) -> str:
+        """The sampling session id the save answers with."""
+        return self.session_id or self.snapshot_id
+
+
+def inflight_snapshot_id(run_id: str) -> str:
+    """The one snapshot every `inflight` sampling client of a run reads: each inflight save rewrites it."""
+    return f"{run_id}:inflight"
 
 
 @dataclass(frozen=True)

@@ -25,3 +25,34 @@ def test_training_after_a_snapshot_does_not_change_it(live, service):
     assert again.tokens == first.tokens and again.logprobs == pytest.approx(first.logprobs, abs=1e-5)
     fresh = client.save_weights_and_get_sampling_client().result().sample(prompt, 1, greedy).result().sequences[0]
     assert fresh.logprobs != pytest.approx(first.logprobs, abs=1e-3), "the next snapshot sees the update"
+
+
+def _step(client, batch) -> None:  # type: ignore[no-untyped-def]
+    client.forward_backward(batch, "cross_entropy").result()
+    client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+
+
+@pytest.mark.parametrize("rank", [8, 0], ids=["lora", "full"])
+def test_inflight_clients_share_the_newest_inflight_save(live, service, rank):
+    """SDK 0.38's `kind="inflight"`: every inflight client of a run reads one target that each later inflight
+    save updates. Each had been a snapshot of its own, so a loop holding one inflight client sampled its first
+    weights for good. A snapshot client taken meanwhile keeps its weights."""
+    client = service.create_lora_training_client(base_model=live.base_model, rank=rank).result()  # 0: full
+    batch = sl_batch(5)
+    prompt = types.ModelInput.from_ints(batch[0].model_input.to_ints()[:6])
+
+    def scores(sampler) -> list[float]:  # type: ignore[no-untyped-def]
+        return sampler.compute_logprobs(prompt).result()[1:]
+
+    _step(client, batch)
+    first = client.save_weights_and_get_sampling_client(kind="inflight").result()
+    frozen = client.save_weights_and_get_sampling_client(kind="snapshot").result()
+    before = scores(first)
+    assert scores(frozen) == pytest.approx(before, abs=1e-6)
+    for _ in range(3):
+        _step(client, batch)
+    second = client.save_weights_and_get_sampling_client(kind="inflight").result()
+    now = scores(second)
+    assert now != pytest.approx(before, abs=1e-3), "training moved the weights"
+    assert scores(first) == pytest.approx(now, abs=1e-6), "the first inflight client reads the newest save"
+    assert scores(frozen) == pytest.approx(before, abs=1e-6), "a snapshot keeps its weights"

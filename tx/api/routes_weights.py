@@ -31,6 +31,7 @@ from tx.protocol import (
     LoraConfig,
     SaveSamplerRequest,
     SaveStateRequest,
+    inflight_snapshot_id,
     weights_shape,
 )
 
@@ -135,8 +136,10 @@ def save_weights_for_sampler(body: schemas.SaveWeightsForSamplerRequest, ctx: Ct
         ]
     elif body.sampling_session_seq_id is not None:
         sampler_id = f"{run.session_id}:sample:{body.sampling_session_seq_id}"
-        payload = SaveSamplerRequest(sampler_id, body.kind)
-        rows = [] if not fresh else _ephemeral_rows(run, sampler_id, owner, body.kind)
+        # inflight: every such client of the run reads one shared snapshot, which each inflight save rewrites
+        snapshot_id = inflight_snapshot_id(run.id) if body.kind == "inflight" else sampler_id
+        payload = SaveSamplerRequest(snapshot_id, body.kind, session_id=sampler_id)
+        rows = [] if not fresh else _ephemeral_rows(run, sampler_id, snapshot_id, owner, body.kind)
     else:
         user_error("save_weights_for_sampler needs a path (named checkpoint) or a sampling_session_seq_id")
     with claim:  # a named save's snapshot row replaces the one of that name in the queueing transaction
@@ -166,11 +169,13 @@ def save_weights_external(body: schemas.SaveWeightsExternalRequest, ctx: Ctx, ow
         )  # fmt: skip
 
 
-def _ephemeral_rows(run: TrainingRunRow, sampler_id: str, owner: str, kind: str) -> list[SQLModel]:
-    snapshot = SamplerSnapshotRow(id=sampler_id, model_id=run.id, owner=owner, kind=kind)
+def _ephemeral_rows(run: TrainingRunRow, sampler_id: str, snapshot_id: str, owner: str, kind: str) -> list[SQLModel]:
+    """The sampling session and the snapshot it reads (queueing merges a snapshot row already there: an
+    inflight save's shared one follows its newest save)."""
+    snapshot = SamplerSnapshotRow(id=snapshot_id, model_id=run.id, owner=owner, kind=kind)
     sampler = SamplingSessionRow(
         id=sampler_id, session_id=run.session_id, owner=owner, base_model=run.base_model, model_id=run.id,
-        snapshot_id=sampler_id,
+        snapshot_id=snapshot_id,
     )  # fmt: skip
     return [snapshot, sampler]
 

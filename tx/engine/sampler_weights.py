@@ -56,7 +56,7 @@ class SamplerWeights:
         except BaseException:  # the save fails, and its name keeps the files it had: samples read those
             self.bank.clear(self.bank.release(p.snapshot_id).slot)
             raise
-        return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
+        return CheckpointResult(path=p.tinker_path, sampling_session_id=p.answer_session, size_bytes=size)
 
     def export(self, run: Run, p: SaveSamplerRequest, path: PathCheck) -> CheckpointResult:
         """`save_weights_external`: the files a named sampler save writes (PEFT, or a HF directory), straight
@@ -123,7 +123,7 @@ class SamplerWeights:
         except BaseException:  # as for a LoRA snapshot: the name keeps its files, samples read those
             self.full.drop(p.snapshot_id)
             raise
-        return CheckpointResult(path=p.tinker_path, sampling_session_id=p.snapshot_id, size_bytes=size)
+        return CheckpointResult(path=p.tinker_path, sampling_session_id=p.answer_session, size_bytes=size)
 
     def _slot_for(self, snapshot_id: str, lora: LoraConfig, protect: frozenset[str]) -> int:
         slots = self.bank.slots
