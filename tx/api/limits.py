@@ -31,6 +31,13 @@ class Limits:
         return max(self.max_seq_len, min(self.max_datums * self.max_seq_len, 1 << 19))
 
     @property
+    def max_datum_entries(self) -> int:
+        """model_input chunks, loss_fn_inputs and provenance spans of all datums of one request together
+        (`tx.api.wire_scan`): 64 a datum on average, and a whole longest datum of one-token chunks. Each costs
+        a Python object when parsed; walking 65k of them takes about 0.1 s."""
+        return max(64 * self.max_datums, self.max_seq_len + 64)
+
+    @property
     def max_tensor_elements(self) -> int:
         """Elements of one loss input: [N, K] at the longest datum and widest K."""
         return self.max_seq_len * min(self.max_targets, self.vocab_size)
