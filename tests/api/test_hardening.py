@@ -7,6 +7,7 @@ hundreds of MiB, 500s for malformed input) and checks the behaviour that replace
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import math
@@ -23,6 +24,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from api.harness import PROTO, proto_body, running_server
+from tx.api.body_limit import BodyLimit, BodyTooLarge
 
 pytestmark = [pytest.mark.e2e]
 KEY = "tml-hardening"
@@ -222,6 +224,61 @@ def test_small_bodies_cannot_allocate_much(real: dict[str, Any]) -> None:
         assert growth < 64, f"peak memory rose {growth:.0f} MiB for a {len(body)}-byte body"
     huge = http.post("/forward_backward", content=bytes(80 << 20), headers=PROTO)
     assert huge.status_code == 413 and "limit" in huge.json()["detail"]
+
+
+def test_bodies_of_many_empty_messages_are_refused_before_they_are_parsed(real: dict[str, Any]) -> None:
+    """Parsing makes an object of each message: 6 MB of empty protobuf datums or of JSON `{}` took about
+    200 MB before any limit saw them, and a 64 MiB body would take 1.8 GB. Both are counted first."""
+    http, model_id = real["http"], real["training"].model_id
+    datums = b"\x1a\x00" * 3_000_000
+    objects = b"{}," * 2_000_000
+    legacy = b'{"model_id": "%s", "forward_backward_input": {"data": [' % model_id.encode() + objects + b"{}]}}"
+    attacks = [
+        ("/forward_backward", PROTO, datums, 400, "more than"),
+        ("/forward_backward", {**PROTO, "Content-Encoding": "zstd"}, zstandard.compress(datums), 400, "more than"),
+        ("/create_session", {"Content-Type": "application/json"}, b"[" + objects + b"{}]", 413, "JSON objects"),
+        ("/forward_backward", {"Content-Type": "application/json"}, legacy, 413, "JSON objects"),
+        ("/forward_backward", {"Content-Type": "text/plain"}, legacy, 413, "JSON objects"),
+    ]
+    for route, headers, body, status, said in attacks:
+        replies: list[httpx.Response] = []
+        growth = _peak_growth_mib(lambda: replies.append(http.post(route, content=body, headers=headers)))  # noqa: B023
+        assert replies[0].status_code == status and said in replies[0].text, (route, replies[0].text)
+        assert growth < 64, f"peak memory rose {growth:.0f} MiB for {route}"
+    _still_serves(real["training"])
+
+
+def test_an_upload_chunk_of_brackets_is_data_not_json() -> None:
+    """An upload's chunk is streamed to disk as bytes: its `{` and `[` (a safetensors header, or 1 byte in
+    64 of random weights) are not counted; any other body's are."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:  # reads the body; any error is its 500
+        status = 200
+        try:
+            while (await receive()).get("more_body"):
+                pass
+        except BodyTooLarge:
+            status = 500
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    def status_of(method: str, path: str) -> int:
+        sent: list[dict[str, Any]] = []
+        bodies = iter([{"type": "http.request", "body": b"{" * 5000, "more_body": True}] * 3)
+
+        async def receive() -> dict[str, Any]:
+            return next(bodies, {"type": "http.request", "body": b"", "more_body": False})
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": method, "path": path, "headers": []}
+        asyncio.run(BodyLimit(app, max_bytes=1 << 20, max_containers=10_000)(scope, receive, send))
+        return int(sent[0]["status"])
+
+    assert status_of("PUT", "/api/v1/uploads/m/files/model.safetensors") == 200
+    assert status_of("POST", "/api/v1/create_session") == 413
+    assert status_of("PUT", "/api/v1/training_runs/r/checkpoints/weights/c/ttl") == 413
 
 
 def test_a_chunked_body_over_the_limit_is_413_on_every_route(real: dict[str, Any]) -> None:

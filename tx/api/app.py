@@ -158,7 +158,7 @@ def create_app(
     app.add_exception_handler(OperationalError, _store_unavailable)
     app.add_exception_handler(DataError, _unstorable)
     app.add_exception_handler(OSError, _disk_full)
-    app.add_middleware(BodyLimit, max_bytes=ctx.limits.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=ctx.limits.max_body_bytes, max_containers=ctx.limits.max_json_containers)
     for module in (
         routes_session,
         routes_train,

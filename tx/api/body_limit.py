@@ -3,6 +3,11 @@
 A declared `Content-Length` over the limit is answered 413 before any byte is read; a body without
 one (chunked) is counted as it arrives and refused the moment it passes the limit, so no handler
 ever holds more than `max_bytes` of one request. 413 is a client error: the SDK does not retry it.
+
+A body that may be parsed as JSON (all but protobuf bodies and upload chunks) also has its `{` and `[`
+counted: parsing makes an object of each, about 64 bytes for an empty one that takes 3 on the wire, so
+8 MiB of `{},` took 200 MB to parse before any check of the fields saw it. Brackets inside strings count
+too, which only errs towards refusing (`max_containers` is far above what a request of the SDK holds).
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ class BodyTooLarge(Exception):
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_containers: int | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_containers = max_containers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -35,14 +41,17 @@ class BodyLimit:
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
             await self.refuse(send)
             return
-        seen, tripped = 0, False
+        seen, containers, tripped = 0, 0, False
+        json_like = self.max_containers is not None and _may_be_json(scope)
 
         async def counted() -> Message:
-            nonlocal seen, tripped
+            nonlocal seen, containers, tripped
             message = await receive()
             if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
+                body = message.get("body", b"")
+                seen += len(body)
+                containers += body.count(b"{") + body.count(b"[") if json_like else 0
+                if seen > self.max_bytes or (json_like and containers > (self.max_containers or 0)):
                     tripped = True
                     raise BodyTooLarge(self.detail())
             return message
@@ -58,10 +67,19 @@ class BodyLimit:
         await self.app(scope, counted, answered)
 
     def detail(self) -> str:
-        return f"request body is larger than this server's limit of {self.max_bytes} bytes"
+        shape = f", or holds more than {self.max_containers} JSON objects and arrays" if self.max_containers else ""
+        return f"request body is larger than this server's limit of {self.max_bytes} bytes{shape}"
 
     async def refuse(self, send: Send) -> None:
         body = json.dumps({"detail": self.detail()}).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def _may_be_json(scope: Scope) -> bool:
+    """Whether a route may parse this body as JSON: every body but a protobuf one and an upload's chunk,
+    which is streamed to disk as bytes (its `{` are data)."""
+    content_type = dict(scope.get("headers") or []).get(b"content-type", b"").lower()
+    chunk = scope.get("method") == "PUT" and "/files/" in scope.get("path", "")
+    return b"protobuf" not in content_type and not chunk

@@ -38,6 +38,11 @@ class Limits:
         return max(64 * self.max_datums, self.max_seq_len + 64)
 
     @property
+    def max_json_containers(self) -> int:
+        """`{` and `[` of a JSON body (`tx.api.body_limit`): a legacy forward_backward holds about ten a datum."""
+        return self.max_datum_entries
+
+    @property
     def max_tensor_elements(self) -> int:
         """Elements of one loss input: [N, K] at the longest datum and widest K."""
         return self.max_seq_len * min(self.max_targets, self.vocab_size)
