@@ -23,7 +23,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--learning-rate", type=float, default=5e-2)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--group-size", type=int, default=8, help="completions sampled per step")
-    p.add_argument("--seed", type=int, default=None, help="seed the sampling (step i: seed + i) for a repeatable run")
+    p.add_argument(
+        "--seed", type=int, default=None, help="seed the adapter and the sampling (step i: seed + i): a repeatable run"
+    )
     return p.parse_args()
 
 
@@ -67,7 +69,9 @@ def main() -> None:
     base_url = os.environ.get("TINKER_BASE_URL", "http://localhost:8000")
     # `with` finishes the session on exit: the server frees its adapter slot, the SDK stops its threads.
     with tinker.ServiceClient(base_url=base_url) as service:
-        client = service.create_lora_training_client(base_model=args.base_model, rank=args.rank).result()
+        client = service.create_lora_training_client(
+            base_model=args.base_model, rank=args.rank, seed=args.seed
+        ).result()
         tokenizer = load_tokenizer(client, args.base_model)
         targets = word_token_ids(tokenizer)
         prompt = tokenizer.encode("Say a word:", add_special_tokens=False)

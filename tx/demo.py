@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--data-dir", default="./smolgym-data", help="server data directory (default ./smolgym-data)")
     p.add_argument("--keep-server", action="store_true", help="leave the server running after the examples")
-    p.add_argument("--seed", type=int, default=None, help="seed the RL loop's sampling (a repeatable run)")
+    p.add_argument("--seed", type=int, default=None, help="seed the RL loop's adapter and sampling (a repeatable run)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server to start")
     return p.parse_args(argv)
 

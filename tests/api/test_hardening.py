@@ -155,10 +155,9 @@ def test_non_finite_losses_and_metrics_survive(real: dict[str, Any]) -> None:
     service = tinker.ServiceClient(base_url=real["url"], api_key=KEY)
     real["services"].append(service)
     run = service.create_lora_training_client(base_model=real["info"].base_model, rank=4)
-    # q = -1e30 makes the importance ratio overflow: an infinite loss and non-finite gradients.
-    q = np.full(4, -1e30, np.float32)
-    datum = _datum([5, 6, 7, 8], logprobs=q, advantages=np.ones(4, np.float32))
-    fb = run.forward_backward([datum], "importance_sampling").result(timeout=60)
+    # Weights of 3e38 (finite, so valid) overflow the loss and the gradient's norm in float32.
+    datum = _datum([5, 6, 7, 8], weights=np.full(4, 3e38, np.float32))
+    fb = run.forward_backward([datum], "cross_entropy").result(timeout=60)
     assert math.isinf(fb.metrics["loss:sum"])
     step = real["http"].post("/optim_step", json={"model_id": run.model_id, "adam_params": {"learning_rate": 1e-3}})
     refused = _retrieve_json(real, step.json()["request_id"])

@@ -71,7 +71,8 @@ def test_custom_loss(live, service):
 
 def test_rl_loop_reward_rises(live, service):
     """Toy task: reward = fraction of sampled tokens below 128. Importance sampling should raise it."""
-    client = service.create_lora_training_client(base_model=live.base_model, rank=8).result()
+    # seeded adapter: an unseeded run's A is drawn from its (random) id, and lr 5e-2 collapses some draws
+    client = service.create_lora_training_client(base_model=live.base_model, rank=8, seed=0).result()
     prompt = types.ModelInput.from_ints([1, 2, 3, 4])
     rewards = []
     for step in range(8):
