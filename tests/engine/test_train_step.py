@@ -65,6 +65,29 @@ def test_adam_step_clips_the_global_norm_then_steps_like_torch(clip: float) -> N
     assert all(not np.asarray(g).any() for g in zeroed.values())
 
 
+def test_bfloat16_weights_take_updates_smaller_than_their_step_on_average() -> None:
+    """Full fine-tuning in bfloat16: an AdamW update of 1e-4 on weights of 1.0 (a bfloat16 step there is
+    2^-7) rounded to nearest was lost every time, so the weights never moved. Rounded stochastically, 50
+    steps move them by 50 updates on average, the same on every call; float32 weights step exactly."""
+    hp = {k: jnp.float32(v) for k, v in dict(learning_rate=1e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
+                                              grad_clip_norm=0.0).items()}  # fmt: skip
+
+    def run(steps: int) -> dict:  # fresh inputs each time: the step donates its buffers
+        weights = {("w",): jnp.ones(8192, jnp.bfloat16), ("f",): jnp.ones(4, jnp.float32)}
+        _, state = ts.fresh_state(weights, jnp.float32)
+        for _ in range(steps):
+            ones = {p: jnp.ones(v.shape, jnp.float32) for p, v in weights.items()}
+            weights, state, _, _, applied = ts.adam_step(weights, state, ones, hp)
+            assert bool(applied)
+        return weights
+
+    moved = run(50)
+    w = np.asarray(moved[("w",)], np.float32)
+    assert abs(w.mean() - (1 - 50e-4)) < 3e-4, w.mean()  # each update is lr: the gradient is constant
+    np.testing.assert_allclose(np.asarray(moved[("f",)]), 1 - 50e-4, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(run(50)[("w",)], np.float32), w)
+
+
 def test_a_runs_slot_slice_is_read_written_and_accumulated_at_its_rank() -> None:
     """A stacked adapter [S=3 slots, in=4, R=4] / [S, R, out=2] holding rank 2 in slot 1: the run reads and
     writes only its slot's first two rank components, and accumulates only its slice of a compact gradient."""
