@@ -254,7 +254,7 @@ def _rounded(value: jax.Array, dtype: jnp.dtype, step_key: jax.Array, index: int
     """A float32 weight after its update, stored in `dtype`. bfloat16 rounds stochastically: up with the
     probability of the distance to the value below, so the stored weight equals the float32 one on average.
     Rounded to nearest, an update under half a bfloat16 step was lost whole: at a weight of 0.05 a step is
-    4e-4, and a full fine-tuning update at lr 1e-5 (about 1e-5 a weight) never changed anything."""
+    2.4e-4, and a full fine-tuning update at lr 1e-5 (about 1e-5 a weight) never changed anything."""
     if dtype != jnp.bfloat16:
         return value.astype(dtype)
     bits = jax.lax.bitcast_convert_type(value, jnp.uint32)
