@@ -248,6 +248,27 @@ def test_a_weighted_token_far_above_its_sampling_logprob_keeps_the_step_finite(n
         np.testing.assert_allclose(grad_NK[1], alone_NK[1], rtol=1e-6)
 
 
+@pytest.mark.parametrize("gap", [30.0, 61.0, 65.0, 200.0])
+def test_the_kl_penalty_pulls_a_far_learner_back_however_far(gap: float) -> None:
+    """stable_reinforce's k3 term exp(q - p) - (q - p) - 1 with q - p = gap: its gradient in p is
+    1 - exp(gap), always negative (raising p lowers the penalty). A capped exponential left only the linear
+    term's +1 past the cap, pushing p further away."""
+    inputs = LossInputs(
+        datum=jnp.zeros(1, jnp.int32),
+        valid=jnp.ones(1, bool),
+        weights=jnp.ones((1, 1)),
+        advantages=jnp.zeros(1),
+        sampling_logprobs=jnp.array([-1.0]),
+        ratio_mask=jnp.zeros(1),
+        kind=jnp.array([losses.loss_index("stable_reinforce")], jnp.int32),
+        config=jnp.array([losses.config_row("stable_reinforce", {"kl_coeff": 1.0})]),
+        trains=jnp.ones(1, bool),
+    )
+    loss_N, grad_NK = (np.asarray(x) for x in losses_and_grads(jnp.array([[-1.0 - gap]]), inputs))
+    assert np.isfinite(loss_N).all() and np.isfinite(grad_NK).all()
+    assert grad_NK[0, 0] < -1e12 if gap > 30 else grad_NK[0, 0] == pytest.approx(1 - math.exp(gap), rel=1e-4)
+
+
 def test_cross_entropy_gradient_is_minus_weights() -> None:
     """forward_backward_custom relies on this: weights = -g must give gradient g, whatever its sign."""
     case = make_case(4)

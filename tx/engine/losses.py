@@ -7,7 +7,8 @@ that mixes losses and configs: every formula is evaluated elementwise and the da
 one. The batch loss is the plain sum of `token_losses` (Tinker sums, no normalisation; weights and
 advantages carry any scaling). Invalid (padding) tokens and tokens of other kinds are fed benign
 values before each formula, so a NaN or overflow there reaches neither the loss nor its gradient. Every
-exp(log-ratio) is capped at exp(`MAX_LOG_RATIO`), so a weighted token far off policy cannot overflow either.
+exp(log-ratio) goes on linearly past exp(`MAX_LOG_RATIO`), so a weighted token far off policy cannot overflow
+either.
 
 Per-token losses, with q = `sampling_logprobs`, A = `advantages`, w = `weights`, r = exp(p - q),
 sg = stop-gradient, and RL losses multiplied by w[:, 0] (zero where w[:, 0] == 0):
@@ -107,17 +108,20 @@ def _cross_entropy(t: _Tokens) -> jax.Array:
 # exp overflows float32 past 88.7. A weighted token whose learner log-probability stood that far above the
 # sampler's made r = inf, and inf times a zero (the advantage of a group whose rewards all tie, or the zero
 # cotangent of PPO's unchosen branch) turned the whole step's gradient NaN: the next optim_step refused it,
-# and every other datum's gradient with it. Log-ratios are capped where r still fits beside any advantage;
-# a capped token's ratio passes no gradient (it is far past any clip range, where PPO's has none anyway).
+# and every other datum's gradient with it. Past `MAX_LOG_RATIO` the exponential goes on as its tangent
+# line, so its value and gradient stay finite and keep their signs (a KL penalty still pulls p back), up to
+# `MAX_LOG_RATIO_RUN` further, where it stops growing.
 MAX_LOG_RATIO = 60.0
+MAX_LOG_RATIO_RUN = 1e6
 
 
 def _capped_exp(log_ratio: jax.Array) -> jax.Array:
-    return jnp.exp(jnp.minimum(log_ratio, MAX_LOG_RATIO))
+    past = jnp.clip(log_ratio - MAX_LOG_RATIO, 0.0, MAX_LOG_RATIO_RUN)
+    return jnp.exp(jnp.minimum(log_ratio, MAX_LOG_RATIO)) * (1.0 + past)
 
 
 def _ratio(t: _Tokens) -> jax.Array:
-    """r = exp(p - q) (capped: `MAX_LOG_RATIO`), 1 on tokens of weight 0: a masked token's placeholder q (say
+    """r = exp(p - q) (linear past `MAX_LOG_RATIO`), 1 on tokens of weight 0: a masked token's placeholder q (say
     -1e4) overflowed the exponential, and its zero cotangent times inf made the datum's gradient NaN."""
     return _capped_exp(jnp.where(t.w_N != 0, t.p_N - t.q_N, 0.0))
 
