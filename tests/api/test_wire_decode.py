@@ -100,12 +100,20 @@ def test_many_empty_messages_are_counted_before_the_body_is_parsed() -> None:
     empty_datums = b"\x1a\x00" * 1000
     _refused("data has more than 2 datums, the limit", parse_forward_backward_proto, empty_datums, limits)
     chunks = b"\x1a\xd0\x0f" + b"\x0a\x00" * 1000  # one datum of 1000 empty chunks (2000 bytes)
-    _refused("more than 128 entries .model_input chunks", parse_forward_backward_proto, chunks, limits)
+    _refused("more than 48 entries .model_input chunks", parse_forward_backward_proto, chunks, limits)
     configs = b"\x2a\x00" * 65
     _refused("loss_fn_config has more than 64 entries", parse_forward_backward_proto, configs, limits)
     _refused("wire type 3 is not accepted", parse_forward_backward_proto, b"\x0b" + empty_datums, limits)
     _refused("runs past its end", parse_forward_backward_proto, b"\x1a\x05\x00", limits)
     assert len(_decode(_proto([1, 2], [3])).data) == 2
+    # The SDK's `append_int` makes a chunk per token: whole datums of one-token chunks are within the count.
+    per_token = _proto([1] * 8, [2] * 8)
+    for datum in per_token.data:
+        tokens = datum.model_input[0].encoded_text.tokens
+        del datum.model_input[:]
+        for i in range(0, len(tokens), 4):
+            datum.model_input.add().encoded_text.tokens = tokens[i : i + 4]
+    assert [d.tokens for d in _decode(per_token).data] == [[1] * 8, [2] * 8]
 
 
 def test_a_body_of_empty_datums_never_swells_the_process() -> None:
@@ -190,7 +198,7 @@ def test_inputs_no_loss_reads_are_dropped_before_they_are_decoded() -> None:
     message = _proto()
     zeros = _sparse([], [0] * 9, [], [8, 2])
     datum = _proto_datum(message, [1, 2], weights=_sparse([1.0], [0, 1, 1], [0], [2, 1]))
-    for i in range(100):  # entries within the count (`max_datum_entries`): a body of more is refused unread
+    for i in range(20):  # entries within the count (`max_datum_entries`): a body of more is refused unread
         datum.loss_fn_inputs[f"junk{i}"].CopyFrom(zeros)
     assert list(_decode(message).data[0].loss_fn_inputs) == ["weights"]
     as_json = {"forward_backward_input": {"loss_fn": "cross_entropy", "data": [{

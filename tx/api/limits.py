@@ -33,14 +33,17 @@ class Limits:
     @property
     def max_datum_entries(self) -> int:
         """model_input chunks, loss_fn_inputs and provenance spans of all datums of one request together
-        (`tx.api.wire_scan`): 64 a datum on average, and a whole longest datum of one-token chunks. Each costs
-        a Python object when parsed; walking 65k of them takes about 0.1 s."""
-        return max(64 * self.max_datums, self.max_seq_len + 64)
+        (`tx.api.wire_scan`): a chunk per token (the SDK's `ModelInput.append_int` makes one-token chunks) and
+        16 more a datum. Each costs a Python object of about 100 bytes when parsed (54 MB at 540k); walking
+        them on the wire takes about 0.1 s."""
+        return self.max_request_tokens + 16 * self.max_datums
 
     @property
     def max_json_containers(self) -> int:
-        """`{` and `[` of a JSON body (`tx.api.body_limit`): a legacy forward_backward holds about ten a datum."""
-        return self.max_datum_entries
+        """`{` and `[` of a JSON body (`tx.api.body_limit`): two a token (a one-token chunk of a legacy
+        forward_backward or of a sample's prompt, `{"tokens": [5], ...}`) and 64 more a datum; about 64 bytes
+        each when parsed (70 MB at 1.1M)."""
+        return 2 * self.max_request_tokens + 64 * self.max_datums
 
     @property
     def max_tensor_elements(self) -> int:

@@ -21,7 +21,7 @@ import zstandard
 
 from tx.api import wire_proto
 from tx.api.limits import Limits
-from tx.api.wire_scan import ScanError, check_forward_backward
+from tx.api.wire_scan import MalformedBody, ScanError, check_forward_backward
 from tx.loss_spec import INPUT_IS_TOKEN_IDS
 from tx.protocol import Datum, ForwardBackwardRequest, SamplingParams
 
@@ -83,6 +83,8 @@ def parse_forward_backward_proto(body: bytes, limits: Limits) -> tuple[Any, Forw
     """Parse a serialized `ForwardBackwardRequest`; returns (message, protocol request)."""
     try:  # counted first: parsing builds an object per message, so many empty ones swelled a body 28-fold
         check_forward_backward(body, limits.max_datums, limits.max_datum_entries)
+    except MalformedBody as exc:
+        raise WireError(f"body is not a valid ForwardBackwardRequest protobuf: {exc}") from None
     except ScanError as exc:
         raise WireError(str(exc)) from None
     message = wire_proto.ForwardBackwardRequest()

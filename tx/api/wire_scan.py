@@ -16,7 +16,11 @@ MAX_CONFIG_ENTRIES = 64
 
 
 class ScanError(ValueError):
-    """The body's message counts pass a limit, or its wire format cannot be walked."""
+    """The body's message counts pass a limit."""
+
+
+class MalformedBody(ScanError):
+    """The body's wire format cannot be walked: it is no protobuf message."""
 
 
 def check_forward_backward(body: bytes, max_datums: int, max_datum_entries: int) -> None:
@@ -57,16 +61,16 @@ def _fields(buf: bytes, start: int, end: int) -> Iterator[tuple[int, tuple[int, 
             length = buf[pos] if pos < end else 0x80
             length, pos = (length, pos + 1) if length < 0x80 else _varint(buf, pos, end)
             if length > end - pos:
-                raise ScanError("the body is not a valid protobuf message: a field runs past its end")
+                raise MalformedBody("a field runs past its end")
             yield number, (pos, pos + length)
             pos += length
         elif wire in (1, 5):
             pos += 8 if wire == 1 else 4
             yield number, None
         else:  # groups (3, 4) are never sent, and would hide the fields inside them from this count
-            raise ScanError(f"the body is not a valid protobuf message: wire type {wire} is not accepted")
+            raise MalformedBody(f"wire type {wire} is not accepted")
     if pos > end:
-        raise ScanError("the body is not a valid protobuf message: a field runs past its end")
+        raise MalformedBody("a field runs past its end")
 
 
 def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
@@ -78,4 +82,4 @@ def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
         if byte < 0x80:
             return value, pos
         shift += 7
-    raise ScanError("the body is not a valid protobuf message: a truncated or overlong varint")
+    raise MalformedBody("a truncated or overlong varint")
