@@ -1,8 +1,10 @@
 """Sampler snapshots through the SDK: a sample sees exactly the weights it was given."""
 
+import httpx
 import pytest
 from tinker import types
 
+from e2e.conftest import KEY
 from e2e.test_sdk_loops import sl_batch
 
 pytestmark = pytest.mark.e2e
@@ -56,3 +58,23 @@ def test_inflight_clients_share_the_newest_inflight_save(live, service, rank):
     assert now != pytest.approx(before, abs=1e-3), "training moved the weights"
     assert scores(first) == pytest.approx(now, abs=1e-6), "the first inflight client reads the newest save"
     assert scores(frozen) == pytest.approx(before, abs=1e-6), "a snapshot keeps its weights"
+
+
+def test_a_failed_inflight_save_leaves_the_earlier_inflight_clients_sampling(live, service):
+    """An inflight save that fails (its run unloaded just ahead of it) had marked the run's shared snapshot
+    failed, and every earlier inflight client, whose weights the engine still held, was refused."""
+    client = service.create_lora_training_client(base_model=live.base_model, rank=4).result()
+    prompt = types.ModelInput.from_ints([1, 2, 3, 4])
+    greedy = types.SamplingParams(max_tokens=3, temperature=0.0)
+    first = client.save_weights_and_get_sampling_client(kind="inflight").result()
+    tokens = first.sample(prompt, 1, greedy).result().sequences[0].tokens
+    http = httpx.Client(base_url=live.url, headers={"X-API-Key": KEY}, timeout=60)
+    assert http.post("/api/v1/unload_model", json={"model_id": client.model_id}).status_code == 200
+    body = {"model_id": client.model_id, "sampling_session_seq_id": 900, "kind": "inflight"}
+    queued = http.post("/api/v1/save_weights_for_sampler", json=body)
+    if queued.status_code == 200:  # queued before the unload finished: it fails in the engine
+        future = {"request_id": queued.json()["request_id"]}
+        while (outcome := http.post("/api/v1/retrieve_future", json=future).json()).get("type") == "try_again":
+            pass
+        assert "error" in outcome, outcome
+    assert first.sample(prompt, 1, greedy).result().sequences[0].tokens == tokens
