@@ -196,6 +196,29 @@ def test_a_model_with_a_live_run_is_never_unloaded_and_the_refusal_names_sizes(d
     assert set(pool.models) == {str(dirs["llama"])}
 
 
+def test_a_load_waits_for_a_busy_model_to_finish_and_make_room(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A budget of one model: a sample of Llama arriving while the loaded Qwen3 model samples waits for that
+    sample, then Qwen3 is unloaded for it. The load had failed at once ("no loaded model is idle")."""
+    pool = _pool(tmp_path, int(1.5 * MB))
+    _only(_drain(pool, [_sample(dirs["qwen"])]))
+    results = _drain(pool, [_sample(dirs["qwen"], max_tokens=40), _sample(dirs["llama"])])
+    _all_ok(results)
+    assert set(pool.models) == {str(dirs["llama"])}
+
+
+def test_no_model_is_unloaded_for_a_load_that_would_not_fit_anyway(dirs, hf_models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Qwen3 holds a live run, Llama is idle, and a third model needs more than Llama's bytes free: the load is
+    refused and Llama stays (it had been unloaded first, for nothing)."""
+    third, _ = hf_models("qwen3", 1, True)
+    pool = _pool(tmp_path, int(2.2 * MB))
+    _only(_drain(pool, [_create(dirs["qwen"], "run-w")]))
+    _only(_drain(pool, [_sample(dirs["llama"])]))
+    pool.sizes[str(third)] = int(1.5 * MB)  # its measured size, as after an earlier load
+    (refused,) = _drain(pool, [_sample(third)]).values()
+    assert isinstance(refused, RequestError) and "1 live runs" in refused.message, refused
+    assert set(pool.models) == {str(dirs["qwen"]), str(dirs["llama"])}
+
+
 def test_an_upload_never_unloads_a_model_named_on_the_command_line(dirs, hf_models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Under a budget that holds one model, one owner's upload unloaded the idle model the server was started
     with, and the run it created kept it out for every other tenant. The upload is refused with the sizes;

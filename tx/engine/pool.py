@@ -12,8 +12,9 @@ thread keeps stepping the other models meanwhile), then runs in arrival order; a
 hub name is first downloaded by a fetcher thread, so a download blocks neither the engine nor the API.
 Before a load the pool makes room within the memory budget by unloading idle models (no live runs,
 nothing queued or running), least recently used first, those holding no sampler snapshot before those
-that do (their sampling clients are likely live); if that is not enough the waiting requests fail with
-the sizes. One owner's upload (`upload:NAME`) never unloads a model named on the command line: those serve
+that do (their sampling clients are likely live), and only once they make enough room; when models still
+working would make it, the load waits for them to finish (`ROOM_PATIENCE_S` at most), and when nothing
+would, the waiting requests fail with the sizes. One owner's upload (`upload:NAME`) never unloads a model named on the command line: those serve
 every tenant. A model with live runs is never unloaded. An unloaded model's sampler snapshots (the
 ephemeral ones of `save_weights_and_get_sampling_client` included) are kept in host memory and handed to its
 next load, so a sampling client outlives an unload: its next sample reloads the model and finds its weights
@@ -45,6 +46,7 @@ from tx.upload_store import UPLOAD_PREFIX
 
 log = logging.getLogger("tx.engine")
 HEADROOM = 0.8  # of device memory for weights: the rest is for caches, activations and the compiler
+ROOM_PATIENCE_S = 120.0  # a load waits this long for busy models to finish and make room, then fails
 
 
 class ModelRunner(Runner, Protocol):
@@ -116,6 +118,7 @@ class ModelPool:
         self.outbox: list[Completion] = []
         self.routed: dict[str, str] = {}  # future id -> the key of the model whose runner holds it
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tx-load")
+        self._room_since: dict[str, float] = {}  # key -> when its load began waiting for busy models' room
 
     # ---- loading -----------------------------------------------------------------------------------
 
@@ -123,7 +126,8 @@ class ModelPool:
         """Load a model now (server start-up), within the budget."""
         key = str(model_dir)
         self.names.setdefault(key, name)
-        self._make_room(key, self._size_of(key))
+        if not self._make_room(key, self._size_of(key)):  # nothing is busy at start-up
+            raise self._no_room(key, self._size_of(key), self.budget_bytes - self._in_use())
         runner, info = self._build(name, model_dir)
         self.preloaded.add(key)
         return self._add(key, runner, info).info
@@ -177,19 +181,21 @@ class ModelPool:
         loaded = sum(m.runner.resident_bytes() for m in self.models.values())
         return loaded + sum(reserved for _, reserved in self.loading.values())
 
-    def _evictable(self, keep: str) -> list[PoolModel]:
+    def _evictable(self, keep: str, busy: bool = False) -> list[PoolModel]:
+        """The models a load of `keep` may unload: no live runs, no load of their own waiting, not shared with
+        every tenant when `keep` is an upload; idle ones (or, with `busy`, those still working)."""
         shared = self.preloaded if self.names.get(keep, "").startswith(UPLOAD_PREFIX) else set()
-        idle = [
+        found = [
             m
             for m in self.models.values()
             if m.key != keep
             and m.key not in self.waiting
-            and m.runner.idle()
+            and m.runner.idle() != busy
             and not m.runner.live_runs()
             and m.key not in shared
         ]
         # Models no sampling client reads go first; a model holding sampler snapshots only if that is not enough.
-        return sorted(idle, key=lambda m: (m.runner.snapshot_count() > 0, m.last_used))
+        return sorted(found, key=lambda m: (m.runner.snapshot_count() > 0, m.last_used))
 
     def _check_budget(self, key: str, needed: int) -> None:
         """A user error when a model needs more than the whole memory budget."""
@@ -200,26 +206,44 @@ class ModelPool:
                 "user",
             )
 
-    def _make_room(self, key: str, needed: int) -> None:
-        """Unload idle models, least recently used first, until `needed` more bytes fit; else a user error."""
-        name = self.names.get(key, key)
+    def _make_room(self, key: str, needed: int) -> bool:
+        """Unload idle models, least recently used first, until `needed` more bytes fit, and say True. False
+        (unloading nothing): it fits once models that are busy but could go have finished, so the load waits
+        for them (`ROOM_PATIENCE_S` at most). Else a user error naming what holds the budget, nothing unloaded
+        (a model was unloaded for a load that then did not fit, and one busy a moment failed the load)."""
         self._check_budget(key, needed)
+        free = self.budget_bytes - self._in_use()
+        victims: list[PoolModel] = []
         for victim in self._evictable(key):
-            if self._in_use() + needed <= self.budget_bytes:
+            if free >= needed:
                 break
+            victims.append(victim)
+            free += self.sizes[victim.key]
+        if free < needed:
+            draining = sum(self.sizes[m.key] for m in self._evictable(key, busy=True))
+            draining += sum(reserved for k, (_, reserved) in self.loading.items() if k not in self.preloaded)
+            waited = time.monotonic() - self._room_since.setdefault(key, time.monotonic())
+            if free + draining >= needed and waited < ROOM_PATIENCE_S:
+                return False
+            self._room_since.pop(key, None)
+            raise self._no_room(key, needed, self.budget_bytes - self._in_use())
+        self._room_since.pop(key, None)
+        for victim in victims:
             self.unload(victim.key)
-        used = self._in_use()
-        if used + needed > self.budget_bytes:
-            held = ", ".join(
-                f"{m.info.base_model} {gb(self.sizes[m.key])} ({m.runner.live_runs()} live runs"
-                f"{', named on the command line: no upload unloads it' if m.key in self.preloaded else ''})"
-                for m in self.models.values()
-            )
-            raise RequestError(
-                f"model {name!r} needs about {gb(needed)} but only {gb(self.budget_bytes - used)} of the memory "
-                f"budget {gb(self.budget_bytes)} (--memory-budget-gb) is free, and no loaded model is idle: {held}",
-                "user",
-            )
+        return True
+
+    def _no_room(self, key: str, needed: int, free: int) -> RequestError:
+        held = ", ".join(
+            f"{m.info.base_model} {gb(self.sizes[m.key])} ({m.runner.live_runs()} live runs"
+            f"{', named on the command line: no upload unloads it' if m.key in self.preloaded else ''})"
+            for m in self.models.values()
+        )
+        return RequestError(
+            f"model {self.names.get(key, key)!r} needs about {gb(needed)} but only {gb(free)} of the memory budget "
+            f"{gb(self.budget_bytes)} (--memory-budget-gb) is free, and the loaded models that could go are not "
+            f"enough: {held}",
+            "user",
+        )
 
     def _start_loads(self) -> None:
         for key in [k for k in self.waiting if k not in self.loading and k not in self.fetching]:
@@ -235,7 +259,8 @@ class ModelPool:
                 continue
             try:
                 needed = self._size_of(key)
-                self._make_room(key, needed)
+                if not self._make_room(key, needed):
+                    continue  # busy models will make room: asked again next step
             except Exception as err:
                 self._fail_waiting(key, err)
                 continue
