@@ -10,15 +10,15 @@ not in the local cache, its name); every other item names a run, whose model the
 run was created. Work for a model that is not loaded waits while a loader thread builds it (the engine
 thread keeps stepping the other models meanwhile), then runs in arrival order; a model known only by its
 hub name is first downloaded by a fetcher thread, so a download blocks neither the engine nor the API.
-Before a load the pool makes room within the memory budget by unloading idle models (no live runs,
-nothing queued or running), least recently used first, those holding no sampler snapshot before those
-that do (their sampling clients are likely live), and only once they make enough room; when models still
-working would make it, the load waits for them to finish (`ROOM_PATIENCE_S` at most), and when nothing
-would, the waiting requests fail with the sizes. One owner's upload (`upload:NAME`) never unloads a model named on the command line: those serve
-every tenant. A model with live runs is never unloaded. An unloaded model's sampler snapshots (the
-ephemeral ones of `save_weights_and_get_sampling_client` included) are kept in host memory and handed to its
-next load, so a sampling client outlives an unload: its next sample reloads the model and finds its weights
-(a base-model sampling client needs nothing kept). Scheduling is fair: each `step` gives every
+Before a load the pool makes room within the memory budget by unloading idle models (no live runs, nothing
+queued or running), least recently used first, those holding no sampler snapshot before those that do (their
+sampling clients are likely live), and only once they make enough room; when models still working would make
+it, the load waits for them to finish (`ROOM_PATIENCE_S` at most), and when nothing would, the waiting
+requests fail with the sizes. One owner's upload (`upload:NAME`) never unloads a model named on the command
+line: those serve every tenant. A model with live runs is never unloaded. An unloaded model's sampler
+snapshots (the ephemeral ones of `save_weights_and_get_sampling_client` included) are kept in host memory and
+handed to its next load, so a sampling client outlives an unload: its next sample reloads the model and finds
+its weights (a base-model sampling client needs nothing kept). Scheduling is fair: each `step` gives every
 model with work one runner step (one training round and one decode chunk), so work on one model delays
 another's next step by at most that much.
 """
