@@ -192,6 +192,24 @@ def test_expired_session_unloads_runs_and_heartbeat_410(http: httpx.Client, serv
     assert reply.status_code == 400 and "unloaded" in reply.json()["detail"]
 
 
+def test_a_run_of_an_expired_session_takes_no_new_work_before_the_reaper_unloads_it(
+    http: httpx.Client, server: Server
+) -> None:
+    """Between a session's expiry (its heartbeats stopped) and the reaper's unload of its runs, new work on
+    them was accepted and ran (600 queued forward_backwards of a dead client). It is refused, naming the
+    session; a live session's run takes work."""
+    session_id = http.post("/create_session", json={}).json()["session_id"]
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": MODEL.base_model, "lora_config": {"rank": 4}}
+    model_id = wait(http, http.post("/create_model", json=body).json()["request_id"])["model_id"]
+    fine = http.post("/forward_backward", content=proto_body(model_id, 1, [1, 2]), headers=PROTO)
+    assert fine.status_code == 200, fine.text
+    server.db.records._update(SessionRow, session_id, last_heartbeat_at=utcnow() - timedelta(hours=1))
+    reply = http.post("/forward_backward", content=proto_body(model_id, 2, [1, 2]), headers=PROTO)
+    assert reply.status_code == 400 and "has expired" in reply.json()["detail"], reply.text
+    assert server.db.records.get_run(model_id, owner_of(KEY)).status == "ready"  # type: ignore[union-attr]
+    assert reap_sessions(SimpleNamespace(db=server.db)) == 1  # type: ignore[arg-type]  # the reaper's turn
+
+
 def test_reaper_unloads_runs_a_failed_finish_left_loaded(http: httpx.Client, server: Server) -> None:
     """The finish route marks the session finished, then queues unloads; when that queueing fails (the database
     went away), the retry finds the session finished and the reaper queues what is missing, once."""

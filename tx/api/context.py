@@ -26,7 +26,7 @@ from tx.api.download_links import DownloadLinks
 from tx.api.limits import Limits
 from tx.api.models import ModelCatalog, ServedModel
 from tx.db import Database, DuplicateRequestError, owner_of
-from tx.db.tables import TrainingRunRow
+from tx.db.tables import LIVE_SESSION, TrainingRunRow
 from tx.protocol import Payload, UnloadModelRequest
 from tx.upload_store import GB, UploadStore
 
@@ -193,5 +193,11 @@ def usable_run(ctx: AppContext, model_id: str, owner: str) -> TrainingRunRow:
         user_error(
             f"model {model_id!r} is unloaded (its session finished or expired, the server restarted, or"
             " unload_model was called); load a checkpoint to continue"
+        )
+    session = ctx.db.records.get_session(run.session_id, owner) if run.session_id else None
+    if session is not None and session.status not in LIVE_SESSION:  # its runs unload at the reaper's next turn
+        user_error(
+            f"model {model_id!r} belongs to session {run.session_id!r}, which has {session.status} (an expired one "
+            "missed its heartbeats); create a new session and load a checkpoint to continue"
         )
     return run
