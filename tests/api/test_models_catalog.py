@@ -123,6 +123,10 @@ def test_loaded_models_are_listed_with_their_context_length(tmp_path: Path) -> N
     loaded[served.model_dir] = served.info
     listed = {m.info.base_model: m.info.max_seq_len for m in catalog.usable("bob")}
     assert listed == {str(pre): 64, str(extra): 64}
+    # Other spellings of a loaded model's directory name the same copy: it is listed once, as first asked for.
+    for spelling in (f"{extra}/", f"{tmp_path}/./extra", f"{pre}/"):
+        catalog.get("carol", spelling)
+    assert sorted(m.info.base_model for m in catalog.usable("bob")) == sorted([str(pre), str(extra)])
     long = _model_dir(tmp_path, "long", QWEN3)
     assert ModelCatalog(ModelRules(max_seq_len=4096)).get("a", str(long)).info.max_seq_len == 96
 

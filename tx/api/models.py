@@ -189,9 +189,11 @@ class ModelCatalog:
         with self._lock:
             known = list(self._known.values())
         models = {m.info.base_model: m for m in self.preloaded.values()}
-        for m in known:
-            if m.model_dir in loaded and m.owner is None:
+        listed = {m.model_dir for m in models.values()}
+        for m in known:  # one entry a loaded copy: `dir`, `dir/` and `./dir` name one (the first asked for)
+            if m.model_dir in loaded and m.owner is None and m.model_dir not in listed:
                 models.setdefault(m.info.base_model, m)
+                listed.add(m.model_dir)
         if owner is not None and self.list_uploads is not None:
             for name in self.list_uploads(owner):
                 try:
