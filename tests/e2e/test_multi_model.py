@@ -217,3 +217,19 @@ def test_checkpoints_stay_with_their_model(models: Models, service: tinker.Servi
     qwen_run = service.create_lora_training_client(base_model=qwen_name, rank=4).result()
     with pytest.raises(tinker.BadRequestError, match="was made on base model"):
         qwen_run.load_state(path).result()
+
+
+def test_a_checkpoint_loads_into_a_run_on_another_spelling_of_its_model(models: Models, service) -> None:  # type: ignore[no-untyped-def]
+    """`dir` and `dir/` name one model (the pool loads it once): a checkpoint of a run on one loads into a run
+    on the other. The string compare refused it as made on another base model."""
+    name = models.llama[0]
+    first = service.create_lora_training_client(base_model=name, rank=4).result()
+    first.forward_backward(BATCH, "cross_entropy").result()
+    first.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    path = first.save_state("spelled").result().path
+    second = service.create_lora_training_client(base_model=name.rstrip("/") + "/", rank=4).result()
+    second.load_state(path).result()
+    want = first.forward(BATCH, "cross_entropy").result().loss_fn_outputs
+    got = second.forward(BATCH, "cross_entropy").result().loss_fn_outputs
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_allclose(a["logprobs"].to_numpy(), b["logprobs"].to_numpy(), rtol=1e-6)

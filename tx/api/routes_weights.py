@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, HTTPException
 from sqlmodel import SQLModel
 
 from tx.api import schemas, validate
@@ -220,7 +220,7 @@ def _check_same_base(ctx: AppContext, run: TrainingRunRow, path: TinkerPath, own
     the same kind (LoRA or full), rank and trained modules (the engine found a rank mismatch only once the
     request ran, and a module mismatch failed the restore as a damaged checkpoint, a server error)."""
     source = ctx.db.records.get_run(path.run_id, owner)
-    if source is not None and source.base_model != run.base_model:
+    if source is not None and not _same_model(ctx, source, run):
         user_error(
             f"checkpoint {str(path)!r} was made on base model {source.base_model!r}, but {run.id!r} runs on"
             f" {run.base_model!r}; create a training client from it instead (create_training_client_from_state)"
@@ -231,6 +231,17 @@ def _check_same_base(ctx: AppContext, run: TrainingRunRow, path: TinkerPath, own
             f"checkpoint {str(path)!r} holds a {_shape_text(saved)}, but {run.id!r} is a {_shape_text(target)};"
             " create a training client from it instead (create_training_client_from_state)"
         )
+
+
+def _same_model(ctx: AppContext, a: TrainingRunRow, b: TrainingRunRow) -> bool:
+    """Whether two runs train one base model: the same string, or two spellings of one directory (`dir` and
+    `dir/`), which the pool loads once."""
+    if a.base_model == b.base_model:
+        return True
+    try:
+        return run_model(ctx, a).model_dir == run_model(ctx, b).model_dir
+    except (HTTPException, validate.ValidationError):  # one cannot be served now (a deleted upload)
+        return False
 
 
 def _shape_text(shape: tuple[int, bool, bool, bool] | None) -> str:
