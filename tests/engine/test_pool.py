@@ -204,6 +204,13 @@ def test_a_load_waits_for_a_busy_model_to_finish_and_make_room(dirs, tmp_path: P
     results = _drain(pool, [_sample(dirs["qwen"], max_tokens=40), _sample(dirs["llama"])])
     _all_ok(results)
     assert set(pool.models) == {str(dirs["llama"])}
+    # A load whose requests were discarded while it waited leaves no spent patience behind for the next.
+    busy, parked = _sample(dirs["llama"], max_tokens=40), _sample(dirs["qwen"])
+    pool.submit([busy, parked])
+    pool.step()
+    pool.discard([parked.future_id])
+    assert str(dirs["qwen"]) not in pool._room_since
+    _all_ok(_drain(pool, []))
 
 
 def test_no_model_is_unloaded_for_a_load_that_would_not_fit_anyway(dirs, hf_models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -217,6 +224,41 @@ def test_no_model_is_unloaded_for_a_load_that_would_not_fit_anyway(dirs, hf_mode
     (refused,) = _drain(pool, [_sample(third)]).values()
     assert isinstance(refused, RequestError) and "1 live runs" in refused.message, refused
     assert set(pool.models) == {str(dirs["qwen"]), str(dirs["llama"])}
+
+
+def test_an_idle_model_is_counted_at_what_it_holds_now(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """An idle Qwen3 model holds a full fine-tuning snapshot, more than its load size: unloading it makes room
+    for Llama. Counted at its load size, the load was refused with nothing unloaded."""
+    pool = _pool(tmp_path, int(10 * MB))
+    qwen, llama = dirs["qwen"], dirs["llama"]
+    _all_ok(_drain(pool, [_create(qwen, "full-q", lora=False), *_step_and_save("full-q", "snap-full")]))
+    _all_ok(_drain(pool, [_item("unload_model", "full-q", UnloadModelRequest())]))
+    resident, loaded_at = pool.models[str(qwen)].runner.resident_bytes(), pool.sizes[str(qwen)]
+    needed = pool._size_of(str(llama))
+    pool.budget_bytes = max(resident, needed) + 1000
+    assert pool.budget_bytes - resident + loaded_at < needed, "the case needs the snapshot's bytes to count"
+    _only(_drain(pool, [_sample(llama)]))
+    assert set(pool.models) == {str(llama)}
+
+
+def test_a_load_beside_a_model_loading_for_a_run_is_refused_at_once(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Qwen3 is loading for a create_model: it will hold a live run and never go, so a Llama sample that does
+    not fit beside it is refused at once, not after waiting out Qwen3's load."""
+    pool = _pool(tmp_path, int(1.5 * MB))
+    build = pool._build
+
+    def slow_build(name: str, model_dir: Path) -> Any:
+        time.sleep(3)
+        return build(name, model_dir)
+
+    pool._build = slow_build  # type: ignore[method-assign]
+    create, sample = _create(dirs["qwen"], "run-x"), _sample(dirs["llama"])
+    pool.submit([create, sample])
+    start, answered = time.monotonic(), None
+    while answered is None and time.monotonic() - start < 60:
+        answered = next((c.result for c in pool.step() if c.future_id == sample.future_id), None)
+    assert isinstance(answered, RequestError) and time.monotonic() - start < 2, answered
+    _all_ok(_drain(pool, []))
 
 
 def test_an_upload_never_unloads_a_model_named_on_the_command_line(dirs, hf_models, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -218,10 +218,10 @@ class ModelPool:
             if free >= needed:
                 break
             victims.append(victim)
-            free += self.sizes[victim.key]
+            free += victim.runner.resident_bytes()  # what it holds now: its snapshots too, not its load size
         if free < needed:
-            draining = sum(self.sizes[m.key] for m in self._evictable(key, busy=True))
-            draining += sum(reserved for k, (_, reserved) in self.loading.items() if k not in self.preloaded)
+            draining = sum(m.runner.resident_bytes() for m in self._evictable(key, busy=True))
+            draining += sum(reserved for k, (_, reserved) in self.loading.items() if self._may_go_after_load(k))
             waited = time.monotonic() - self._room_since.setdefault(key, time.monotonic())
             if free + draining >= needed and waited < ROOM_PATIENCE_S:
                 return False
@@ -231,6 +231,12 @@ class ModelPool:
         for victim in victims:
             self.unload(victim.key)
         return True
+
+    def _may_go_after_load(self, key: str) -> bool:
+        """Whether a model being loaded could be unloaded once its parked requests ran: none of them makes a
+        run (a live run is never unloaded), and it is not one every tenant shares."""
+        makes_runs = any(item.kind in ("create_model", "load_weights") for item in self.waiting.get(key, []))
+        return not makes_runs and key not in self.preloaded
 
     def _no_room(self, key: str, needed: int, free: int) -> RequestError:
         held = ", ".join(
@@ -300,6 +306,7 @@ class ModelPool:
             self._hand_over(self._add(key, runner, info), self.waiting.pop(key))
 
     def _fail_waiting(self, key: str, err: BaseException) -> None:
+        self._room_since.pop(key, None)
         error = as_request_error(err)
         self.outbox += [Completion(item.future_id, error) for item in self.waiting.pop(key, [])]
 
@@ -384,6 +391,7 @@ class ModelPool:
             self.waiting[key] = [i for i in items if i.future_id not in gone]
             if not self.waiting[key] and key not in self.loading and key not in self.fetching:
                 del self.waiting[key]
+                self._room_since.pop(key, None)  # a later load of it waits its own patience
         for model in self.models.values():
             model.runner.discard(future_ids)
         for future_id in gone:
