@@ -17,11 +17,12 @@ import zstandard
 from sqlmodel import Session, select
 from tinker.proto import tinker_public_pb2 as pb
 
-from api.harness import KEY, MODEL, OTHER_KEY, PROTO, Server, proto_body
+from api.fake_runner import FakeRunner
+from api.harness import KEY, MODEL, OTHER_KEY, PROTO, Server, proto_body, running_server
 from tx.api.app import reap_sessions
 from tx.db import owner_of
 from tx.db.tables import SamplingSessionRow, SessionRow, utcnow
-from tx.protocol import RequestError
+from tx.protocol import RequestError, SaveSamplerRequest
 
 
 @pytest.fixture(scope="module")
@@ -526,3 +527,58 @@ def test_creates_racing_each_other_stay_within_the_share(tmp_path) -> None:
         with ThreadPoolExecutor(8) as pool:
             codes = list(pool.map(create, range(8)))
         assert sorted(codes) == [200, 200] + [400] * 6, codes
+
+
+class _FailingInflightSaves(FakeRunner):
+    """Fails the inflight saves of the sampling sessions it is told (as a device out of memory would)."""
+
+    def __init__(self, failing: set[str]) -> None:
+        super().__init__()
+        self.failing = failing
+
+    def _run(self, item):  # type: ignore[no-untyped-def]
+        p = item.payload
+        if isinstance(p, SaveSamplerRequest) and p.kind == "inflight" and p.answer_session in self.failing:
+            return RequestError("out of memory for the copy", "server")
+        return super()._run(item)
+
+
+def test_each_inflight_client_is_refused_only_for_its_own_failed_save(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Inflight saves 1 and 3 of a run fail, 2 succeeds: the shared snapshot row, linked to each save in turn,
+    had been marked failed by save 3 (refusing client 2), and linked to the first save alone it refused
+    client 2 from the start. Each client now answers for its own save."""
+    runner = _FailingInflightSaves(set())
+    with running_server(runner, MODEL, tmp_path) as (url, _):
+        http = httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": KEY}, timeout=30)
+        session_id = http.post("/create_session", json={}).json()["session_id"]
+        body = {"session_id": session_id, "model_seq_id": 0, "base_model": MODEL.base_model, "lora_config": {"rank": 4}}
+        model_id = wait(http, http.post("/create_model", json=body).json()["request_id"])["model_id"]
+        runner.failing = {f"{session_id}:sample:1", f"{session_id}:sample:3"}
+        runner.paused.set()  # all three queued before the first runs
+        saves = [
+            http.post("/save_weights_for_sampler", json={"model_id": model_id, "sampling_session_seq_id": n,
+                                                         "kind": "inflight"}).json()["request_id"]
+            for n in (1, 2, 3)
+        ]  # fmt: skip
+        runner.paused.clear()
+        assert ["error" in wait(http, request_id) for request_id in saves] == [True, False, True]
+
+        def sample(n: int) -> httpx.Response:
+            prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}
+            return http.post("/asample", json={"sampling_session_id": f"{session_id}:sample:{n}", "prompt": prompt,
+                                               "num_samples": 1, "sampling_params": {"max_tokens": 2}})  # fmt: skip
+
+        assert sample(2).status_code == 200, sample(2).text
+        for failed in (1, 3):
+            assert sample(failed).status_code == 400 and "failed" in sample(failed).json()["detail"]
+
+
+def test_an_ended_sessions_run_can_still_be_unloaded(http: httpx.Client, server: Server) -> None:
+    """New work on a run of an expired session is refused, but an unload is what the reaper would queue: it is
+    taken (it had been refused along with the work)."""
+    session_id = http.post("/create_session", json={}).json()["session_id"]
+    body = {"session_id": session_id, "model_seq_id": 0, "base_model": MODEL.base_model, "lora_config": {"rank": 4}}
+    model_id = wait(http, http.post("/create_model", json=body).json()["request_id"])["model_id"]
+    server.db.records._update(SessionRow, session_id, last_heartbeat_at=utcnow() - timedelta(hours=1))
+    assert http.post("/unload_model", json={"model_id": model_id}).status_code == 200
+    assert reap_sessions(SimpleNamespace(db=server.db)) == 0  # type: ignore[arg-type]  # its unload is queued

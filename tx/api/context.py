@@ -182,8 +182,9 @@ def run_model(ctx: AppContext, run: TrainingRunRow) -> ServedModel:
     return ctx.models.get(run.owner, run.base_model)
 
 
-def usable_run(ctx: AppContext, model_id: str, owner: str) -> TrainingRunRow:
-    """The caller's training run, or a 4xx explaining why it cannot take requests."""
+def usable_run(ctx: AppContext, model_id: str, owner: str, new_work: bool = True) -> TrainingRunRow:
+    """The caller's training run, or a 4xx explaining why it cannot take requests; `new_work` False (an unload)
+    also takes a run of an ended session, whose unload the reaper would queue anyway."""
     run = ctx.db.records.get_run(model_id, owner)
     if run is None:
         not_found(f"unknown model_id {model_id!r}")
@@ -194,7 +195,7 @@ def usable_run(ctx: AppContext, model_id: str, owner: str) -> TrainingRunRow:
             f"model {model_id!r} is unloaded (its session finished or expired, the server restarted, or"
             " unload_model was called); load a checkpoint to continue"
         )
-    session = ctx.db.records.get_session(run.session_id, owner) if run.session_id else None
+    session = ctx.db.records.get_session(run.session_id, owner) if run.session_id and new_work else None
     if session is not None and session.status not in LIVE_SESSION:  # its runs unload at the reaper's next turn
         user_error(
             f"model {model_id!r} belongs to session {run.session_id!r}, which has {session.status} (an expired one "

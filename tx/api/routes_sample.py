@@ -21,7 +21,7 @@ from tx.api.paths import parse_tinker_path
 from tx.api.routes_weights import resolve_checkpoint
 from tx.api.wire_decode import model_input_tokens, sampling_params
 from tx.db.tables import SamplingSessionRow
-from tx.protocol import SampleRequest, WeightsRef
+from tx.protocol import SampleRequest, WeightsRef, inflight_snapshot_id
 
 router = APIRouter(prefix="/api/v1")
 
@@ -111,7 +111,8 @@ def _weights_of(ctx: AppContext, sampler: SamplingSessionRow) -> WeightsRef | No
         if not found:
             not_found(f"checkpoint {sampler.model_path!r} was deleted or has expired: its sampler has no weights")
     if sampler.checkpoint_dir is None:  # ephemeral: exists only once its save succeeded
-        snapshot = ctx.db.records.get_snapshot(sampler.snapshot_id)
+        inflight = sampler.model_id is not None and sampler.snapshot_id == inflight_snapshot_id(sampler.model_id)
+        snapshot = ctx.db.records.get_snapshot(sampler.id if inflight else sampler.snapshot_id)
         if snapshot is None or snapshot.status == "failed":
             user_error(f"sampler {sampler.id!r} has no weights: its save_weights_for_sampler failed")
     return WeightsRef(sampler.snapshot_id, sampler.model_id, sampler.checkpoint_dir, "sampler")

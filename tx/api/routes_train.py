@@ -210,5 +210,5 @@ def optim_step(body: schemas.OptimStepRequest, ctx: Ctx, owner: Owner) -> dict[s
 
 @router.post("/unload_model")
 def unload_model(body: schemas.ModelRef, ctx: Ctx, owner: Owner) -> dict[str, Any]:
-    usable_run(ctx, body.model_id, owner)
+    usable_run(ctx, body.model_id, owner, new_work=False)
     return submit(ctx, kind="unload_model", payload=UnloadModelRequest(), owner=owner, model_id=body.model_id)

@@ -139,7 +139,7 @@ def save_weights_for_sampler(body: schemas.SaveWeightsForSamplerRequest, ctx: Ct
         # inflight: every such client of the run reads one shared snapshot, which each inflight save rewrites
         snapshot_id = inflight_snapshot_id(run.id) if body.kind == "inflight" else sampler_id
         payload = SaveSamplerRequest(snapshot_id, body.kind, session_id=sampler_id)
-        rows = [] if not fresh else _ephemeral_rows(ctx, run, sampler_id, snapshot_id, owner, body.kind)
+        rows = [] if not fresh else _ephemeral_rows(run, sampler_id, snapshot_id, owner, body.kind)
     else:
         user_error("save_weights_for_sampler needs a path (named checkpoint) or a sampling_session_seq_id")
     with claim:  # a named save's snapshot row replaces the one of that name in the queueing transaction
@@ -169,21 +169,17 @@ def save_weights_external(body: schemas.SaveWeightsExternalRequest, ctx: Ctx, ow
         )  # fmt: skip
 
 
-def _ephemeral_rows(
-    ctx: AppContext, run: TrainingRunRow, sampler_id: str, snapshot_id: str, owner: str, kind: str
-) -> list[SQLModel]:
-    """The sampling session and the snapshot it reads. A run's shared inflight snapshot row is made by its
-    first inflight save (again if that failed) and left alone by later ones: linked to a later save, a
-    failure of that save marked it failed, and every earlier inflight client, whose weights the engine still
-    held, was refused."""
+def _ephemeral_rows(run: TrainingRunRow, sampler_id: str, snapshot_id: str, owner: str, kind: str) -> list[SQLModel]:
+    """The sampling session, reading `snapshot_id`, and the row that follows its save (named by the session:
+    for an inflight save the engine's snapshot is the run's shared one, which no row follows). A shared row
+    linked to each save in turn had been marked failed by any one save's failure, refusing every inflight
+    client of the run, and linked to the first alone it refused later clients once the first failed."""
+    snapshot = SamplerSnapshotRow(id=sampler_id, model_id=run.id, owner=owner, kind=kind)
     sampler = SamplingSessionRow(
         id=sampler_id, session_id=run.session_id, owner=owner, base_model=run.base_model, model_id=run.id,
         snapshot_id=snapshot_id,
     )  # fmt: skip
-    shared = ctx.db.records.get_snapshot(snapshot_id) if kind == "inflight" else None
-    if shared is not None and shared.status != "failed":
-        return [sampler]
-    return [SamplerSnapshotRow(id=snapshot_id, model_id=run.id, owner=owner, kind=kind), sampler]
+    return [snapshot, sampler]
 
 
 def resolve_checkpoint(ctx: AppContext, tinker_path: str, owner: str) -> tuple[TinkerPath, CheckpointRow]:
