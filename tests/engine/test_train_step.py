@@ -86,6 +86,9 @@ def test_bfloat16_weights_take_updates_smaller_than_their_step_on_average() -> N
     assert abs(w.mean() - (1 - 50e-4)) < 3e-4, w.mean()  # each update is lr: the gradient is constant
     np.testing.assert_allclose(np.asarray(moved[("f",)]), 1 - 50e-4, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(run(50)[("w",)], np.float32), w)
+    odd_nan = jax.lax.bitcast_convert_type(jnp.uint32(0x7FFFFFFF), jnp.float32)  # all payload bits set
+    rounded = ts._rounded(jnp.stack([odd_nan, jnp.inf]), jnp.bfloat16, jax.random.key(0), 0)
+    assert np.isnan(np.float32(rounded[0])) and np.isinf(np.float32(rounded[1])), rounded
 
 
 def test_a_runs_slot_slice_is_read_written_and_accumulated_at_its_rank() -> None:

@@ -260,7 +260,9 @@ def _rounded(value: jax.Array, dtype: jnp.dtype, step_key: jax.Array, index: int
     bits = jax.lax.bitcast_convert_type(value, jnp.uint32)
     noise = jax.random.bits(jax.random.fold_in(step_key, index), value.shape, jnp.uint32) >> 16
     kept = (bits + noise) & jnp.uint32(0xFFFF0000)  # the magnitude's low 16 bits carried up, then dropped
-    return jax.lax.bitcast_convert_type(kept, jnp.float32).astype(jnp.bfloat16)
+    rounded = jax.lax.bitcast_convert_type(kept, jnp.float32).astype(jnp.bfloat16)
+    # A NaN's payload could carry into the sign bit and read as -0.0, passing the step's finite check.
+    return jnp.where(jnp.isfinite(value), rounded, value.astype(jnp.bfloat16))
 
 
 @_jit
