@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tx.engine import AdapterConfig, EngineConfig, build_runner
+from tx.engine import pool as pool_module
 from tx.engine.build import estimate_bytes
 from tx.engine.compiles import compile_count
 from tx.engine.pool import ModelPool, gb
@@ -224,6 +225,17 @@ def test_no_model_is_unloaded_for_a_load_that_would_not_fit_anyway(dirs, hf_mode
     (refused,) = _drain(pool, [_sample(third)]).values()
     assert isinstance(refused, RequestError) and "1 live runs" in refused.message, refused
     assert set(pool.models) == {str(dirs["qwen"]), str(dirs["llama"])}
+
+
+def test_a_load_whose_room_stays_busy_past_its_patience_says_so(dirs, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Past `ROOM_PATIENCE_S` the load fails, and the refusal says the model that could go stayed busy (it had
+    said the models that could go were not enough, though they were)."""
+    monkeypatch.setattr(pool_module, "ROOM_PATIENCE_S", 0.0)
+    pool = _pool(tmp_path, int(1.5 * MB))
+    _only(_drain(pool, [_sample(dirs["qwen"])]))
+    busy, refused = _drain(pool, [_sample(dirs["qwen"], max_tokens=40), _sample(dirs["llama"])]).values()
+    assert not isinstance(busy, RequestError) and isinstance(refused, RequestError), (busy, refused)
+    assert "stayed busy for 0 s" in refused.message, refused.message
 
 
 def test_an_idle_model_is_counted_at_what_it_holds_now(dirs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

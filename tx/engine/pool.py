@@ -226,7 +226,8 @@ class ModelPool:
             if free + draining >= needed and waited < ROOM_PATIENCE_S:
                 return False
             self._room_since.pop(key, None)
-            raise self._no_room(key, needed, self.budget_bytes - self._in_use())
+            busy = free + draining >= needed  # models that could go stayed busy: their traffic never paused
+            raise self._no_room(key, needed, self.budget_bytes - self._in_use(), busy)
         self._room_since.pop(key, None)
         for victim in victims:
             self.unload(victim.key)
@@ -238,7 +239,7 @@ class ModelPool:
         makes_runs = any(item.kind in ("create_model", "load_weights") for item in self.waiting.get(key, []))
         return not makes_runs and key not in self.preloaded
 
-    def _no_room(self, key: str, needed: int, free: int) -> RequestError:
+    def _no_room(self, key: str, needed: int, free: int, busy: bool = False) -> RequestError:
         held = ", ".join(
             f"{m.info.base_model} {gb(self.sizes[m.key])} ({m.runner.live_runs()} live runs"
             f"{', named on the command line: no upload unloads it' if m.key in self.preloaded else ''})"
@@ -246,8 +247,8 @@ class ModelPool:
         )
         return RequestError(
             f"model {self.names.get(key, key)!r} needs about {gb(needed)} but only {gb(free)} of the memory budget "
-            f"{gb(self.budget_bytes)} (--memory-budget-gb) is free, and the loaded models that could go are not "
-            f"enough: {held}",
+            f"{gb(self.budget_bytes)} (--memory-budget-gb) is free, and the loaded models that could go "
+            f"{f'stayed busy for {ROOM_PATIENCE_S:.0f} s' if busy else 'are not enough'}: {held}",
             "user",
         )
 
