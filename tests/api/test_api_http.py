@@ -19,9 +19,11 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from api.fake_runner import FakeRunner
 from api.harness import KEY, MODEL, OTHER_KEY, PROTO, Server, proto_body, running_server
+from tx.api.__main__ import recover
 from tx.api.app import reap_sessions
-from tx.db import owner_of
+from tx.db import open_database, owner_of
 from tx.db.tables import SamplingSessionRow, SessionRow, utcnow
+from tx.engine.restart import RestartGate
 from tx.protocol import RequestError, SaveSamplerRequest
 
 
@@ -582,3 +584,26 @@ def test_an_ended_sessions_run_can_still_be_unloaded(http: httpx.Client, server:
     server.db.records._update(SessionRow, session_id, last_heartbeat_at=utcnow() - timedelta(hours=1))
     assert http.post("/unload_model", json={"model_id": model_id}).status_code == 200
     assert reap_sessions(SimpleNamespace(db=server.db)) == 0  # type: ignore[arg-type]  # its unload is queued
+
+
+def test_an_inflight_client_after_a_restart_is_told_its_weights_were_lost(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A restart loses ephemeral snapshots, and their samples are failed saying so. An inflight client reads
+    the run's shared snapshot, which the restart's list had lost track of: its sample went on to the engine and
+    failed as "not available (not saved, or evicted)", loading the model first if need be."""
+    with running_server(FakeRunner(), MODEL, tmp_path) as (url, _):
+        http = httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": KEY}, timeout=30)
+        session_id = http.post("/create_session", json={}).json()["session_id"]
+        body = {"session_id": session_id, "model_seq_id": 0, "base_model": MODEL.base_model, "lora_config": {"rank": 4}}
+        model_id = wait(http, http.post("/create_model", json=body).json()["request_id"])["model_id"]
+        for n, kind in ((1, "snapshot"), (2, "inflight")):
+            body = {"model_id": model_id, "sampling_session_seq_id": n, "kind": kind}
+            assert "error" not in wait(http, http.post("/save_weights_for_sampler", json=body).json()["request_id"])
+    lost = recover(open_database(None, tmp_path), tmp_path)
+    with running_server(RestartGate(FakeRunner(), lost), MODEL, tmp_path) as (url, _):
+        http = httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": KEY}, timeout=30)
+        prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}
+        for n in (1, 2):
+            reply = http.post("/asample", json={"sampling_session_id": f"{session_id}:sample:{n}", "prompt": prompt,
+                                                "num_samples": 1, "sampling_params": {"max_tokens": 2}})  # fmt: skip
+            outcome = wait(http, reply.json()["request_id"]) if reply.status_code == 200 else reply.text
+            assert "lived in memory only" in str(outcome), (n, outcome)

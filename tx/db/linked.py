@@ -12,7 +12,7 @@ from sqlalchemy import Table, and_
 from sqlmodel import Session, SQLModel, col, select
 
 from tx.db.tables import REPLACED, REPLACED_MARK, CheckpointRow, SamplerSnapshotRow, TrainingRunRow
-from tx.protocol import CheckpointResult
+from tx.protocol import CheckpointResult, inflight_snapshot_id
 
 
 def table_of(model: type[SQLModel]) -> Table:
@@ -85,8 +85,11 @@ def lost_runs(session: Session) -> dict[str, str | None]:
 
 
 def lost_snapshots(session: Session) -> frozenset[str]:
-    """Ready sampler snapshots with no checkpoint on disk (ephemeral saves): they lived in memory only."""
-    query = select(SamplerSnapshotRow.id).where(
+    """Ready sampler snapshots with no checkpoint on disk (ephemeral saves): they lived in memory only. An
+    inflight save's row is its client's; the engine's snapshot it wrote is the run's shared one, lost too."""
+    query = select(SamplerSnapshotRow.id, SamplerSnapshotRow.model_id, SamplerSnapshotRow.kind).where(
         SamplerSnapshotRow.status == "ready", col(SamplerSnapshotRow.tinker_path).is_(None)
     )
-    return frozenset(session.exec(query).all())
+    rows = session.exec(query).all()
+    shared = [inflight_snapshot_id(model_id) for _, model_id, kind in rows if kind == "inflight"]
+    return frozenset([row_id for row_id, _, _ in rows] + shared)
