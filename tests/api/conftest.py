@@ -38,7 +38,7 @@ def service(server: Server):
 
 @pytest.fixture(scope="session")
 def training(service):
-    return service.create_lora_training_client(base_model=MODEL.base_model, rank=8).result()
+    return service.create_lora_training_client(base_model=MODEL.base_model, rank=8, seed=0).result()
 
 
 # Clients shared by the API test modules (module-scoped: each module gets its own connections).

@@ -23,7 +23,7 @@ def test_train_save_sample_resume(hf_models, tmp_path) -> None:  # type: ignore[
     )  # fmt: skip
     with running_server(runner, info, tmp_path) as (url, _db):
         with tinker.ServiceClient(base_url=url, api_key="tml-e2e") as service:
-            training = service.create_lora_training_client(base_model=info.base_model, rank=4).result()
+            training = service.create_lora_training_client(base_model=info.base_model, rank=4, seed=0).result()
             tokens = [1, 2, 3, 4, 5, 6]
             datum = types.Datum(
                 model_input=types.ModelInput.from_ints(tokens[:-1]),

@@ -95,7 +95,7 @@ def test_a_finish_reason_cannot_forge_log_lines(http: httpx.Client, server: Serv
 
 def test_with_block_frees_the_adapter(server: Server) -> None:
     with tinker.ServiceClient(base_url=server.url, api_key=KEY) as client:
-        model_id = client.create_lora_training_client(base_model=MODEL.base_model, rank=4).result().model_id
+        model_id = client.create_lora_training_client(base_model=MODEL.base_model, rank=4, seed=0).result().model_id
     deadline = time.monotonic() + 10
     while server.db.records.get_run(model_id, owner_of(KEY)).status != "unloaded":  # type: ignore[union-attr]
         assert time.monotonic() < deadline

@@ -132,7 +132,7 @@ def test_runner_exception_fails_only_that_request(training) -> None:
 
 def test_session_finish_with_context_manager(server: Server) -> None:
     with tinker.ServiceClient(base_url=server.url, api_key=KEY) as client:
-        client.create_lora_training_client(base_model=MODEL.base_model, rank=4).result()
+        client.create_lora_training_client(base_model=MODEL.base_model, rank=4, seed=0).result()
         session_id = client.holder.get_session_id()
     row = server.db.records.get_session(session_id, owner_of(KEY))
     assert row is not None and row.status == "finished" and row.finish_reason == "success"

@@ -173,7 +173,7 @@ def test_stability_info_and_provenance_spans_are_accepted(http: httpx.Client, id
 
 def test_sdk_surfaces_validation_message(server: Server) -> None:
     with tinker.ServiceClient(base_url=server.url, api_key=KEY) as service:
-        training = service.create_lora_training_client(base_model=MODEL.base_model, rank=4).result()
+        training = service.create_lora_training_client(base_model=MODEL.base_model, rank=4, seed=0).result()
         datum = types.Datum(
             model_input=types.ModelInput.from_ints([1, 2, 3]),
             loss_fn_inputs={"target_tokens": np.array([1, 2]), "weights": np.ones(2, dtype=np.float32)},

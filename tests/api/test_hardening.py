@@ -43,7 +43,7 @@ def real(hf_models, tmp_path_factory) -> Iterator[dict[str, Any]]:  # type: igno
     )  # fmt: skip
     with running_server(runner, info, data_dir) as (url, db):
         service = tinker.ServiceClient(base_url=url, api_key=KEY)
-        training = service.create_lora_training_client(base_model=info.base_model, rank=4)
+        training = service.create_lora_training_client(base_model=info.base_model, rank=4, seed=0)
         http = httpx.Client(base_url=url + "/api/v1", headers={"X-API-Key": KEY}, timeout=60)
         services = [service]  # closed before the server stops, so no heartbeat outlives it
         yield {"url": url, "info": info, "data_dir": data_dir, "db": db, "training": training, "http": http,
@@ -154,7 +154,7 @@ def test_non_finite_losses_and_metrics_survive(real: dict[str, Any]) -> None:
     training = real["training"]
     service = tinker.ServiceClient(base_url=real["url"], api_key=KEY)
     real["services"].append(service)
-    run = service.create_lora_training_client(base_model=real["info"].base_model, rank=4)
+    run = service.create_lora_training_client(base_model=real["info"].base_model, rank=4, seed=0)
     # Weights of 3e38 (finite, so valid) overflow the loss and the gradient's norm in float32.
     datum = _datum([5, 6, 7, 8], weights=np.full(4, 3e38, np.float32))
     fb = run.forward_backward([datum], "cross_entropy").result(timeout=60)
@@ -393,10 +393,10 @@ def test_load_state_of_another_shape_is_refused_before_queueing(real: dict[str, 
     modules the restore failed as a "damaged checkpoint", a server error. Both are the caller's mismatch."""
     training, service = real["training"], real["services"][0]
     path = training.save_state("shape-probe").result(timeout=60).path
-    wider = service.create_lora_training_client(base_model=real["info"].base_model, rank=8)
+    wider = service.create_lora_training_client(base_model=real["info"].base_model, rank=8, seed=0)
     with pytest.raises(tinker.BadRequestError, match="holds a rank-4 LoRA run .* is a rank-8 LoRA run"):
         wider.load_state(path).result(timeout=60)
-    no_mlp = service.create_lora_training_client(base_model=real["info"].base_model, rank=4, train_mlp=False)
+    no_mlp = service.create_lora_training_client(base_model=real["info"].base_model, rank=4, train_mlp=False, seed=0)
     with pytest.raises(tinker.BadRequestError, match=r"is a rank-4 LoRA run \(train attn, unembed\)"):
         no_mlp.load_state(path).result(timeout=60)
     _still_serves(training)

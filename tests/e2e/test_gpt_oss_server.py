@@ -55,7 +55,7 @@ def test_lora_on_the_hub_name_trains_exports_to_peft_and_samples(gpt_oss):
     from transformers import GptOssForCausalLM
 
     service, dequantized, data_dir = gpt_oss
-    client = service.create_lora_training_client(base_model=HUB_NAME, rank=4).result()
+    client = service.create_lora_training_client(base_model=HUB_NAME, rank=4, seed=0).result()
     data = batch(1)
     for _ in range(3):
         client.forward_backward(data, "cross_entropy").result()

@@ -136,7 +136,8 @@ def _assert_prompt_logprobs_match(result: Any, torch_model: Any) -> None:
 
 def test_two_families_train_and_sample_concurrently(models: Models, service: tinker.ServiceClient) -> None:
     (qwen_name, qwen), (llama_name, llama) = models.qwen, models.llama
-    runs = {name: service.create_lora_training_client(base_model=name, rank=4) for name in (qwen_name, llama_name)}
+    names = (qwen_name, llama_name)
+    runs = {name: service.create_lora_training_client(base_model=name, rank=4, seed=0) for name in names}
     clients = {name: future.result() for name, future in runs.items()}
     samplers = {name: service.create_sampling_client(base_model=name).result() for name in (qwen_name, llama_name)}
     # Everything in flight at once: forward passes and base-model samples on both models.
@@ -167,7 +168,7 @@ def test_a_hub_model_in_the_offline_cache_loads_on_demand(models: Models, servic
     assert listed == {models.qwen[0], models.llama[0]}
     sampler = service.create_sampling_client(base_model=HUB_NAME).result()
     _assert_prompt_logprobs_match(_sample(sampler).result(), models.third)
-    training = service.create_lora_training_client(base_model=HUB_NAME, rank=4).result()
+    training = service.create_lora_training_client(base_model=HUB_NAME, rank=4, seed=0).result()
     _assert_forward_matches(training.forward(BATCH, "cross_entropy").result(), models.third)
     caps = rest.get_server_capabilities().result().supported_models
     expected = {models.qwen[0]: 128, models.llama[0]: 128, HUB_NAME: 128}
@@ -186,7 +187,7 @@ def test_a_hub_model_in_the_offline_cache_loads_on_demand(models: Models, servic
 
 def test_unknown_and_unsupported_models_fail_clearly(service: tinker.ServiceClient, tmp_path: Path) -> None:
     with pytest.raises(tinker.NotFoundError, match="not in the HF cache"):
-        service.create_lora_training_client(base_model="tiny-org/not-there", rank=4).result()
+        service.create_lora_training_client(base_model="tiny-org/not-there", rank=4, seed=0).result()
     odd = tmp_path / "odd"
     odd.mkdir()
     (odd / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
@@ -196,7 +197,7 @@ def test_unknown_and_unsupported_models_fail_clearly(service: tinker.ServiceClie
 
 def test_checkpoints_stay_with_their_model(models: Models, service: tinker.ServiceClient) -> None:
     qwen_name, llama_name = models.qwen[0], models.llama[0]
-    llama_run = service.create_lora_training_client(base_model=llama_name, rank=4).result()
+    llama_run = service.create_lora_training_client(base_model=llama_name, rank=4, seed=0).result()
     llama_run.forward_backward(BATCH, "cross_entropy").result()
     llama_run.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     path = llama_run.save_state("trained").result().path
@@ -214,7 +215,7 @@ def test_checkpoints_stay_with_their_model(models: Models, service: tinker.Servi
     np.testing.assert_allclose(sampled, scored.to_numpy(), atol=1e-4)
     base_logprobs = _reference_logprobs(models.llama[1], PROMPT)
     assert np.abs(np.asarray(sampled) - base_logprobs).max() > 1e-3, "the snapshot sampled without its adapter"
-    qwen_run = service.create_lora_training_client(base_model=qwen_name, rank=4).result()
+    qwen_run = service.create_lora_training_client(base_model=qwen_name, rank=4, seed=0).result()
     with pytest.raises(tinker.BadRequestError, match="was made on base model"):
         qwen_run.load_state(path).result()
 
@@ -223,7 +224,7 @@ def test_a_checkpoint_loads_into_a_run_on_another_spelling_of_its_model(models: 
     """`dir` and `dir/` name one model (the pool loads it once): a checkpoint of a run on one loads into a run
     on the other. The string compare refused it as made on another base model."""
     name = models.llama[0]
-    first = service.create_lora_training_client(base_model=name, rank=4).result()
+    first = service.create_lora_training_client(base_model=name, rank=4, seed=0).result()
     first.forward_backward(BATCH, "cross_entropy").result()
     first.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     path = first.save_state("spelled").result().path

@@ -64,7 +64,7 @@ def test_a_run_past_the_run_state_limit_is_refused_by_name_and_the_server_serves
     url, base_model = no_run_state
     with tinker.ServiceClient(base_url=url, api_key=KEY) as service:
         with pytest.raises(Exception, match="--max-run-state-gb"):
-            service.create_lora_training_client(base_model=base_model, rank=4).result()
+            service.create_lora_training_client(base_model=base_model, rank=4, seed=0).result()
         sampler = service.create_sampling_client(base_model=base_model)
         params = types.SamplingParams(max_tokens=4, temperature=0.0)
         result = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), num_samples=1, sampling_params=params).result()

@@ -54,7 +54,7 @@ def test_trained_adapter_loads_in_peft_and_an_evicted_named_snapshot_reloads(two
 
 
 def export_train_and_reload(service, base_model, torch_model, data_dir) -> None:
-    client = service.create_lora_training_client(base_model=base_model, rank=4, train_unembed=False).result()
+    client = service.create_lora_training_client(base_model=base_model, rank=4, train_unembed=False, seed=0).result()
     batch = sl_batch(11)
     for _ in range(3):
         client.forward_backward(batch, "cross_entropy").result()
@@ -99,12 +99,12 @@ def test_runs_past_the_slots_page_and_a_snapshot_keeps_its_weights(two_slots):
     url, base_model, _, _ = two_slots
     prompt, greedy = types.ModelInput.from_ints([3, 4, 5]), types.SamplingParams(max_tokens=2, temperature=0.0)
     with tinker.ServiceClient(base_url=url, api_key=KEY) as service:
-        first = service.create_lora_training_client(base_model=base_model, rank=4).result()
+        first = service.create_lora_training_client(base_model=base_model, rank=4, seed=0).result()
         snapshot = first.save_weights_and_get_sampling_client().result()
         tokens = snapshot.sample(prompt, 1, greedy).result().sequences[0].tokens
         assert len(tokens) == 2
-        second = service.create_lora_training_client(base_model=base_model, rank=4).result()
-        third = service.create_lora_training_client(base_model=base_model, rank=4).result()
+        second = service.create_lora_training_client(base_model=base_model, rank=4, seed=0).result()
+        third = service.create_lora_training_client(base_model=base_model, rank=4, seed=0).result()
         assert snapshot.sample(prompt, 1, greedy).result().sequences[0].tokens == tokens
         for client in (first, second, third):
             assert client.forward(sl_batch(2), "cross_entropy").result().metrics["loss:sum"] > 0

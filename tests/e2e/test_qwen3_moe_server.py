@@ -46,7 +46,7 @@ def test_lora_on_experts_trains_exports_to_peft_samples_and_merges(qwen3_moe, tm
     from transformers import Qwen3MoeForCausalLM
 
     service, base_model, data_dir = qwen3_moe
-    client = service.create_lora_training_client(base_model=base_model, rank=4).result()
+    client = service.create_lora_training_client(base_model=base_model, rank=4, seed=0).result()
     data = batch(1)
     train(client, data, 3, 1e-2)
     path = client.save_weights_for_sampler("trained").result().path

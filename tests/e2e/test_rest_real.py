@@ -33,7 +33,7 @@ def trained(live):
     """(training client, its batch, its forward logprobs) after two steps, and the REST client. In a session
     of its own, ended with the module: the shared server's adapter slots are few, and other modules need them."""
     with tinker.ServiceClient(base_url=live.url, api_key=KEY) as service:
-        client = service.create_lora_training_client(base_model=live.base_model, rank=4).result()
+        client = service.create_lora_training_client(base_model=live.base_model, rank=4, seed=0).result()
         batch = sl_batch(21)
         for _ in range(2):
             client.forward_backward(batch, "cross_entropy").result()

@@ -47,7 +47,7 @@ def client_loop(url: str, base_model: str, index: int, progress: list[int], out:
     from tinker import types
 
     service = tinker.ServiceClient(base_url=url, api_key=KEY)
-    client = service.create_lora_training_client(base_model=base_model, rank=4).result()
+    client = service.create_lora_training_client(base_model=base_model, rank=4, seed=0).result()
     rng = np.random.RandomState(index)
     tokens = rng.randint(0, 200, 16).tolist()
     datum = types.Datum(

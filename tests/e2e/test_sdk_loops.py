@@ -25,7 +25,7 @@ def sl_batch(seed: int = 0) -> list[types.Datum]:
 
 
 def test_sl_loop_forward_parity_and_checkpoint_resume(live, service):
-    client = service.create_lora_training_client(base_model=live.base_model, rank=8).result()
+    client = service.create_lora_training_client(base_model=live.base_model, rank=8, seed=0).result()
     batch = sl_batch()
     fwd = client.forward(batch, "cross_entropy").result()
     with torch.no_grad():
@@ -57,7 +57,7 @@ def test_sl_loop_forward_parity_and_checkpoint_resume(live, service):
 
 
 def test_custom_loss(live, service):
-    client = service.create_lora_training_client(base_model=live.base_model, rank=4).result()
+    client = service.create_lora_training_client(base_model=live.base_model, rank=4, seed=0).result()
     batch = sl_batch(3)
 
     def loss_fn(data, logprobs_list):
@@ -111,7 +111,7 @@ def test_rl_loop_reward_rises(live, service):
 
 def test_stable_reinforce_with_provenance(live, service):
     """The cookbook's rl_loop step: record_stability_info sampler, provenance spans, stable_reinforce loss."""
-    client = service.create_lora_training_client(base_model=live.base_model, rank=4).result()
+    client = service.create_lora_training_client(base_model=live.base_model, rank=4, seed=0).result()
     sampler = client.save_weights_and_get_sampling_client(record_stability_info=True).result()
     prompt = types.ModelInput.from_ints([5, 6, 7])
     result = sampler.sample(prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=4)).result()
@@ -161,7 +161,7 @@ def test_stable_reinforce_with_provenance(live, service):
 
 
 def test_bad_input_is_a_clear_error(live, service):
-    client = service.create_lora_training_client(base_model=live.base_model, rank=4).result()
+    client = service.create_lora_training_client(base_model=live.base_model, rank=4, seed=0).result()
     bad = datum([1, 2, 10_000])
     with pytest.raises(Exception, match="vocab|10000"):
         client.forward_backward([bad], "cross_entropy").result()

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_training_after_a_snapshot_does_not_change_it(live, service):
-    client = service.create_lora_training_client(base_model=live.base_model, rank=8).result()
+    client = service.create_lora_training_client(base_model=live.base_model, rank=8, seed=0).result()
     batch = sl_batch(5)
     for _ in range(3):
         client.forward_backward(batch, "cross_entropy").result()
@@ -39,7 +39,7 @@ def test_inflight_clients_share_the_newest_inflight_save(live, service, rank):
     """SDK 0.38's `kind="inflight"`: every inflight client of a run reads one target that each later inflight
     save updates. Each had been a snapshot of its own, so a loop holding one inflight client sampled its first
     weights for good. A snapshot client taken meanwhile keeps its weights."""
-    client = service.create_lora_training_client(base_model=live.base_model, rank=rank).result()  # 0: full
+    client = service.create_lora_training_client(base_model=live.base_model, rank=rank, seed=0).result()  # 0: full
     batch = sl_batch(5)
     prompt = types.ModelInput.from_ints(batch[0].model_input.to_ints()[:6])
 
@@ -63,7 +63,7 @@ def test_inflight_clients_share_the_newest_inflight_save(live, service, rank):
 def test_a_failed_inflight_save_leaves_the_earlier_inflight_clients_sampling(live, service):
     """An inflight save that fails (its run unloaded just ahead of it) had marked the run's shared snapshot
     failed, and every earlier inflight client, whose weights the engine still held, was refused."""
-    client = service.create_lora_training_client(base_model=live.base_model, rank=4).result()
+    client = service.create_lora_training_client(base_model=live.base_model, rank=4, seed=0).result()
     prompt = types.ModelInput.from_ints([1, 2, 3, 4])
     greedy = types.SamplingParams(max_tokens=3, temperature=0.0)
     first = client.save_weights_and_get_sampling_client(kind="inflight").result()
