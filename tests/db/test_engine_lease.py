@@ -56,6 +56,9 @@ def _kill_lease_connection(db: Database, lease: EngineLease) -> None:
     with db.engine.connect() as conn:
         conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
         conn.commit()
+        # the termination is asynchronous: the backend holds the lock until it has exited
+        gone = text("SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = :pid")
+        _within(20, lambda: bool(conn.execute(gone, {"pid": pid}).scalar()), "the lease's backend did not exit")
 
 
 def _cut_lease(db: Database, tmp_path: Path, check_s: float) -> tuple[EngineLease, list[str]]:
@@ -92,7 +95,7 @@ def test_an_engine_takes_its_lease_again_after_the_database_restarts(db: Databas
 
 
 def test_an_engine_whose_lease_another_took_meanwhile_stops(db: Database, tmp_path: Path) -> None:
-    first, lost = _cut_lease(db, tmp_path, 0.5)
+    first, lost = _cut_lease(db, tmp_path, 3.0)
     second = take_engine_lease(db.engine, tmp_path / "b")  # in the gap, before the watchdog's next check
     _within(20, lambda: bool(lost), "the lost lease went unnoticed")
     second.release()

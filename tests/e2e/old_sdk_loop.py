@@ -13,7 +13,7 @@ from tinker import types
 
 url, base_model = sys.argv[1], sys.argv[2]
 service = tinker.ServiceClient(base_url=url, api_key="tml-old-sdk")
-client = service.create_lora_training_client(base_model=base_model, rank=4)
+client = service.create_lora_training_client(base_model=base_model, rank=4, seed=0)  # a repeatable run
 tokens = [1, 2, 3, 4, 5, 6, 7, 8]
 datum = types.Datum(
     model_input=types.ModelInput.from_ints(tokens[:-1]),
