@@ -115,7 +115,7 @@ MAX_LOG_RATIO = 60.0
 MAX_LOG_RATIO_RUN = 1e6
 
 
-def _capped_exp(log_ratio: jax.Array) -> jax.Array:
+def _bounded_exp(log_ratio: jax.Array) -> jax.Array:
     past = jnp.clip(log_ratio - MAX_LOG_RATIO, 0.0, MAX_LOG_RATIO_RUN)
     return jnp.exp(jnp.minimum(log_ratio, MAX_LOG_RATIO)) * (1.0 + past)
 
@@ -123,7 +123,7 @@ def _capped_exp(log_ratio: jax.Array) -> jax.Array:
 def _ratio(t: _Tokens) -> jax.Array:
     """r = exp(p - q) (linear past `MAX_LOG_RATIO`), 1 on tokens of weight 0: a masked token's placeholder q (say
     -1e4) overflowed the exponential, and its zero cotangent times inf made the datum's gradient NaN."""
-    return _capped_exp(jnp.where(t.w_N != 0, t.p_N - t.q_N, 0.0))
+    return _bounded_exp(jnp.where(t.w_N != 0, t.p_N - t.q_N, 0.0))
 
 
 def _importance_sampling(t: _Tokens) -> jax.Array:
@@ -136,7 +136,7 @@ def _ppo(t: _Tokens) -> jax.Array:
 
 
 def _cispo(t: _Tokens) -> jax.Array:
-    ratio_N = jax.lax.stop_gradient(_capped_exp(t.p_N - t.q_N))
+    ratio_N = jax.lax.stop_gradient(_bounded_exp(t.p_N - t.q_N))
     return _weighted(t, -t.clip(ratio_N) * t.adv_N * t.p_N)
 
 
@@ -149,18 +149,18 @@ def _gspo(t: _Tokens) -> jax.Array:
     in_ratio_N = (t.ratio_mask_N != 0).astype(t.p_N.dtype)
     log_ratio_sum_D = jax.ops.segment_sum(in_ratio_N * (p_sg_N - t.q_N), t.datum_N, num_segments=t.num_datums)
     count_D = jax.ops.segment_sum(in_ratio_N, t.datum_N, num_segments=t.num_datums)
-    seq_ratio_D = _capped_exp(log_ratio_sum_D / jnp.maximum(count_D, 1.0))
+    seq_ratio_D = _bounded_exp(log_ratio_sum_D / jnp.maximum(count_D, 1.0))
     ratio_N = jnp.where(t.w_N != 0, seq_ratio_D[t.datum_N] * jnp.exp(t.p_N - p_sg_N), 1.0)  # as `_ratio`
     return _weighted(t, -jnp.minimum(ratio_N * t.adv_N, t.clip(ratio_N) * t.adv_N))
 
 
 def _stable_reinforce(t: _Tokens) -> jax.Array:
-    weight_N = jax.lax.stop_gradient(jnp.minimum(_capped_exp(t.p_N - t.q_N), t.column("truncation")))
+    weight_N = jax.lax.stop_gradient(jnp.minimum(_bounded_exp(t.p_N - t.q_N), t.column("truncation")))
     kl_coeff_N = t.column("kl_coeff")
     # Without a KL term, exp(q - p) could overflow and turn a zero cotangent into NaN: feed p = q there.
     p_kl_N = jnp.where((kl_coeff_N != 0) & (t.w_N != 0), t.p_N, t.q_N)
     log_ratio_N = t.q_N - p_kl_N
-    kl_N = _capped_exp(log_ratio_N) - log_ratio_N - 1.0
+    kl_N = _bounded_exp(log_ratio_N) - log_ratio_N - 1.0
     return _weighted(t, -weight_N * t.adv_N * t.p_N + kl_coeff_N * kl_N)
 
 
