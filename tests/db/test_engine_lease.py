@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from sqlalchemy import Connection
 
 from tx.api.__main__ import main
 from tx.db import Database
@@ -57,8 +58,16 @@ def _kill_lease_connection(db: Database, lease: EngineLease) -> None:
         conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
         conn.commit()
         # the termination is asynchronous: the backend holds the lock until it has exited
-        gone = text("SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = :pid")
-        _within(20, lambda: bool(conn.execute(gone, {"pid": pid}).scalar()), "the lease's backend did not exit")
+        _within(20, lambda: _backend_gone(conn, pid), "the lease's backend did not exit")
+
+
+def _backend_gone(conn: Connection, pid: int) -> bool:
+    """pg_stat_activity is read once per transaction: each look ends its own, or it never changes."""
+    from sqlalchemy import text
+
+    gone = bool(conn.execute(text("SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}).scalar())
+    conn.rollback()
+    return gone
 
 
 def _cut_lease(db: Database, tmp_path: Path, check_s: float) -> tuple[EngineLease, list[str]]:
