@@ -96,9 +96,11 @@ def test_an_upload_deleted_or_sent_again_elsewhere_is_not_served_from_memory(tmp
     assert catalog.get("alice", "upload:mine").model_dir == str(second)
 
 
-def test_clients_get_a_tokenizer_name_they_can_resolve_never_an_uploads_server_path(tmp_path: Path) -> None:
+def test_clients_get_a_tokenizer_name_they_can_resolve_never_an_uploads_server_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`get_info().tokenizer_id` goes to the SDK's `AutoTokenizer.from_pretrained` on the client's machine:
-    an upload gives the hub name its files record, else its own model string; a local directory its path."""
+    an upload gives the hub name its files record, else its own model string; a local directory its absolute path."""
     recorded = _model_dir(tmp_path, "store/alice/tuned", {**QWEN3, "_name_or_path": "Qwen/Qwen3-8B"})
     (recorded / "tokenizer_config.json").write_text(json.dumps({"name_or_path": "Qwen/Qwen3-8B-Base"}))
     bare = _model_dir(tmp_path, "store/alice/bare", {**QWEN3, "_name_or_path": "/home/alice/ckpt"})
@@ -108,6 +110,8 @@ def test_clients_get_a_tokenizer_name_they_can_resolve_never_an_uploads_server_p
     assert catalog.get("alice", "upload:tuned").info.tokenizer_id == "Qwen/Qwen3-8B-Base"
     assert catalog.get("alice", "upload:bare").info.tokenizer_id == "upload:bare"
     assert catalog.get("alice", str(local)).info.tokenizer_id == str(local)
+    monkeypatch.chdir(tmp_path)  # a client elsewhere cannot resolve the server's `./local`
+    assert catalog.get("alice", "./local").info.tokenizer_id == str(local.absolute())
     (recorded / "tokenizer_config.json").unlink()
     catalog.forget_upload("alice", "upload:tuned")
     assert catalog.get("alice", "upload:tuned").info.tokenizer_id == "Qwen/Qwen3-8B"

@@ -1,16 +1,19 @@
 """WeightsIO's checks that need no engine: the full fine-tuning memory check (the accelerators' own free
-memory, the host's only on CPU), which directories are full checkpoints, and a PEFT adapter's LoraConfig."""
+memory, the host's only on CPU), which directories are full checkpoints, and a PEFT adapter's LoraConfig; and
+the base model an exported adapter names."""
 
+import json
 from pathlib import Path
 
 import jax.numpy as jnp
 import psutil
 import pytest
+from drive import run, tiny_runner
 
 from tx.engine import weights_io
 from tx.engine.weights_io import WeightsIO, free_bytes
 from tx.models.config import ModelConfig
-from tx.protocol import LoraConfig
+from tx.protocol import CreateModelRequest, CreateModelResult, LoraConfig, SaveSamplerRequest
 from tx.tuning import CPU
 
 
@@ -86,3 +89,21 @@ def test_a_peft_adapter_saved_by_peft_gives_its_lora_config(tmp_path: Path, targ
     cfg = ModelConfig.from_hf({**hf_config.to_dict(), "architectures": ["Qwen3ForCausalLM"]})
     got = WeightsIO("m", tmp_path, cfg, CPU).peft_lora_config(tmp_path)
     assert got == LoraConfig(rank=4, alpha=8.0, train_attn=train_attn, train_mlp=train_mlp, train_unembed=train_unembed)
+
+
+def test_an_adapter_of_a_model_named_by_a_relative_path_names_its_base_by_the_absolute_one(
+    hf_models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--base-model ./model`: the exported adapter's `base_model_name_or_path` is read later from another
+    working directory (`tx.merge`, `peft`), where `./model` is nothing."""
+    model_dir = hf_models()[0]
+    monkeypatch.chdir(model_dir.parent)
+    runner = tiny_runner(Path(model_dir.name), tmp_path / "data", slots=2)
+    assert isinstance(
+        run(runner, "create_model", "r", CreateModelRequest(model_dir.name, LoraConfig(2))), CreateModelResult
+    )
+    dest = tmp_path / "data" / "checkpoints" / "r" / "sampler_weights" / "s"
+    save = SaveSamplerRequest("s", name="s", dest_dir=str(dest), tinker_path="tinker://r/sampler_weights/s")
+    run(runner, "save_weights_for_sampler", "r", save)
+    written = json.loads((dest / "adapter_config.json").read_text())
+    assert written["base_model_name_or_path"] == str(model_dir.absolute())

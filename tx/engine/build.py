@@ -24,7 +24,14 @@ from tx.engine.weights_io import WeightsIO
 from tx.lora.layers import LoRASpec
 from tx.lora.params import LoRAParam
 from tx.lora.select import rank_bucket
-from tx.models.catalog import DTYPE_BYTES, describe_model, has_weights, locate_model, weight_bytes
+from tx.models.catalog import (
+    DTYPE_BYTES,
+    describe_model,
+    exported_base_name,
+    has_weights,
+    locate_model,
+    weight_bytes,
+)
 from tx.models.causal_lm import decode_layout
 from tx.models.checkpoint_check import check_checkpoint, expected_weights
 from tx.models.config import HYBRID_FAMILIES, ModelConfig, load_hf_config
@@ -122,7 +129,7 @@ def build_runner(
     # trainer's own buffers).
     decode_base = decode_layout(trainer.base, tuning)
     sampler = make_sampler(lambda: decode_base)
-    io = WeightsIO(config.base_model, model_dir, cfg, tuning, mesh)
+    io = WeightsIO(exported_base_name(config.base_model, model_dir), model_dir, cfg, tuning, mesh)
     runner = JaxRunner(
         trainer, sampler, io, config.base_model, lambda get_base: make_sampler(get_base, sampler.programs),
         checkpoint_root=Path(config.data_dir).resolve() / "checkpoints",

@@ -107,13 +107,13 @@ def describe_model(
 
 def tokenizer_id_for(name: str, model_dir: Path, private_dir: bool) -> str:
     """What a client passes to `AutoTokenizer.from_pretrained`: a hub name as is (a client on another machine
-    resolves it itself); a local directory as its path (meaningful to clients on this filesystem). A private
+    resolves it itself); a local directory as its absolute path (meaningful to clients on this filesystem). A private
     directory (an upload) is never named: the hub name its files record (`tokenizer_config.json`'s
     `name_or_path`, `config.json`'s `_name_or_path`), else the model string itself."""
     if is_hub_name(name) and not Path(name).expanduser().is_dir():
         return name
     if not private_dir:
-        return str(model_dir)
+        return str(model_dir.absolute())  # `./model` means nothing from a client's working directory
     for file, key in (("tokenizer_config.json", "name_or_path"), ("config.json", "_name_or_path")):
         try:
             recorded = json.loads((model_dir / file).read_text()).get(key)
@@ -122,6 +122,14 @@ def tokenizer_id_for(name: str, model_dir: Path, private_dir: bool) -> str:
         if isinstance(recorded, str) and is_hub_name(recorded):
             return recorded
     return name
+
+
+def exported_base_name(name: str, model_dir: Path) -> str:
+    """The base model an exported adapter names (`base_model_name_or_path`): a local directory by its absolute
+    path, so `tx.merge` or `peft` finds it from any working directory; a hub name or an upload as is."""
+    if is_hub_name(name) or name.startswith("upload:") or not Path(name).expanduser().is_dir():
+        return name
+    return str(model_dir.absolute())
 
 
 def weight_bytes(model_dir: Path, dtype: str | None) -> int:
