@@ -19,23 +19,34 @@ from tinker import types
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-model", default=os.environ.get("TINKER_BASE_MODEL"), help="default: $TINKER_BASE_MODEL")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--learning-rate", type=float, default=5e-2)
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--group-size", type=int, default=8, help="completions sampled per step")
+    p.add_argument(
+        "--tokenizer", help="a tokenizer directory or hub name (default: the server's; needed for an upload:NAME model)"
+    )
+    p.add_argument("--steps", type=int, default=12, help="default: %(default)s")
+    p.add_argument("--learning-rate", type=float, default=5e-2, help="Adam's; default: %(default)s")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank; default: %(default)s")
+    p.add_argument("--group-size", type=int, default=8, help="completions sampled per step; default: %(default)s")
     p.add_argument(
         "--seed", type=int, default=None, help="seed the adapter and the sampling (step i: seed + i): a repeatable run"
     )
     return p.parse_args()
 
 
-def load_tokenizer(client: tinker.TrainingClient, base_model: str):
-    """The server's tokenizer; if the SDK cannot resolve its id, the base model's own from transformers."""
+def load_tokenizer(client: tinker.TrainingClient, base_model: str, tokenizer: str | None):
+    """`--tokenizer` if given; else the server's (its tokenizer id); else the base model's own from transformers.
+    An upload whose files record no hub name has no tokenizer a client can resolve (its id is `upload:NAME`)."""
+    from transformers import AutoTokenizer
+
+    if tokenizer:
+        return AutoTokenizer.from_pretrained(tokenizer)
+    tokenizer_id = client.get_info().model_data.tokenizer_id or ""  # the SDK cuts it at ":" (`upload:NAME`)
+    if base_model.startswith("upload:") and "/" not in tokenizer_id:
+        raise SystemExit(
+            f"{base_model} names no tokenizer this machine can load: pass --tokenizer DIR (the uploaded one)"
+        )
     try:
         return client.get_tokenizer()
     except Exception:
-        from transformers import AutoTokenizer
-
         return AutoTokenizer.from_pretrained(base_model)
 
 
@@ -72,7 +83,7 @@ def main() -> None:
         client = service.create_lora_training_client(
             base_model=args.base_model, rank=args.rank, seed=args.seed
         ).result()
-        tokenizer = load_tokenizer(client, args.base_model)
+        tokenizer = load_tokenizer(client, args.base_model, args.tokenizer)
         targets = word_token_ids(tokenizer)
         prompt = tokenizer.encode("Say a word:", add_special_tokens=False)
         adam = types.AdamParams(learning_rate=args.learning_rate)

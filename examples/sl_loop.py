@@ -26,19 +26,31 @@ SENTENCES = [
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-model", default=os.environ.get("TINKER_BASE_MODEL"), help="default: $TINKER_BASE_MODEL")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--learning-rate", type=float, default=1e-2)
-    p.add_argument("--rank", type=int, default=8)
+    p.add_argument(
+        "--tokenizer", help="a tokenizer directory or hub name (default: the server's; needed for an upload:NAME model)"
+    )
+    p.add_argument("--steps", type=int, default=10, help="default: %(default)s")
+    p.add_argument("--learning-rate", type=float, default=1e-2, help="Adam's; default: %(default)s")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank; default: %(default)s")
+    p.add_argument("--seed", type=int, default=None, help="seed the adapter's initial weights: a repeatable run")
     return p.parse_args()
 
 
-def load_tokenizer(client: tinker.TrainingClient, base_model: str):
-    """The server's tokenizer; if the SDK cannot resolve its id, the base model's own from transformers."""
+def load_tokenizer(client: tinker.TrainingClient, base_model: str, tokenizer: str | None):
+    """`--tokenizer` if given; else the server's (its tokenizer id); else the base model's own from transformers.
+    An upload whose files record no hub name has no tokenizer a client can resolve (its id is `upload:NAME`)."""
+    from transformers import AutoTokenizer
+
+    if tokenizer:
+        return AutoTokenizer.from_pretrained(tokenizer)
+    tokenizer_id = client.get_info().model_data.tokenizer_id or ""  # the SDK cuts it at ":" (`upload:NAME`)
+    if base_model.startswith("upload:") and "/" not in tokenizer_id:
+        raise SystemExit(
+            f"{base_model} names no tokenizer this machine can load: pass --tokenizer DIR (the uploaded one)"
+        )
     try:
         return client.get_tokenizer()
     except Exception:
-        from transformers import AutoTokenizer
-
         return AutoTokenizer.from_pretrained(base_model)
 
 
@@ -60,8 +72,10 @@ def main() -> None:
     base_url = os.environ.get("TINKER_BASE_URL", "http://localhost:8000")
     # `with` finishes the session on exit: the server frees its adapter slot, the SDK stops its threads.
     with tinker.ServiceClient(base_url=base_url) as service:
-        client = service.create_lora_training_client(base_model=args.base_model, rank=args.rank).result()
-        tokenizer = load_tokenizer(client, args.base_model)
+        client = service.create_lora_training_client(
+            base_model=args.base_model, rank=args.rank, seed=args.seed
+        ).result()
+        tokenizer = load_tokenizer(client, args.base_model, args.tokenizer)
         batch = [make_datum(tokenizer.encode(s, add_special_tokens=False)) for s in SENTENCES]
         n_tokens = sum(len(d.loss_fn_inputs["target_tokens"].tolist()) for d in batch)
         adam = types.AdamParams(learning_rate=args.learning_rate)

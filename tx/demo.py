@@ -34,7 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--data-dir", default="./smolgym-data", help="server data directory (default ./smolgym-data)")
     p.add_argument("--keep-server", action="store_true", help="leave the server running after the examples")
-    p.add_argument("--seed", type=int, default=None, help="seed the RL loop's adapter and sampling (a repeatable run)")
+    p.add_argument(
+        "--seed", type=int, default=None, help="seed both loops' adapters and the RL loop's sampling (a repeatable run)"
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server to start")
     return p.parse_args(argv)
 
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_ready(server, args.timeout)
         seed = () if args.seed is None else ("--seed", str(args.seed))
-        code = run_example("rl_loop.py", args.steps, env, *seed) or run_example("sl_loop.py", args.steps, env)
+        code = run_example("rl_loop.py", args.steps, env, *seed) or run_example("sl_loop.py", args.steps, env, *seed)
         if args.keep_server and code == 0:
             print(f"\nserver still running on {url} (Ctrl-C to stop)", flush=True)
             server.wait()
