@@ -185,6 +185,25 @@ def test_a_hub_model_in_the_offline_cache_loads_on_demand(models: Models, servic
     assert HUB_NAME in cli.stdout and models.llama[0] in cli.stdout and models.qwen[0] in cli.stdout
 
 
+def test_a_tinker_variant_name_serves_its_hub_model_at_the_context_it_names(
+    models: Models, service: tinker.ServiceClient
+) -> None:
+    """`org/model:peft:<context>` is how Tinker names its models (tinker-cookbook's `rl_numerics_check` default,
+    `Qwen/Qwen3.6-35B-A3B:peft:262144`): the hub model, its context capped. It was a 404 (no such repo)."""
+    variant = f"{HUB_NAME}:peft:24"
+    training = service.create_lora_training_client(base_model=variant, rank=4, seed=0).result()
+    assert training.get_info().model_data.model_name == variant
+    _assert_forward_matches(training.forward(BATCH, "cross_entropy").result(), models.third)
+    sampler = service.create_sampling_client(base_model=variant).result()
+    _assert_prompt_logprobs_match(_sample(sampler).result(), models.third)
+    with pytest.raises(tinker.BadRequestError, match="24"):  # the hub model alone takes 128
+        training.forward([_datum(list(range(1, 31)))], "cross_entropy").result()
+    caps = tinker.RestClient(base_url=models.url, api_key=KEY).get_server_capabilities().result().supported_models
+    assert [m.model_name for m in caps].count(HUB_NAME) == 1  # the variant loaded nothing more
+    with pytest.raises(tinker.NotFoundError, match="not in the HF cache"):
+        service.create_lora_training_client(base_model=f"{HUB_NAME}:full:24", rank=4).result()
+
+
 def test_unknown_and_unsupported_models_fail_clearly(service: tinker.ServiceClient, tmp_path: Path) -> None:
     with pytest.raises(tinker.NotFoundError, match="not in the HF cache"):
         service.create_lora_training_client(base_model="tiny-org/not-there", rank=4, seed=0).result()

@@ -11,6 +11,7 @@ first request that needs it (`tx.engine.pool`).
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -22,7 +23,7 @@ from fastapi import HTTPException
 
 from tx.api.limits import Limits, limits_for
 from tx.api.validate import ValidationError
-from tx.models.catalog import describe_model, has_weights, is_hub_name, locate_config
+from tx.models.catalog import describe_model, has_weights, is_hub_name, locate_config, split_variant
 from tx.protocol import ModelInfo
 
 UPLOAD_PREFIX = "upload:"
@@ -100,7 +101,14 @@ class ModelCatalog:
         return model
 
     def get(self, owner: str, name: str) -> ServedModel:
-        """The model `name` as `owner` may use it, located and described once and then remembered."""
+        """The model `name` as `owner` may use it, located and described once and then remembered. A variant
+        (`org/model:peft:<context>`) is its hub model, its context capped; `info.base_model` names the hub model,
+        which is what the engine loads."""
+        base, context = split_variant(name)
+        if base != name:
+            hub = self.get(owner, base)
+            info = dataclasses.replace(hub.info, max_seq_len=min(hub.info.max_seq_len, context or 1 << 62))
+            return dataclasses.replace(hub, info=info, limits=limits_for(info))
         is_upload = name.startswith(UPLOAD_PREFIX)
         key = (owner if is_upload else None, name)
         with self._lock:

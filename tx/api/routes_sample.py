@@ -136,7 +136,7 @@ def asample(body: schemas.SampleRequest, ctx: Ctx, owner: Owner) -> dict[str, An
         prompt=prompt,
         num_samples=body.num_samples,
         params=sampling_params(body.sampling_params, min(settings.default_max_tokens, room)),
-        base_model=sampler.base_model,
+        base_model=served.info.base_model,
         weights=_weights_of(ctx, sampler),
         prompt_logprobs=body.prompt_logprobs,
         topk_prompt_logprobs=body.topk_prompt_logprobs,

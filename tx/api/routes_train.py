@@ -54,7 +54,7 @@ def create_model(body: schemas.CreateModelRequest, ctx: Ctx, owner: Owner) -> di
     session_id = body.session_id or _open_session(ctx, owner)
     model_id = f"{session_id}:train:{body.model_seq_id}"
     run = new_run_row(model_id, session_id, owner, body.base_model, lora, body.user_metadata or {})
-    payload = CreateModelRequest(body.base_model, lora, body.user_metadata or {}, served.model_dir)
+    payload = CreateModelRequest(served.info.base_model, lora, body.user_metadata or {}, served.model_dir)
     return submit_new_run(ctx, run, "create_model", payload)
 
 

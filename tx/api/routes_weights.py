@@ -264,7 +264,7 @@ def _create_from_state(
     meta = body.user_metadata or {}
     run = new_run_row(model_id, body.session_id, owner, source.base_model, lora, meta)
     payload = LoadWeightsRequest(
-        source.base_model, lora, ckpt.directory, str(path), body.optimizer, meta, served.model_dir
+        served.info.base_model, lora, ckpt.directory, str(path), body.optimizer, meta, served.model_dir
     )
     return submit_new_run(ctx, run, "load_weights", payload)
 

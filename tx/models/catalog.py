@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 from tx.models.config import load_hf_config
@@ -24,6 +25,19 @@ from tx.protocol import ModelInfo
 HF_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.json", "tokenizer*", "*.txt", "*.model")
 SKIPPED_PARTS = ("model.visual.", "mtp.")  # tensors of parts we never run (vision tower, multi-token head)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+# Tinker's model ids may name a variant after the hub name: `Qwen/Qwen3.6-35B-A3B:peft:262144` is the hub model
+# trained with LoRA at a context of at most 262144 tokens (tinker-cookbook's `rl_numerics_check` default).
+_VARIANT = re.compile(r"(?P<base>[^:/\s]+/[^:/\s]+):peft(?::(?P<context>[1-9][0-9]{0,8}))?")
+
+
+def split_variant(name: str) -> tuple[str, int | None]:
+    """A variant's hub name and its context cap (None: no cap); any other model string as is, None."""
+    found = _VARIANT.fullmatch(name)
+    if found is None:
+        return name, None
+    return found["base"], int(found["context"]) if found["context"] else None
 
 
 def is_hub_name(name: str) -> bool:
