@@ -36,6 +36,8 @@ def test_defaults_and_repeatable_keys(tmp_path: Path) -> None:
     )  # fmt: skip
     assert (resolve_dtype("auto", gpu), resolve_dtype("float32", gpu)) == ("bfloat16", "float32")
     assert args.prompt_cache_mb == 256
+    variants = cli.parse_args(["--base-model", "Qwen/Qwen3.5-9B-Base:peft:262144", "--base-model", "./m:peft:9"])
+    assert variants.base_model == ["Qwen/Qwen3.5-9B-Base", "./m:peft:9"]  # a Tinker variant id preloads its model
     with pytest.raises(SystemExit):
         cli.parse_args(["--base-model", "m", "--prompt-cache-mb", "-1"])
     keys_file = tmp_path / "keys"

@@ -9,6 +9,7 @@ from pathlib import Path
 from tx.api.cluster import add_cluster_args, check_cluster_args
 from tx.api.context import DEFAULT_MAX_UPLOAD_GB
 from tx.db.connect import is_postgres_url
+from tx.models.catalog import split_variant
 
 ROLES = ("all", "api", "engine")
 
@@ -21,8 +22,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--base-model",
         action="append",
         default=[],
-        help="Hugging Face model id or local directory of a base model to load at start (repeatable); clients may "
-        "name other models too, loaded on demand as --allow-models permits",
+        help="Hugging Face model id or local directory of a base model to load at start (repeatable; a Tinker "
+        "variant id, org/model:peft:N, names its hub model); clients may name other models too, loaded on demand "
+        "as --allow-models permits",
     )
     p.add_argument(
         "--allow-models",
@@ -165,6 +167,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_cluster_args(p)
     args = p.parse_args(argv)
     check_cluster_args(p, args)
+    args.base_model = [split_variant(name)[0] for name in args.base_model]  # clients' variants are views of it
     for flag in ("tensor_parallel_size", "fsdp_size", "expert_parallel_size", "max_runs_per_key"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")

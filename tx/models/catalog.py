@@ -29,7 +29,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 # Tinker's model ids may name a variant after the hub name: `Qwen/Qwen3.6-35B-A3B:peft:262144` is the hub model
 # trained with LoRA at a context of at most 262144 tokens (tinker-cookbook's `rl_numerics_check` default).
-_VARIANT = re.compile(r"(?P<base>[^:/\s]+/[^:/\s]+):peft(?::(?P<context>[1-9][0-9]{0,8}))?")
+_VARIANT = re.compile(r"(?P<base>[A-Za-z0-9][\w.-]*/[\w.-]+):peft(?::(?P<context>[1-9][0-9]{0,8}))?")
 
 
 def split_variant(name: str) -> tuple[str, int | None]:
