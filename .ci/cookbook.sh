@@ -10,5 +10,6 @@ main_site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['
 cookbook_site=$(.venv-cookbook/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 echo "$main_site" > "$cookbook_site/smolgym-main-venv.pth"
 .venv-cookbook/bin/pip install -q --no-deps tinker-cookbook==0.6.1
-.venv-cookbook/bin/pip install -q datasets chz blobfile pyrage termcolor tiktoken pillow rich cloudpickle aiohttp
+.venv-cookbook/bin/pip install -q datasets chz blobfile pyrage termcolor tiktoken pillow rich cloudpickle aiohttp \
+    pylatexenc math-verify  # rl_loop and math_rl import the math grader
 echo "$PWD/.venv-cookbook/bin/python"

@@ -4,7 +4,7 @@ Offline: `cookbook_offline.py` publishes two tiny hub-style Qwen3.5 checkpoints 
 private HF cache as `Qwen/Qwen3.5-9B-Base` (the recipes' student and SFT default) and `Qwen/Qwen3.5-9B` (the
 distillation teacher), with stand-ins for the datasets. The server preloads only the student; the
 on-policy distillation recipe names the teacher, which the server loads on demand while the student keeps
-its run. Then `sl_loop` trains on the same server. The recipes run in their own interpreter
+its run. Then `sl_loop`, `rl_loop` (its default loss) and `chat_sl` train on the same server. The recipes run in their own interpreter
 (SMOLGYM_COOKBOOK_PYTHON; `.ci/cookbook.sh` builds it), skipped where it does not exist except under CI.
 """
 
@@ -57,6 +57,10 @@ def test_distillation_with_an_on_demand_teacher_then_sl_loop(tmp_path: Path) -> 
             "distillation": ["tinker_cookbook.recipes.distillation.on_policy_distillation", "groups_per_batch=2",
                              "group_size=2", "max_tokens=24", "max_steps=2"],
             "sl_loop": ["tinker_cookbook.recipes.sl_loop", "batch_size=16", "max_steps=2"],
+            "rl_loop": ["tinker_cookbook.recipes.rl_loop", "batch_size=2", "group_size=2", "max_tokens=16",
+                        "max_steps=2"],  # its default loss
+            "chat_sl": ["tinker_cookbook.recipes.chat_sl.train", "batch_size=16", "max_steps=2", "eval_every=1000",
+                        "infrequent_eval_every=1000", "save_every=1000"],
         }  # fmt: skip
         for name, (module, *options) in recipes.items():
             command = [str(COOKBOOK_PYTHON), "-m", module, url, *options, f"log_path={tmp_path / name}"]
@@ -74,3 +78,6 @@ def test_distillation_with_an_on_demand_teacher_then_sl_loop(tmp_path: Path) -> 
     trained = _metrics(tmp_path / "sl_loop")
     assert trained and all(m["train_mean_nll"] > 0 for m in trained if "train_mean_nll" in m)
     assert any("train_mean_nll" in m for m in trained)
+    assert [m["step"] for m in _metrics(tmp_path / "rl_loop")] == [0, 1]
+    chatted = [m["train_mean_nll"] for m in _metrics(tmp_path / "chat_sl") if "train_mean_nll" in m]
+    assert len(chatted) == 2 and all(math.isfinite(x) and x > 0 for x in chatted)
