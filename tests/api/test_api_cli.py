@@ -115,10 +115,12 @@ def test_cluster_flags_are_checked_at_start(argv: list[str], names: str, capsys:
 
 
 def test_cluster_flags_from_the_environment(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    for name, value in (("COORDINATOR", "10.0.0.1:5000"), ("NUM_PROCESSES", "4"), ("PROCESS_ID", "3")):
+    flags = (("COORDINATOR", "10.0.0.1:5000"), ("NUM_PROCESSES", "4"), ("PROCESS_ID", "3"), ("PLAN_PORT", "7001"))
+    for name, value in (*flags, ("FOLLOWER_TIMEOUT", "12.5")):
         monkeypatch.setenv(f"SMOLGYM_{name}", value)
     args = cli.parse_args(["--base-model", "m"])
     assert (args.coordinator, args.num_processes, args.process_id) == ("10.0.0.1:5000", 4, 3)
+    assert (args.plan_port, args.follower_timeout) == (7001, 12.5)
     assert cli.cluster_of(args) == Cluster("10.0.0.1:5000", 4, 3)
     for refused, why in ((["--base-model", "m", "--role", "api"], "--role api runs no engine"), ([], "--base-model")):
         with pytest.raises(SystemExit):

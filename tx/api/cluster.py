@@ -46,9 +46,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--process-id", type=int, default=env("SMOLGYM_PROCESS_ID"),
                    help="this process's rank, 0 = the one serving HTTP ($SMOLGYM_PROCESS_ID)")  # fmt: skip
     g.add_argument("--plan-port", type=int, default=int(env("SMOLGYM_PLAN_PORT", "0")),
-                   help="TCP port process 0 sends each round's plan on (default: any free port)")  # fmt: skip
-    g.add_argument("--follower-timeout", type=float, default=60.0,
-                   help="seconds without a follower's heartbeat before process 0 exits (default 60)")  # fmt: skip
+                   help="TCP port process 0 sends each round's plan on ($SMOLGYM_PLAN_PORT; default: any free "
+                        "port)")  # fmt: skip
+    g.add_argument("--follower-timeout", type=float, default=float(env("SMOLGYM_FOLLOWER_TIMEOUT", "60")),
+                   help="seconds without a follower's heartbeat before process 0 exits ($SMOLGYM_FOLLOWER_TIMEOUT; "
+                        "default 60)")  # fmt: skip
 
 
 def check_cluster_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
