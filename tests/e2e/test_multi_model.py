@@ -200,6 +200,13 @@ def test_a_tinker_variant_name_serves_its_hub_model_at_the_context_it_names(
         training.forward([_datum(list(range(1, 31)))], "cross_entropy").result()
     caps = tinker.RestClient(base_url=models.url, api_key=KEY).get_server_capabilities().result().supported_models
     assert [m.model_name for m in caps].count(HUB_NAME) == 1  # the variant loaded nothing more
+    # The SDK's base_model override of a checkpoint: "compatible with it (e.g. a different context length)".
+    saved = training.save_state("variant").result().path
+    widened = service.create_training_client_from_state(saved, base_model=HUB_NAME).result()
+    assert widened.get_info().model_data.model_name == HUB_NAME
+    assert len(widened.forward([_datum(list(range(1, 31)))], "cross_entropy").result().loss_fn_outputs) == 1
+    with pytest.raises(tinker.BadRequestError, match="was made on base model"):
+        service.create_training_client_from_state(saved, base_model=models.qwen[0]).result()
     with pytest.raises(tinker.NotFoundError, match="not in the HF cache"):
         service.create_lora_training_client(base_model=f"{HUB_NAME}:full:24", rank=4).result()
 

@@ -97,8 +97,8 @@ def test_an_adapter_of_a_model_named_by_a_relative_path_names_its_base_by_the_ab
     """`--base-model ./model`: the exported adapter's `base_model_name_or_path` is read later from another
     working directory (`tx.merge`, `peft`), where `./model` is nothing."""
     model_dir = hf_models()[0]
-    monkeypatch.chdir(model_dir.parent)
-    runner = tiny_runner(Path(model_dir.name), tmp_path / "data", slots=2)
+    monkeypatch.chdir(model_dir.parent.parent)  # named `parent/model/`, as shell completion writes it
+    runner = tiny_runner(Path(model_dir.parent.name, model_dir.name, ""), tmp_path / "data", slots=2)
     assert isinstance(
         run(runner, "create_model", "r", CreateModelRequest(model_dir.name, LoraConfig(2))), CreateModelResult
     )

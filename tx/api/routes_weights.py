@@ -256,13 +256,15 @@ def _create_from_state(
     source = ctx.db.records.get_run(path.run_id, owner)
     if source is None:
         not_found(f"the training run of {body.path!r} no longer exists")
-    if body.base_model is not None and body.base_model != source.base_model:
-        user_error(f"checkpoint {body.path!r} was made on base model {source.base_model!r}, not {body.base_model!r}")
-    served = run_model(ctx, source)
+    served, base_model = run_model(ctx, source), source.base_model
+    if body.base_model is not None and body.base_model != base_model:  # an override: the same model, other limits
+        served, base_model = ctx.models.get(owner, body.base_model), body.base_model
+        if served.model_dir != run_model(ctx, source).model_dir:
+            user_error(f"checkpoint {body.path!r} was made on base model {source.base_model!r}, not {base_model!r}")
     lora = _run_lora(source)
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
     meta = body.user_metadata or {}
-    run = new_run_row(model_id, body.session_id, owner, source.base_model, lora, meta)
+    run = new_run_row(model_id, body.session_id, owner, base_model, lora, meta)
     payload = LoadWeightsRequest(
         served.info.base_model, lora, ckpt.directory, str(path), body.optimizer, meta, served.model_dir
     )

@@ -141,7 +141,7 @@ def tokenizer_id_for(name: str, model_dir: Path, private_dir: bool) -> str:
 def exported_base_name(name: str, model_dir: Path) -> str:
     """The base model an exported adapter names (`base_model_name_or_path`): a local directory by its absolute
     path, so `tx.merge` or `peft` finds it from any working directory; a hub name or an upload as is."""
-    if is_hub_name(name) or name.startswith("upload:") or not Path(name).expanduser().is_dir():
+    if name.startswith("upload:") or not Path(name).expanduser().is_dir():
         return name
     return str(model_dir.absolute())
 
