@@ -3,6 +3,7 @@ first one's running work (`tx.db.lease`)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -109,3 +110,42 @@ def test_an_engine_whose_lease_another_took_meanwhile_stops(db: Database, tmp_pa
     _within(20, lambda: bool(lost), "the lost lease went unnoticed")
     second.release()
     first.release()
+
+
+def test_an_engine_stops_while_its_database_has_stopped_answering(db: Database, tmp_path: Path) -> None:
+    """A database gone silent (a vanished host, a paused machine): the watchdog's check waits on it, and
+    `release`, SIGTERM's orderly stop, waited with it for the lease's lock, so the engine could not be stopped."""
+    from e2e.tcp_proxy import CuttingProxy
+    from sqlalchemy import create_engine, text
+
+    if db.engine.dialect.name != "postgresql":
+        pytest.skip("the advisory lock is Postgres's")
+    proxy = CuttingProxy(int(db.engine.url.port or 5432))
+    lease = take_engine_lease(create_engine(db.engine.url.set(port=proxy.port)), tmp_path / "a")
+    assert lease._connection is not None
+    pid = lease._connection.execute(text("SELECT pg_backend_pid()")).scalar()
+    proxy.silent = True
+    _within(20, lambda: proxy.swallowed > 0, "the watchdog did not check")  # its first check comes after 5 s
+    stopping = threading.Thread(target=lease.release)
+    stopping.start()
+    stopping.join(5)
+    released = not stopping.is_alive()
+    with db.engine.connect() as conn:  # the lease's backend ends: the stuck check fails, the lock is free
+        conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        conn.commit()
+        _within(20, lambda: _backend_gone(conn, pid), "the lease's backend did not exit")
+    stopping.join(20)
+    proxy.close()
+    assert released
+
+
+def test_every_postgres_connection_finds_a_vanished_database_in_seconds(db: Database) -> None:
+    """Only the LISTEN connection had keepalives and `tcp_user_timeout`: a pooled connection's query to a
+    vanished host waited out the kernel's retransmissions (about 15 minutes), and the engine thread and every
+    API worker waited with it."""
+    if db.engine.dialect.name != "postgresql":
+        pytest.skip("libpq's settings")
+    with db.engine.connect() as conn:
+        settings = conn.connection.driver_connection.info.get_parameters()  # type: ignore[union-attr]
+    assert settings["keepalives"] == "1" and int(settings["keepalives_idle"]) <= 30
+    assert int(settings["tcp_user_timeout"]) <= 30_000 and int(settings["connect_timeout"]) <= 30

@@ -3,7 +3,9 @@
 `CuttingProxy(upstream_port, cut_after=N)` forwards every connection to the server; once N client bytes
 have gone through in total it closes that connection abruptly (both sides), once, as a dropped network
 link would. `sent` is the count of client bytes forwarded, so a test can tell how much a resume re-sent.
-`FailoverProxy(ports)` sends each connection to the first of several servers that accepts it.
+Setting `silent` makes it swallow every byte both ways without closing anything, as a vanished host or a
+paused machine would (until the server side closes). `FailoverProxy(ports)` sends each connection to the
+first of several servers that accepts it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ class CuttingProxy:
     def __init__(self, upstream_port: int, cut_after: int | None = None) -> None:
         self.upstream_port, self.cut_after = upstream_port, cut_after
         self.sent, self.cuts = 0, 0
+        self.silent, self.swallowed = False, 0  # client bytes dropped while silent
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = int(self._listener.getsockname()[1])
@@ -40,6 +43,9 @@ class CuttingProxy:
 
     def _pump_up(self, client: socket.socket, server: socket.socket) -> None:
         while data := _recv(client):
+            if self.silent:
+                self.swallowed += len(data)
+                continue
             with self._lock:
                 cut = self.cut_after is not None and self.cuts == 0 and self.sent + len(data) >= self.cut_after
                 if cut:
@@ -54,6 +60,8 @@ class CuttingProxy:
 
     def _pump_down(self, server: socket.socket, client: socket.socket) -> None:
         while data := _recv(server):
+            if self.silent:
+                continue
             try:
                 client.sendall(data)
             except OSError:

@@ -55,21 +55,30 @@ class EngineLease:
         self._fd, self._connection, self._engine = fd, connection, engine
         self.check_s, self.on_lost = check_s, on_lost
         self._lock, self._stop = threading.Lock(), threading.Event()
+        self._checking = threading.Lock()  # held while the watchdog's query runs on the lock's connection
         if connection is not None and engine is not None:
             threading.Thread(target=self._watch, name="tx-lease", daemon=True).start()
 
     def _watch(self) -> None:
+        """The check runs outside the lock: against a database that stopped answering it may wait for minutes,
+        and `release` (a SIGTERM's orderly stop) must not wait with it."""
         while not self._stop.wait(self.check_s):
             with self._lock:
-                if self._connection is None:
+                connection = self._connection
+            if connection is None:
+                return
+            try:
+                with self._checking:
+                    if self._stop.is_set():
+                        return
+                    connection.execute(text("SELECT 1"))
+                continue
+            except Exception:
+                if self._stop.is_set():
                     return
-                try:
-                    self._connection.execute(text("SELECT 1"))
-                    continue
-                except Exception:
-                    log.warning("the engine lease's database connection was lost; taking the lease again")
-                    with contextlib.suppress(Exception):
-                        self._connection.invalidate()
+                log.warning("the engine lease's database connection was lost; taking the lease again")
+                with contextlib.suppress(Exception):
+                    connection.invalidate()
             self._retake()
 
     def _retake(self) -> None:
@@ -94,13 +103,18 @@ class EngineLease:
             return
 
     def release(self) -> None:
+        """Ends the lease. A connection the watchdog is still checking is left to the process's exit (closing
+        it under a running query is not safe): its socket closes then, and the lock with it."""
         self._stop.set()
         with self._lock:
-            if self._connection is not None:
+            connection, self._connection = self._connection, None
+        if connection is not None and self._checking.acquire(blocking=False):
+            try:
                 with contextlib.suppress(Exception):  # a database already gone released the lock with it
-                    self._connection.invalidate()  # closed, not returned to the pool still holding the lock
-                    self._connection.close()
-                self._connection = None
+                    connection.invalidate()  # closed, not returned to the pool still holding the lock
+                    connection.close()
+            finally:
+                self._checking.release()
         if self._fd >= 0:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = -1
