@@ -22,6 +22,13 @@ from tx.db import tables  # noqa: F401  (registers the tables on SQLModel.metada
 
 log = logging.getLogger("tx.db")
 
+# libpq's TCP settings for every Postgres connection: a vanished peer is found in seconds (unacknowledged data:
+# `tcp_user_timeout`; an idle connection: keepalives), not after the kernel's quarter hour of retransmissions,
+# and a connection attempt gives up after `connect_timeout` seconds.
+KEEPALIVE: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
+             "tcp_user_timeout": 15000}  # fmt: skip
+CONNECT_TIMEOUT_S = 10
+
 # Held while the tables are created: two processes creating them at once both see them missing, and the
 # second's CREATE TABLE fails on Postgres's catalog (a unique violation on pg_type).
 SCHEMA_LOCK_KEY = 0x736D6F6C  # "smol"
@@ -58,7 +65,8 @@ def open_engine(url: str) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False}, pool_size=16, max_overflow=16)
         event.listen(engine, "connect", _sqlite_pragmas)
     else:
-        engine = create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+        settings = {**KEEPALIVE, "connect_timeout": CONNECT_TIMEOUT_S}
+        engine = create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True, connect_args=settings)
     with engine.begin() as conn:
         if engine.dialect.name == "postgresql":  # API and engine processes starting together on a new schema
             conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY})

@@ -15,14 +15,13 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from tx.db.connect import CONNECT_TIMEOUT_S, KEEPALIVE
+
 log = logging.getLogger("tx.db")
 
 WORK_CHANNEL = "smolgym_work"
 DONE_CHANNEL = "smolgym_done"
 PING_S = 10.0  # a quiet listener checks its connection this often
-# libpq's TCP settings for the listener: a dead peer found in seconds, not after the kernel's two hours
-KEEPALIVE: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
-             "tcp_user_timeout": 15000}  # fmt: skip
 
 
 class Notifier:
@@ -119,7 +118,9 @@ class PgListener:
         again = False
         while not self._stop.is_set():
             try:
-                with psycopg.connect(self.conninfo, autocommit=True, **KEEPALIVE) as conn:
+                with psycopg.connect(
+                    self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S, **KEEPALIVE
+                ) as conn:
                     self.backend_pid = conn.info.backend_pid  # the server's process for it (logs, tests)
                     conn.execute(f"LISTEN {WORK_CHANNEL}")
                     conn.execute(f"LISTEN {DONE_CHANNEL}")
