@@ -78,6 +78,19 @@ def test_bad_base_model_is_a_one_line_error(tmp_path) -> None:
     assert "error: no model directory at" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_database_that_is_not_up_is_a_one_line_error(tmp_path: Path) -> None:
+    """A Postgres not started yet (a deployment starting it beside SmolGym) was a 40-line SQLAlchemy traceback."""
+    import socket
+
+    from tx.api.__main__ import main
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"postgresql://postgres@127.0.0.1:{sock.getsockname()[1]}/smolgym"
+    with pytest.raises(SystemExit, match="cannot open the database: connection failed.*refused"):
+        main(["--base-model", str(tmp_path), "--database-url", url, "--role", "api", "--data-dir", str(tmp_path)])
+
+
 def test_mesh_sizes_reach_the_engine_config(capsys: pytest.CaptureFixture[str]) -> None:
     args = cli.parse_args(["--expert-parallel-size", "4", "--fsdp-size", "2", "--tensor-parallel-size", "1"])
     config = cli.engine_config(args)

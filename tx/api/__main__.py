@@ -169,6 +169,22 @@ def recover(db: Database, data_dir: Path) -> LostState:
     return found.lost
 
 
+def database(args: argparse.Namespace) -> Database:
+    """The database, or a one-line exit naming why it cannot be opened (a Postgres not up yet, a bad URL)."""
+    from sqlalchemy.exc import OperationalError
+
+    try:
+        return open_database(
+            args.database_url,
+            args.data_dir,
+            session_timeout_s=args.session_timeout,
+            open_session_timeout_s=args.open_session_timeout,
+        )
+    except OperationalError as err:
+        reason = str(err.orig).strip().splitlines()[0] if err.orig else type(err).__name__
+        raise SystemExit(f"smolgym: cannot open the database: {reason}") from None
+
+
 def engine_lease(db: Database, data_dir: Path) -> EngineLease:
     """This process's claim to be the one engine on its data directory and database (`tx.db.lease`), taken
     before `recover`: a second engine's recovery would fail the live one's running work. Refused, it exits."""
@@ -244,12 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         run_follower(args, channel)
         return
     api_keys = load_api_keys(args.api_key, args.api_keys_file)
-    db = open_database(
-        args.database_url,
-        args.data_dir,
-        session_timeout_s=args.session_timeout,
-        open_session_timeout_s=args.open_session_timeout,
-    )
+    db = database(args)
     settings = Settings(
         data_dir=Path(args.data_dir),
         api_keys=api_keys,
