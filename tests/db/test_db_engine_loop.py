@@ -295,6 +295,32 @@ def test_the_engine_thread_survives_a_queue_failure(sqlite_db: Database) -> None
     assert len(calls) > 1
 
 
+def test_a_database_outage_logs_one_traceback_and_its_end(
+    sqlite_db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The loop retries every half second; it logged a traceback each time (82 in a 40 s Postgres outage)."""
+    queue, claim, calls = sqlite_db.queue, sqlite_db.queue.claim, []
+
+    def away(limit: int, per_owner: int | None = None, max_bytes: int | None = None) -> list[WorkItem]:
+        calls.append(limit)
+        if len(calls) <= 4:
+            raise RuntimeError("connection to server failed: Connection refused")
+        return claim(limit, per_owner, max_bytes)
+
+    queue.claim = away  # type: ignore[method-assign]
+    future_id = _submit(sqlite_db, 1)
+    engine = Engine(queue, ScriptedRunner(), idle_wait_s=0.05)
+    with caplog.at_level(logging.INFO, logger="tx.engine"):
+        engine.start()
+        try:
+            assert _wait_status(sqlite_db, future_id) == "done"
+        finally:
+            engine.stop()
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert [r.getMessage() for r in tracebacks] == ["engine iteration failed"]
+    assert any("works again after 4 failures" in r.getMessage() for r in caplog.records)
+
+
 def test_results_the_queue_cannot_take_are_kept_and_recorded_once_it_can(sqlite_db: Database) -> None:
     """A full disk refuses every write: the step's results stay with the engine (still in flight) instead of
     being lost with their futures running forever, and land, as results, once writes succeed again."""

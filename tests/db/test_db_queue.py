@@ -832,3 +832,21 @@ def test_a_commit_that_landed_and_then_raised_writes_a_keyless_request_once(
         rows = session.exec(select(sql_func.count()).select_from(FutureRow).where(FutureRow.kind == "unload_model"))
         assert rows.one() == 1
     assert db.queue.get(submitted.future_id) is not None
+
+
+def test_a_listener_without_its_database_logs_one_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """It reconnects every second and logged a traceback each time, in every process, for the whole outage."""
+    import logging
+    import socket
+
+    from tx.db.notify import Notifier, PgListener
+
+    with socket.socket() as sock:  # a port nothing listens on: the database is away
+        sock.bind(("127.0.0.1", 0))
+        conninfo = f"postgresql://postgres@127.0.0.1:{sock.getsockname()[1]}/x"
+    listener = PgListener(conninfo, Notifier())
+    with caplog.at_level(logging.INFO, logger="tx.db"):
+        listener.start()
+        time.sleep(2.5)  # three tries
+        listener.stop()
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == ["postgres LISTEN connection failed"]

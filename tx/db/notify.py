@@ -16,6 +16,7 @@ from collections import defaultdict
 from typing import Any
 
 from tx.db.connect import CONNECT_TIMEOUT_S, KEEPALIVE
+from tx.failures import FailureLog
 
 log = logging.getLogger("tx.db")
 
@@ -115,7 +116,7 @@ class PgListener:
     def _run(self) -> None:
         import psycopg
 
-        again = False
+        again, failures = False, FailureLog(log, "postgres LISTEN connection")
         while not self._stop.is_set():
             try:
                 with psycopg.connect(
@@ -127,9 +128,10 @@ class PgListener:
                     if again:  # what was sent while no connection listened is lost: everyone looks again
                         self.notifier.wake_all()
                     again = True
+                    failures.succeeded()
                     self._listen(conn)
-            except Exception:
-                log.exception("postgres LISTEN connection failed; reconnecting")
+            except Exception as err:  # reconnects every second
+                failures.failed(err)
                 self._stop.wait(1.0)
 
     def _listen(self, conn: Any) -> None:

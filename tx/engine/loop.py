@@ -19,6 +19,7 @@ from typing import Protocol
 
 from tx.engine.errors import EXITS, scrub_paths
 from tx.engine.run_memory import host_memory_bytes
+from tx.failures import FailureLog
 from tx.protocol import (
     ForwardBackwardRequest,
     QueueUnavailable,
@@ -162,14 +163,17 @@ class Engine:
 
     def _run(self) -> None:
         log.info("engine loop started")
+        failures = FailureLog(log, "engine iteration")
         while not self._stop.is_set():
             try:
                 self.run_once()
             except EXITS:
                 raise
-            except BaseException:  # the loop must survive anything, queue errors and native panics included
-                log.exception("engine iteration failed")
+            except BaseException as err:  # the loop must survive anything, queue errors and native panics included
+                failures.failed(err)
                 time.sleep(0.5)
+                continue
+            failures.succeeded()
 
     def run_once(self) -> None:
         """One iteration: admit new work, then step the runner or sleep until work arrives."""
