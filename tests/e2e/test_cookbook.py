@@ -4,8 +4,9 @@ Offline: `cookbook_offline.py` publishes two tiny hub-style Qwen3.5 checkpoints 
 private HF cache as `Qwen/Qwen3.5-9B-Base` (the recipes' student and SFT default) and `Qwen/Qwen3.5-9B` (the
 distillation teacher), with stand-ins for the datasets. The server preloads only the student; the
 on-policy distillation recipe names the teacher, which the server loads on demand while the student keeps
-its run. Then `sl_loop`, `rl_loop` (its default loss) and `chat_sl` train on the same server. The recipes run in their own interpreter
-(SMOLGYM_COOKBOOK_PYTHON; `.ci/cookbook.sh` builds it), skipped where it does not exist except under CI.
+its run. Then `sl_loop`, `rl_loop` (its default loss) and `chat_sl` train on the same server. The recipes
+run in their own interpreter (SMOLGYM_COOKBOOK_PYTHON; `.ci/cookbook.sh` builds it), skipped where it does
+not exist except under CI.
 """
 
 from __future__ import annotations
