@@ -3,6 +3,7 @@ first one's running work (`tx.db.lease`)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from sqlalchemy import Connection
 
 from tx.api.__main__ import main
 from tx.db import Database
+from tx.db.connect import open_engine
 from tx.db.lease import EngineBusy, EngineLease, take_engine_lease
 from tx.protocol import SampleRequest, SamplingParams, WorkItem
 
@@ -149,3 +151,41 @@ def test_every_postgres_connection_finds_a_vanished_database_in_seconds(db: Data
         settings = conn.connection.driver_connection.info.get_parameters()  # type: ignore[union-attr]
     assert settings["keepalives"] == "1" and int(settings["keepalives_idle"]) <= 30
     assert int(settings["tcp_user_timeout"]) <= 30_000 and int(settings["connect_timeout"]) <= 30
+    own = db.engine.url.update_query_dict({"connect_timeout": "42", "keepalives_idle": "77"})
+    engine = open_engine(own.render_as_string(hide_password=False))  # what the URL sets wins
+    with engine.connect() as conn:
+        settings = conn.connection.driver_connection.info.get_parameters()  # type: ignore[union-attr]
+    engine.dispose()
+    assert (settings["connect_timeout"], settings["keepalives_idle"], settings["keepalives"]) == ("42", "77", "1")
+
+
+def test_a_lease_released_during_its_check_frees_the_lock(db: Database, tmp_path: Path) -> None:
+    """`release` leaves a connection the watchdog is querying to the watchdog; it returned it to the pool
+    still holding the advisory lock, and no engine could take the lease while this process lived."""
+    from sqlalchemy import event
+
+    if db.engine.dialect.name != "postgresql":
+        pytest.skip("the advisory lock is Postgres's")
+    checking = threading.Event()
+
+    def slow_check(conn, cursor, statement, *args) -> None:  # type: ignore[no-untyped-def]
+        if statement == "SELECT 1" and threading.current_thread().name == "tx-lease":
+            checking.set()
+            time.sleep(2)
+
+    event.listen(db.engine, "before_cursor_execute", slow_check)
+    try:
+        lease = take_engine_lease(db.engine, tmp_path / "a")
+        _within(20, checking.is_set, "the watchdog did not check")  # its first check comes after 5 s
+        lease.release()
+        taken: list[EngineLease] = []
+
+        def take() -> bool:
+            with contextlib.suppress(EngineBusy):
+                taken.append(take_engine_lease(db.engine, tmp_path / "b"))
+            return bool(taken)
+
+        _within(20, take, "the released lease's lock stayed held")
+        taken[0].release()
+    finally:
+        event.remove(db.engine, "before_cursor_execute", slow_check)

@@ -72,9 +72,13 @@ class EngineLease:
                     if self._stop.is_set():
                         return
                     connection.execute(text("SELECT 1"))
+                if self._stop.is_set():  # released during the check, which `release` left alone
+                    _drop(connection)
+                    return
                 continue
             except Exception:
                 if self._stop.is_set():
+                    _drop(connection)
                     return
                 log.warning("the engine lease's database connection was lost; taking the lease again")
                 with contextlib.suppress(Exception):
@@ -92,7 +96,7 @@ class EngineLease:
                 continue
             with self._lock:
                 if self._stop.is_set():
-                    connection.close()
+                    _drop(connection)  # it may hold the lock it just took: never back into the pool
                     return
                 if taken:
                     self._connection = connection
@@ -103,21 +107,27 @@ class EngineLease:
             return
 
     def release(self) -> None:
-        """Ends the lease. A connection the watchdog is still checking is left to the process's exit (closing
-        it under a running query is not safe): its socket closes then, and the lock with it."""
+        """Ends the lease. A connection the watchdog is still checking is left to the watchdog, which drops it
+        once its query returns (closing it under a running query is not safe), or to the process's exit."""
         self._stop.set()
         with self._lock:
             connection, self._connection = self._connection, None
         if connection is not None and self._checking.acquire(blocking=False):
             try:
-                with contextlib.suppress(Exception):  # a database already gone released the lock with it
-                    connection.invalidate()  # closed, not returned to the pool still holding the lock
-                    connection.close()
+                _drop(connection)
             finally:
                 self._checking.release()
         if self._fd >= 0:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = -1
+
+
+def _drop(connection: Connection) -> None:
+    """Closed, not returned to the pool still holding the advisory lock (a database already gone released
+    the lock with the connection)."""
+    with contextlib.suppress(Exception):
+        connection.invalidate()
+        connection.close()
 
 
 def take_engine_lease(engine: Engine, data_dir: Path) -> EngineLease:
