@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -849,4 +850,26 @@ def test_a_listener_without_its_database_logs_one_traceback(caplog: pytest.LogCa
         listener.start()
         time.sleep(2.5)  # three tries
         listener.stop()
-    assert [r.getMessage() for r in caplog.records if r.exc_info] == ["postgres LISTEN connection failed"]
+    own = [r for r in caplog.records if r.thread == listener._thread.ident]  # other tests' listeners log too
+    assert [r.getMessage() for r in own if r.exc_info] == ["postgres LISTEN connection failed"]
+
+
+def test_a_claim_whose_scan_failed_scans_again_at_once(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed scan still counted as one: the next claims skipped the table for `rescan_s` (pending work
+    waited; during an outage each skipped claim passed for the database working again)."""
+    import tx.db.queue as queue_module
+
+    future = _submit(db, 1)
+    scans: list[int] = []
+
+    def failing_once(limit: int) -> Any:
+        scans.append(limit)
+        if len(scans) == 1:
+            raise RuntimeError("connection to server failed")
+        return real(limit)
+
+    real = queue_module.turns
+    monkeypatch.setattr(queue_module, "turns", failing_once)
+    with pytest.raises(RuntimeError):
+        db.queue.claim(8)
+    assert [item.future_id for item in db.queue.claim(8)] == [future]

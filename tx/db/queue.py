@@ -194,9 +194,10 @@ class SqlQueue:
         signalled = self.notifier.take_work_flag()
         if not signalled and time.monotonic() - self._last_scan < self.rescan_s:
             return []
-        self._last_scan = time.monotonic()
         with self.write_lock.held(), Session(self.engine, expire_on_commit=False) as session:
+            scanned_at = time.monotonic()
             ranked = session.execute(turns(limit)).all()
+            self._last_scan = scanned_at  # a failed scan is not one: the next claim looks again at once
             chosen, self._left_owners, self._left_for_bytes = within(ranked, per_owner, max_bytes)
             query = select(FutureRow).where(col(FutureRow.id).in_(chosen), FutureRow.status == "pending")
             query = query.order_by(col(FutureRow.id))
