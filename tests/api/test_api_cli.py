@@ -89,6 +89,10 @@ def test_a_database_that_is_not_up_is_a_one_line_error(tmp_path: Path) -> None:
         url = f"postgresql://postgres@127.0.0.1:{sock.getsockname()[1]}/smolgym"
     with pytest.raises(SystemExit, match="cannot open the database: connection failed.*refused"):
         main(["--base-model", str(tmp_path), "--database-url", url, "--role", "api", "--data-dir", str(tmp_path)])
+    bad = "postgresql://u:secret@127.0.0.1:notaport/x"
+    with pytest.raises(SystemExit, match="--database-url is not a database URL") as refused:
+        main(["--base-model", str(tmp_path), "--database-url", bad, "--role", "api", "--data-dir", str(tmp_path)])
+    assert "secret" not in str(refused.value)
 
 
 def test_mesh_sizes_reach_the_engine_config(capsys: pytest.CaptureFixture[str]) -> None:

@@ -171,7 +171,7 @@ def recover(db: Database, data_dir: Path) -> LostState:
 
 def database(args: argparse.Namespace) -> Database:
     """The database, or a one-line exit naming why it cannot be opened (a Postgres not up yet, a bad URL)."""
-    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.exc import ArgumentError, OperationalError
 
     try:
         return open_database(
@@ -183,6 +183,8 @@ def database(args: argparse.Namespace) -> Database:
     except OperationalError as err:
         reason = str(err.orig).strip().splitlines()[0] if err.orig else type(err).__name__
         raise SystemExit(f"smolgym: cannot open the database: {reason}") from None
+    except (ArgumentError, ValueError) as err:  # its message may quote the URL, password and all
+        raise SystemExit(f"smolgym: --database-url is not a database URL ({type(err).__name__})") from None
 
 
 def engine_lease(db: Database, data_dir: Path) -> EngineLease:

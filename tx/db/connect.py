@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Index, event, text
-from sqlalchemy.engine import Connection, Engine, create_engine
+from sqlalchemy.engine import Connection, Engine, create_engine, make_url
 from sqlmodel import SQLModel
 
 from tx.db import tables  # noqa: F401  (registers the tables on SQLModel.metadata)
@@ -28,6 +28,12 @@ log = logging.getLogger("tx.db")
 KEEPALIVE: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
              "tcp_user_timeout": 15000}  # fmt: skip
 CONNECT_TIMEOUT_S = 10
+
+
+def tcp_settings(given: Collection[str]) -> dict[str, Any]:
+    """`KEEPALIVE` and `CONNECT_TIMEOUT_S` as libpq keywords, less those the URL sets itself (which win)."""
+    return {k: v for k, v in {**KEEPALIVE, "connect_timeout": CONNECT_TIMEOUT_S}.items() if k not in given}
+
 
 # Held while the tables are created: two processes creating them at once both see them missing, and the
 # second's CREATE TABLE fails on Postgres's catalog (a unique violation on pg_type).
@@ -65,7 +71,7 @@ def open_engine(url: str) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False}, pool_size=16, max_overflow=16)
         event.listen(engine, "connect", _sqlite_pragmas)
     else:
-        settings = {**KEEPALIVE, "connect_timeout": CONNECT_TIMEOUT_S}
+        settings = tcp_settings(make_url(url).query)
         engine = create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True, connect_args=settings)
     with engine.begin() as conn:
         if engine.dialect.name == "postgresql":  # API and engine processes starting together on a new schema

@@ -15,7 +15,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from tx.db.connect import CONNECT_TIMEOUT_S, KEEPALIVE
+from tx.db.connect import tcp_settings
 from tx.failures import FailureLog
 
 log = logging.getLogger("tx.db")
@@ -119,9 +119,8 @@ class PgListener:
         again, failures = False, FailureLog(log, "postgres LISTEN connection")
         while not self._stop.is_set():
             try:
-                with psycopg.connect(
-                    self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S, **KEEPALIVE
-                ) as conn:
+                given = psycopg.conninfo.conninfo_to_dict(self.conninfo)
+                with psycopg.connect(self.conninfo, autocommit=True, **tcp_settings(given)) as conn:
                     self.backend_pid = conn.info.backend_pid  # the server's process for it (logs, tests)
                     conn.execute(f"LISTEN {WORK_CHANNEL}")
                     conn.execute(f"LISTEN {DONE_CHANNEL}")
