@@ -40,6 +40,21 @@ def test_save_weights_external_and_download_urls(training, rest: tinker.RestClie
         rest.get_external_weights_urls(path).result()
 
 
+def test_sdks_before_0_28_are_not_listed_external_checkpoints(training, http: httpx.Client) -> None:
+    """Their listing schema knows "training" and "sampler" only: one "external" entry failed the validation of
+    the whole list (tinker 0.3-0.27), so once a newer SDK had exported with the same key, no checkpoint of it
+    could be listed."""
+    training.save_weights_external("for-new-sdks").result()
+    training.save_state("for-every-sdk").result()
+    for sdk, external in (("0.22.7", False), ("0.27.1", False), ("0.28.0", True), ("0.38.0", True), (None, True)):
+        headers = {"X-Stainless-Package-Version": sdk} if sdk else {}
+        for route in (f"/training_runs/{training.model_id}/checkpoints", "/checkpoints"):
+            listed = http.get(route, headers=headers).json()
+            types = {c["checkpoint_type"] for c in listed["checkpoints"]}
+            assert "training" in types and ("external" in types) == external, (sdk, route)
+            assert listed["cursor"]["total_count"] == len(listed["checkpoints"]) or route == "/checkpoints"
+
+
 def test_external_weights_urls_rejects_other_kinds(training, http: httpx.Client) -> None:
     training.save_state("not-external").result()
     reply = http.get(f"/training_runs/{training.model_id}/checkpoints/weights/not-external/external_weights_urls")

@@ -27,6 +27,16 @@ SCRIPT = Path(__file__).with_name("old_sdk_loop.py")
 
 
 OLD_KEY = "tml-old-sdk"  # the key old_sdk_loop.py uses
+# The checkpoint types an SDK's listing of the key's checkpoints returns (null where it has no listing).
+LIST_TYPES = f"""
+import json, sys, tinker
+service = tinker.ServiceClient(base_url=sys.argv[1], api_key={OLD_KEY!r})
+rest = service.create_rest_client() if hasattr(service, "create_rest_client") else None
+if rest is None or not hasattr(rest, "list_user_checkpoints"):
+    print("null")
+else:
+    print(json.dumps(sorted({{c.checkpoint_type for c in rest.list_user_checkpoints().result().checkpoints}})))
+"""
 TOKENS = [1, 2, 3, 4, 5, 6, 7, 8]  # its datum
 
 
@@ -64,7 +74,13 @@ def test_old_sdk_sl_loop_sampling_and_resume(live, version):
     with tinker.ServiceClient(base_url=live.url, api_key=OLD_KEY) as service:
         restored = service.create_training_client_from_state(seen["state"]).result()
         again = restored.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+        restored.save_weights_external("for-new-sdks").result()  # a type SDKs before 0.28 cannot read
     np.testing.assert_allclose(again, seen["forward"], rtol=1e-5)
+    listed = subprocess.run([str(python), "-c", LIST_TYPES, live.url], capture_output=True, text=True, timeout=120,
+                            env=env, check=False)  # fmt: skip
+    assert listed.returncode == 0, listed.stderr[-3000:]  # one external entry failed the whole listing
+    types_seen = json.loads(listed.stdout.strip().splitlines()[-1])
+    assert types_seen is None or "training" in types_seen and "external" not in types_seen, types_seen
     assert len(seen["samples"]) == 2 and all(len(s) >= 1 for s in seen["samples"])
     assert seen["prompt_logprobs"][0] is None and len(seen["prompt_logprobs"]) == 3
     assert seen["state"].startswith("tinker://") and seen["state"].endswith("/weights/old-sdk-state")

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from stat import S_ISDIR, S_ISREG
-from typing import Any, BinaryIO
+from typing import Annotated, Any, BinaryIO
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Header, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, RedirectResponse, Response, StreamingResponse
 
@@ -93,12 +93,27 @@ def get_training_run(run_id: str, ctx: Ctx, owner: Owner) -> dict[str, Any]:
     return runs_json(ctx, [run], owner)[0]
 
 
+# The SDK's version, which it sends with every request.
+SdkVersion = Annotated[str | None, Header(alias="x-stainless-package-version")]
+
+
+def known_types(sdk_version: str | None) -> tuple[str, ...] | None:
+    """The checkpoint types a client's SDK can read (None: any). Before 0.28 its listing's schema knew only
+    "training" and "sampler": one "external" entry (`save_weights_external`, by a newer SDK with the same
+    key) failed the whole listing's validation, so none of the key's checkpoints could be listed."""
+    try:
+        major, minor = (int(part) for part in (sdk_version or "").split(".")[:2])
+    except ValueError:
+        return None
+    return ("training", "sampler") if (major, minor) < (0, 28) else None
+
+
 @router.get("/training_runs/{run_id}/checkpoints")
 @router.get("/models/{run_id}/checkpoints")
-def list_run_checkpoints(run_id: str, ctx: Ctx, owner: Owner) -> dict[str, Any]:
+def list_run_checkpoints(run_id: str, ctx: Ctx, owner: Owner, sdk: SdkVersion = None) -> dict[str, Any]:
     if ctx.db.records.get_run(run_id, owner) is None:
         not_found(f"unknown training run {run_id!r}")
-    rows, total = ctx.db.records.list_checkpoints(owner, run_id, 10_000, 0)
+    rows, total = ctx.db.records.list_checkpoints(owner, run_id, 10_000, 0, known_types(sdk))
     return {
         "checkpoints": [checkpoint_json(r) for r in rows],
         "cursor": {"offset": 0, "limit": len(rows), "total_count": total},
@@ -106,8 +121,10 @@ def list_run_checkpoints(run_id: str, ctx: Ctx, owner: Owner) -> dict[str, Any]:
 
 
 @router.get("/checkpoints")
-def list_user_checkpoints(ctx: Ctx, owner: Owner, limit: PageLimit = 100, offset: PageOffset = 0) -> dict[str, Any]:
-    rows, total = ctx.db.records.list_checkpoints(owner, None, limit, offset)
+def list_user_checkpoints(
+    ctx: Ctx, owner: Owner, limit: PageLimit = 100, offset: PageOffset = 0, sdk: SdkVersion = None
+) -> dict[str, Any]:
+    rows, total = ctx.db.records.list_checkpoints(owner, None, limit, offset, known_types(sdk))
     return {
         "checkpoints": [checkpoint_json(r) for r in rows],
         "cursor": {"offset": offset, "limit": limit, "total_count": total},

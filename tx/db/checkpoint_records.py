@@ -5,6 +5,7 @@ base every record store shares: the engine, the write lock, a session, one-row w
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import datetime
 from typing import Any
 
@@ -73,11 +74,14 @@ class CheckpointRecords:
             return list(session.exec(query.limit(limit)).all())
 
     def list_checkpoints(
-        self, owner: str, run_id: str | None, limit: int, offset: int
+        self, owner: str, run_id: str | None, limit: int, offset: int, types: Collection[str] | None = None
     ) -> tuple[list[CheckpointRow], int]:
+        """`types`: only checkpoints of these types (None: all)."""
         conds = [CheckpointRow.owner == owner, CheckpointRow.status == "ready", unexpired()]
         if run_id is not None:
             conds.append(CheckpointRow.run_id == run_id)
+        if types is not None:
+            conds.append(col(CheckpointRow.checkpoint_type).in_(types))
         query = select(CheckpointRow).where(*conds).order_by(col(CheckpointRow.created_at).desc())
         with self._session() as session:
             total = session.exec(select(func.count()).select_from(CheckpointRow).where(*conds)).one()
