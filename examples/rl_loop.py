@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 import tinker
+from loop_tokenizer import load_tokenizer
 from tinker import types
 
 
@@ -30,24 +31,6 @@ def parse_args() -> argparse.Namespace:
         "--seed", type=int, default=None, help="seed the adapter and the sampling (step i: seed + i): a repeatable run"
     )
     return p.parse_args()
-
-
-def load_tokenizer(client: tinker.TrainingClient, base_model: str, tokenizer: str | None):
-    """`--tokenizer` if given; else the server's (its tokenizer id); else the base model's own from transformers.
-    An upload whose files record no hub name has no tokenizer a client can resolve (its id is `upload:NAME`)."""
-    from transformers import AutoTokenizer
-
-    if tokenizer:
-        return AutoTokenizer.from_pretrained(tokenizer)
-    tokenizer_id = client.get_info().model_data.tokenizer_id or ""  # the SDK cuts it at ":" (`upload:NAME`)
-    if base_model.startswith("upload:") and "/" not in tokenizer_id:
-        raise SystemExit(
-            f"{base_model} names no tokenizer this machine can load: pass --tokenizer DIR (the uploaded one)"
-        )
-    try:
-        return client.get_tokenizer()
-    except Exception:
-        return AutoTokenizer.from_pretrained(base_model)
 
 
 def word_token_ids(tokenizer) -> set[int]:

@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 import tinker
+from loop_tokenizer import load_tokenizer
 from tinker import types
 
 SENTENCES = [
@@ -34,24 +35,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=8, help="LoRA rank; default: %(default)s")
     p.add_argument("--seed", type=int, default=None, help="seed the adapter's initial weights: a repeatable run")
     return p.parse_args()
-
-
-def load_tokenizer(client: tinker.TrainingClient, base_model: str, tokenizer: str | None):
-    """`--tokenizer` if given; else the server's (its tokenizer id); else the base model's own from transformers.
-    An upload whose files record no hub name has no tokenizer a client can resolve (its id is `upload:NAME`)."""
-    from transformers import AutoTokenizer
-
-    if tokenizer:
-        return AutoTokenizer.from_pretrained(tokenizer)
-    tokenizer_id = client.get_info().model_data.tokenizer_id or ""  # the SDK cuts it at ":" (`upload:NAME`)
-    if base_model.startswith("upload:") and "/" not in tokenizer_id:
-        raise SystemExit(
-            f"{base_model} names no tokenizer this machine can load: pass --tokenizer DIR (the uploaded one)"
-        )
-    try:
-        return client.get_tokenizer()
-    except Exception:
-        return AutoTokenizer.from_pretrained(base_model)
 
 
 def make_datum(tokens: list[int]) -> types.Datum:
