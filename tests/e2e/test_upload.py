@@ -306,6 +306,20 @@ def logprobs_of(url: str, base_model: str, key: str = KEY) -> np.ndarray:
         return np.array(sampler.compute_logprobs(types.ModelInput.from_ints(TOKENS)).result()[1:], np.float64)
 
 
+def test_the_examples_train_an_upload_with_the_tokenizer_named_on_their_command_line(server, model_dir):
+    """An upload whose files record no hub name gives clients the tokenizer id `upload:NAME`, which no client
+    resolves: the example says to pass `--tokenizer` (it spent a minute retrying the hub, then crashed)."""
+    url, _, _ = server
+    assert run_cli(url, str(model_dir), "--name", "for-examples").returncode == 0
+    env = {**os.environ, "TINKER_BASE_URL": url, "TINKER_API_KEY": KEY, "HF_HUB_OFFLINE": "1"}
+    example = [sys.executable, str(REPO / "examples" / "sl_loop.py"), "--base-model", "upload:for-examples"]
+    unnamed = subprocess.run([*example, "--steps", "1"], env=env, capture_output=True, text=True, timeout=300)
+    assert unnamed.returncode == 1 and "pass --tokenizer DIR" in unnamed.stderr, unnamed.stderr[-2000:]
+    named = [*example, "--steps", "2", "--tokenizer", str(model_dir)]
+    trained = subprocess.run(named, env=env, capture_output=True, text=True, timeout=300)
+    assert trained.returncode == 0 and trained.stdout.count("loss/token") == 2, trained.stderr[-2000:]
+
+
 def test_an_upload_survives_a_restart_and_serves_transformers_logprobs(server, model_dir, hf_models):
     """Last in the module: it stops the shared server and starts another on the same data directory, which
     loads the upload on demand by its name."""
@@ -320,17 +334,3 @@ def test_an_upload_survives_a_restart_and_serves_transformers_logprobs(server, m
             logprobs_of(url, "upload:kept", key=OTHER_KEY)
     finally:
         stop_again()
-
-
-def test_the_examples_train_an_upload_with_the_tokenizer_named_on_their_command_line(server, model_dir):
-    """An upload whose files record no hub name gives clients the tokenizer id `upload:NAME`, which no client
-    resolves: the example says to pass `--tokenizer` (it spent a minute retrying the hub, then crashed)."""
-    url, _, _ = server
-    assert run_cli(url, str(model_dir), "--name", "for-examples").returncode == 0
-    env = {**os.environ, "TINKER_BASE_URL": url, "TINKER_API_KEY": KEY, "HF_HUB_OFFLINE": "1"}
-    example = [sys.executable, str(REPO / "examples" / "sl_loop.py"), "--base-model", "upload:for-examples"]
-    unnamed = subprocess.run([*example, "--steps", "1"], env=env, capture_output=True, text=True, timeout=300)
-    assert unnamed.returncode == 1 and "pass --tokenizer DIR" in unnamed.stderr, unnamed.stderr[-2000:]
-    named = [*example, "--steps", "2", "--tokenizer", str(model_dir)]
-    trained = subprocess.run(named, env=env, capture_output=True, text=True, timeout=300)
-    assert trained.returncode == 0 and trained.stdout.count("loss/token") == 2, trained.stderr[-2000:]
