@@ -235,6 +235,7 @@ class SampleRequest:
     topk_prompt_logprobs: int = 0
     sequence_ids: list[str] = field(default_factory=list)
     model_dir: str = ""
+    prompt_logprobs_last_n: int | None = None  # only the last N prompt positions scored (None: all)
 
 
 @dataclass(frozen=True)
@@ -337,11 +338,13 @@ class TopkLogprobs:
 class SampleResult:
     """`prompt_logprobs` [P] float32 scores each prompt token given the ones before it; entry 0 is NaN (the
     wire's None). Arrays, not lists of floats: a long prompt's scores are stored and sent as raw bytes, never
-    turned into Python objects one by one on the engine thread."""
+    turned into Python objects one by one on the engine thread. `scored_from`: the first position the wire
+    carries a score for (1; P - N under `prompt_logprobs_last_n`), the ones before it are None."""
 
     sequences: list[SampledSequence]
     prompt_logprobs: np.ndarray | None = None
     topk_prompt_logprobs: TopkLogprobs | None = None
+    scored_from: int = 1
 
 
 @dataclass(frozen=True)

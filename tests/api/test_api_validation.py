@@ -130,6 +130,10 @@ def test_sample_limits(http: httpx.Client, ids: dict[str, str]) -> None:
         _sample(http, ids, prompt={"chunks": [{"type": "encoded_text", "tokens": [5000]}]}), "prompt: token id 5000"
     )
     _assert_400(_sample(http, ids, prompt_alt_tokens_k=2), "prompt_alt_tokens_k is not supported")
+    _assert_400(_sample(http, ids, prompt_logprobs_last_n=1), "prompt_logprobs_last_n needs prompt_logprobs")
+    scored = {"prompt_logprobs": True}  # the prompt has 3 tokens: at most 2 can be scored
+    _assert_400(_sample(http, ids, prompt_logprobs_last_n=3, **scored), "prompt_logprobs_last_n 3 is outside [1, 2]")
+    _assert_400(_sample(http, ids, prompt_logprobs_last_n=0, **scored), "prompt_logprobs_last_n 0 is outside [1, 2]")
     _assert_400(_sample(http, ids, sampling_params={"max_tokens": 2, "stop": [2000]}), "sampling_params.stop")
 
 

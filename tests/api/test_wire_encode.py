@@ -113,6 +113,18 @@ def test_prompt_logprobs_send_entry_zero_as_none() -> None:
     assert prompt[0] == -7.0
 
 
+def test_only_the_last_n_prompt_positions_carry_scores_on_both_wires() -> None:
+    prompt = np.array([-7.0, -1.5, -2.25, -3.0], np.float32)
+    topk = _topk([[9, 9], [4, 1], [1, 2], [3, 5]], [[0.0, 0.0], [-0.5, -1.5], [-0.25, -1.0], [-1.0, -2.0]])
+    last_two = _sample(prompt_logprobs=prompt, topk_prompt_logprobs=topk, scored_from=2)
+    decoded = deserialize_sample_response(result_proto(last_two))
+    assert decoded.prompt_logprobs == [None, None, -2.25, -3.0]
+    assert decoded.topk_prompt_logprobs == [None, None, [(1, -0.25), (2, -1.0)], [(3, -1.0), (5, -2.0)]]
+    sent = result_json(last_two)
+    assert sent["prompt_logprobs"] == [None, None, -2.25, -3.0]
+    assert sent["topk_prompt_logprobs"] == [None, None, [[1, -0.25], [2, -1.0]], [[3, -1.0], [5, -2.0]]]
+
+
 def test_json_forward_backward_tensors_name_their_dtype_and_shape() -> None:
     outputs = [{"lp": np.arange(6, dtype=np.float64).reshape(2, 3), "ids": np.array([1, 2], np.uint8)}]
     body = result_json(ForwardBackwardResult(outputs, {"acc": 1}))

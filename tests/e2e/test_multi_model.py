@@ -211,6 +211,24 @@ def test_a_tinker_variant_name_serves_its_hub_model_at_the_context_it_names(
         service.create_lora_training_client(base_model=f"{HUB_NAME}:full:24", rank=4).result()
 
 
+def test_prompt_logprobs_of_the_last_n_prompt_tokens(models: Models, service: tinker.ServiceClient) -> None:
+    """`prompt_logprobs_last_n` (SDK 0.33+): the last N prompt positions scored as without it, the ones before
+    None, for the logprobs and their top-K alike. It was refused."""
+    sampler = service.create_sampling_client(base_model=models.llama[0]).result()
+    prompt, params = types.ModelInput.from_ints(PROMPT), types.SamplingParams(max_tokens=2, seed=3)
+    full = sampler.sample(prompt, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
+    last = sampler.sample(
+        prompt, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=3, prompt_logprobs_last_n=2
+    ).result()
+    skipped = len(PROMPT) - 2
+    assert last.prompt_logprobs[:skipped] == [None] * skipped and None not in last.prompt_logprobs[skipped:]
+    np.testing.assert_allclose(last.prompt_logprobs[skipped:], full.prompt_logprobs[skipped:], atol=1e-5)
+    assert last.topk_prompt_logprobs[:skipped] == [None] * skipped
+    for ours, whole in zip(last.topk_prompt_logprobs[skipped:], full.topk_prompt_logprobs[skipped:], strict=True):
+        assert [t for t, _ in ours] == [t for t, _ in whole]
+        np.testing.assert_allclose([lp for _, lp in ours], [lp for _, lp in whole], atol=1e-5)
+
+
 def test_unknown_and_unsupported_models_fail_clearly(service: tinker.ServiceClient, tmp_path: Path) -> None:
     with pytest.raises(tinker.NotFoundError, match="not in the HF cache"):
         service.create_lora_training_client(base_model="tiny-org/not-there", rank=4, seed=0).result()

@@ -29,7 +29,6 @@ _UNSUPPORTED = {
     "topk_sample_logprobs": lambda b: b.topk_sample_logprobs > 0,
     "target_prompt_logprobs": lambda b: b.target_prompt_logprobs is not None,
     "prompt_alt_tokens_k": lambda b: b.prompt_alt_tokens_k > 0,
-    "prompt_logprobs_last_n": lambda b: b.prompt_logprobs_last_n is not None,
 }
 # `record_stability_info` (0.27+, set by `save_weights_and_get_sampling_client(record_stability_info=True)`
 # for stable_reinforce) is accepted and ignored: our stable_reinforce needs only the sampling logprobs,
@@ -140,6 +139,7 @@ def asample(body: schemas.SampleRequest, ctx: Ctx, owner: Owner) -> dict[str, An
         weights=_weights_of(ctx, sampler),
         prompt_logprobs=body.prompt_logprobs,
         topk_prompt_logprobs=body.topk_prompt_logprobs,
+        prompt_logprobs_last_n=body.prompt_logprobs_last_n,
         model_dir=served.model_dir,
     )
     validate.check_sample(request, served.info, served.limits, settings.max_num_samples, settings.max_topk_logprobs)

@@ -153,6 +153,19 @@ def check_sample(request: SampleRequest, info: ModelInfo, limits: Limits, max_nu
             f"topk_prompt_logprobs {request.topk_prompt_logprobs} is outside [0, {min(max_topk, info.vocab_size)}] "
             f"(the server's limit {max_topk}, the model's vocabulary {info.vocab_size})"
         )
+    _check_last_n(request)
+
+
+def _check_last_n(request: SampleRequest) -> None:
+    last_n = request.prompt_logprobs_last_n
+    if last_n is None:
+        return
+    if not (request.prompt_logprobs or request.topk_prompt_logprobs > 0):
+        raise ValidationError("prompt_logprobs_last_n needs prompt_logprobs or topk_prompt_logprobs")
+    if not 1 <= last_n <= len(request.prompt) - 1:
+        raise ValidationError(
+            f"prompt_logprobs_last_n {last_n} is outside [1, {len(request.prompt) - 1}] (the prompt's length - 1)"
+        )
 
 
 def _check_length(request: SampleRequest, info: ModelInfo) -> None:

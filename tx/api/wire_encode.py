@@ -105,17 +105,17 @@ def sample_proto(result: SampleResult) -> bytes:
         out.logprobs = np.asarray(seq.logprobs, dtype="<f4").tobytes()
     if result.prompt_logprobs is not None:
         values = np.array(result.prompt_logprobs, dtype="<f4")
-        values[:1] = math.nan  # the wire's None: nothing precedes the first token
+        values[: result.scored_from] = math.nan  # the wire's None: nothing precedes the first token
         message.prompt_logprobs = values.tobytes()
     if result.topk_prompt_logprobs is not None:
-        _fill_topk(message.topk_prompt_logprobs, result.topk_prompt_logprobs)
+        _fill_topk(message.topk_prompt_logprobs, result.topk_prompt_logprobs, result.scored_from)
     return bytes(message.SerializeToString())
 
 
-def _fill_topk(message: Any, topk: TopkLogprobs) -> None:
-    """Dense [P, k] matrices; row 0 holds the sentinel the SDK reads as None."""
+def _fill_topk(message: Any, topk: TopkLogprobs, scored_from: int) -> None:
+    """Dense [P, k] matrices; the rows before `scored_from` hold the sentinel the SDK reads as None."""
     ids, logprobs = np.array(topk.ids, dtype="<i4"), np.array(topk.logprobs, dtype="<f4")
-    ids[:1], logprobs[:1] = EMPTY_TOPK
+    ids[:scored_from], logprobs[:scored_from] = EMPTY_TOPK
     message.token_ids, message.logprobs = ids.tobytes(), logprobs.tobytes()
     message.length, message.k = ids.shape
 
@@ -166,8 +166,9 @@ def _sample_json(result: SampleResult) -> dict[str, Any]:
     sequences = [
         {"stop_reason": s.stop_reason, "tokens": list(s.tokens), "logprobs": list(s.logprobs)} for s in result.sequences
     ]
-    prompt = None if result.prompt_logprobs is None else [None, *result.prompt_logprobs[1:].tolist()]
-    topk = None if result.topk_prompt_logprobs is None else _topk_json(result.topk_prompt_logprobs)
+    first = result.scored_from
+    prompt = None if result.prompt_logprobs is None else [None] * first + result.prompt_logprobs[first:].tolist()
+    topk = None if result.topk_prompt_logprobs is None else _topk_json(result.topk_prompt_logprobs, first)
     return {
         "sequences": sequences,
         "prompt_logprobs": prompt,
@@ -176,9 +177,9 @@ def _sample_json(result: SampleResult) -> dict[str, Any]:
     }
 
 
-def _topk_json(topk: TopkLogprobs) -> list[list[list[int | float]] | None]:
-    """Row j lists [token, logprob] pairs; row 0 is None."""
-    rows: list[list[list[int | float]] | None] = [None]
-    for ids, logprobs in zip(topk.ids[1:].tolist(), topk.logprobs[1:].tolist(), strict=True):
+def _topk_json(topk: TopkLogprobs, first: int) -> list[list[list[int | float]] | None]:
+    """Row j lists [token, logprob] pairs; the rows before `first` are None."""
+    rows: list[list[list[int | float]] | None] = [None] * first
+    for ids, logprobs in zip(topk.ids[first:].tolist(), topk.logprobs[first:].tolist(), strict=True):
         rows.append([[t, lp] for t, lp in zip(ids, logprobs, strict=True)])
     return rows

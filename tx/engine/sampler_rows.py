@@ -51,7 +51,9 @@ class Job:
             k = self.req.topk_prompt_logprobs
             self.score_prompt(np.zeros(0, np.float32), np.zeros((0, k), np.int32), np.zeros((0, k), np.float32))
         sequences = [self.sequences[i] for i in range(self.req.num_samples)]
-        return SampleResult(sequences, self.prompt_logprobs, self.topk_prompt_logprobs)
+        last_n = self.req.prompt_logprobs_last_n
+        scored_from = len(self.req.prompt) - last_n if last_n else 1
+        return SampleResult(sequences, self.prompt_logprobs, self.topk_prompt_logprobs, scored_from)
 
     def score_prompt(self, logprobs_N: np.ndarray, ids_NK: np.ndarray, top_NK: np.ndarray) -> None:
         """Keep the scores this request asked for, given those of prompt[1:] (`ids_NK`/`top_NK` at least as
