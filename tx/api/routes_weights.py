@@ -256,10 +256,11 @@ def _create_from_state(
     source = ctx.db.records.get_run(path.run_id, owner)
     if source is None:
         not_found(f"the training run of {body.path!r} no longer exists")
-    served, base_model = run_model(ctx, source), source.base_model
+    made_on = run_model(ctx, source)
+    served, base_model = made_on, source.base_model
     if body.base_model is not None and body.base_model != base_model:  # an override: the same model, other limits
         served, base_model = ctx.models.get(owner, body.base_model), body.base_model
-        if served.model_dir != run_model(ctx, source).model_dir:
+        if served.model_dir != made_on.model_dir:
             user_error(f"checkpoint {body.path!r} was made on base model {source.base_model!r}, not {base_model!r}")
     lora = _run_lora(source)
     model_id = f"{body.session_id}:train:{body.model_seq_id}"
